@@ -1,0 +1,1 @@
+"""Generated gRPC/protobuf modules (see scripts/gen_proto.py)."""

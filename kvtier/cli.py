@@ -1,0 +1,264 @@
+"""The `kvtier` command: serve, config, and redis-cli-like block commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvtier.errors import ConfigError, KVTierError
+
+EXIT_MISS = 1
+EXIT_ERROR = 2
+
+
+def _key(text: str, hex_key: bool) -> bytes:
+    """A key from the command line: UTF-8 text, or hex with --hex or a 'hex:' prefix."""
+    if hex_key or text.startswith("hex:"):
+        try:
+            return bytes.fromhex(text.removeprefix("hex:"))
+        except ValueError:
+            raise KVTierError(f"not a hex key: {text!r}") from None
+    return text.encode()
+
+
+def _show_key(key: bytes) -> str:
+    try:
+        text = key.decode()
+    except UnicodeDecodeError:
+        return "hex:" + key.hex()
+    return text if text.isprintable() and not text.startswith("hex:") else "hex:" + key.hex()
+
+
+def _serve_flags(args: argparse.Namespace) -> dict[str, Any]:
+    flags: dict[str, dict[str, Any]] = {}
+    pairs = [
+        ("server", "listen", args.listen),
+        ("server", "metrics_listen", args.metrics_listen),
+        ("dram", "capacity_bytes", args.dram_capacity),
+        ("nvme", "path", args.nvme_path),
+        ("nvme", "capacity_bytes", args.nvme_capacity),
+        ("log", "level", args.log_level),
+    ]
+    for section, name, value in pairs:
+        if value is not None:
+            flags.setdefault(section, {})[name] = value
+    return flags
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvtier.config import load_config
+    from kvtier.server.daemon import serve
+
+    config = load_config(args.config, _serve_flags(args))
+    return serve(config, args.config)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from kvtier.config import default_toml, dump_toml, load_config
+
+    if args.action == "default":
+        sys.stdout.write(default_toml())
+        return 0
+    config = load_config(args.config)
+    if args.action == "dump":
+        sys.stdout.write(dump_toml(config.resolved()))
+    else:
+        print(f"{args.config or 'configuration'}: valid")
+    return 0
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from kvtier.client import Client
+
+    return Client(args.target)
+
+
+def cmd_put(args: argparse.Namespace) -> int:
+    if args.value is not None:
+        data = args.value.encode()
+    elif args.file in (None, "-"):
+        data = sys.stdin.buffer.read()
+    else:
+        data = Path(args.file).read_bytes()
+    with _client(args) as client:
+        stored = client.put(args.namespace, _key(args.key, args.hex), data, args.overwrite)
+    print("OK" if stored else "OK (already present)")
+    return 0
+
+
+def cmd_get(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        data = client.get(args.namespace, _key(args.key, args.hex))
+    if data is None:
+        print("(nil)", file=sys.stderr)
+        return EXIT_MISS
+    if args.output and args.output != "-":
+        Path(args.output).write_bytes(data)
+    else:
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        deleted = client.delete(args.namespace, _key(args.key, args.hex))
+    print(1 if deleted else 0)
+    return 0
+
+
+def _stat_dict(stat: Any) -> dict[str, Any]:
+    return {
+        "namespace": stat.namespace,
+        "key": _show_key(stat.key),
+        "size_bytes": stat.size_bytes,
+        "tiers": stat.tiers,
+        "xxh3_64": f"{stat.xxh3_64:016x}",
+        "generation": stat.generation,
+    }
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        stats = [_stat_dict(s) for s in client.list(args.namespace or "", args.limit)]
+    if args.json:
+        print(json.dumps(stats, indent=2))
+    else:
+        for s in stats:
+            print(f"{s['namespace']}\t{s['key']}\t{s['size_bytes']}\t{','.join(s['tiers'])}")
+    return 0
+
+
+def cmd_stat(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        stat = client.stat(args.namespace, _key(args.key, args.hex))
+    if stat is None:
+        print("(nil)", file=sys.stderr)
+        return EXIT_MISS
+    info = _stat_dict(stat)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        for name, value in info.items():
+            print(f"{name}: {','.join(value) if isinstance(value, list) else value}")
+    return 0
+
+
+def cmd_lookup(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        result = client.lookup(args.namespace, [_key(k, args.hex) for k in args.keys])
+    if args.json:
+        print(json.dumps({"prefix_blocks": result.prefix_blocks, "tiers": result.tiers}))
+    else:
+        print(f"prefix_blocks: {result.prefix_blocks}")
+        for key, tier in zip(args.keys, result.tiers, strict=True):
+            print(f"{key}\t{tier or '-'}")
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from kvtier.sizes import human_size
+
+    with _client(args) as client:
+        stats = client.stats()
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    print(f"kvtier {stats['version']}  up {stats['uptime_s']:.0f} s")
+    for name, tier in stats["tiers"].items():
+        cap = tier["capacity_bytes"] or 1
+        print(
+            f"  {name:5s} {human_size(tier['used_bytes']):>10s} / "
+            f"{human_size(tier['capacity_bytes']):<10s} ({100 * tier['used_bytes'] / cap:5.1f} %)"
+            f"  {tier['blocks']} blocks, {tier['hits']} hits, {tier['evictions']} evictions"
+        )
+    lookups = stats["hits"] + stats["misses"]
+    ratio = stats["hits"] / lookups if lookups else 0.0
+    print(f"  gets: {stats['hits']} hits, {stats['misses']} misses (hit ratio {ratio:.1%})")
+    print(f"  puts: {stats['puts']}, demotions: {stats['demotions']}, "
+          f"dropped: {stats['dropped_blocks']}, checksum failures: {stats['checksum_failures']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the daemon (embedded defaults without --config)")
+    serve.add_argument("--config", type=Path, help="TOML configuration file")
+    serve.add_argument("--listen", help="unix:///path or host:port")
+    serve.add_argument("--dram-capacity", help="DRAM arena size, e.g. 2GiB")
+    serve.add_argument("--nvme-path", help="directory of the NVMe tier")
+    serve.add_argument("--nvme-capacity", help="NVMe tier size, e.g. 100GiB")
+    serve.add_argument("--metrics-listen", help="Prometheus endpoint host:port")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=cmd_serve)
+
+    config = sub.add_parser("config", help="print or check configuration")
+    config.add_argument("action", choices=["default", "dump", "validate"])
+    config.add_argument("--config", type=Path, help="TOML configuration file")
+    config.set_defaults(func=cmd_config)
+
+    def client_cmd(name: str, help_text: str, with_key: bool = True) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--target", help="daemon address (default: the default socket)")
+        p.add_argument("--hex", action="store_true", help="keys are hex")
+        if with_key:
+            p.add_argument("namespace")
+            p.add_argument("key", help="UTF-8 text, or hex with --hex or a 'hex:' prefix")
+        return p
+
+    put = client_cmd("put", "store a block from a file, stdin or --value")
+    put.add_argument("file", nargs="?", help="file to read (default: stdin)")
+    put.add_argument("--value", help="store this string instead of a file")
+    put.add_argument("--overwrite", action="store_true", help="replace different bytes")
+    put.set_defaults(func=cmd_put)
+
+    get = client_cmd("get", "write a block's bytes to stdout (exit 1 on a miss)")
+    get.add_argument("-o", "--output", help="write to this file instead of stdout")
+    get.set_defaults(func=cmd_get)
+
+    client_cmd("rm", "delete a block (prints 1 if deleted, 0 if absent)").set_defaults(func=cmd_rm)
+
+    stat = client_cmd("stat", "show a block's metadata (exit 1 on a miss)")
+    stat.add_argument("--json", action="store_true")
+    stat.set_defaults(func=cmd_stat)
+
+    ls = client_cmd("ls", "list blocks", with_key=False)
+    ls.add_argument("namespace", nargs="?", help="only this namespace")
+    ls.add_argument("--limit", type=int, default=0)
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_ls)
+
+    lookup = client_cmd("lookup", "cached prefix of a chain of keys", with_key=False)
+    lookup.add_argument("namespace")
+    lookup.add_argument("keys", nargs="+")
+    lookup.add_argument("--json", action="store_true")
+    lookup.set_defaults(func=cmd_lookup)
+
+    stats = client_cmd("stats", "daemon and tier statistics", with_key=False)
+    stats.add_argument("--json", action="store_true")
+    stats.set_defaults(func=cmd_stats)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result: int = args.func(args)
+        return result
+    except ConfigError as err:
+        print(f"kvtier: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except KVTierError as err:
+        print(f"kvtier: {type(err).__name__}: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,142 @@
+"""What the blocking and asyncio clients share: targets, message building, result shapes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import xxhash
+
+from kvtier._proto import kvtier_pb2 as pb
+from kvtier.config import default_target
+from kvtier.errors import DataLoss, KVTierError, from_grpc_code
+
+CHUNK_BYTES = 1 << 20
+MESSAGE_LIMIT_BYTES = 64 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MESSAGE_LIMIT_BYTES),
+    ("grpc.max_send_message_length", MESSAGE_LIMIT_BYTES),
+]
+PB_TO_TIER: dict[int, str | None] = {
+    pb.TIER_UNSPECIFIED: None,
+    pb.TIER_HBM: "hbm",
+    pb.TIER_DRAM: "dram",
+    pb.TIER_NVME: "nvme",
+}
+Buffer = bytes | bytearray | memoryview
+
+
+def normalize_target(target: str | None) -> str:
+    """gRPC target for `target`: unix:///path, host:port, or a bare socket path."""
+    target = target or default_target()
+    if target.startswith("/") or (os.sep in target and ":" not in target):
+        return f"unix://{os.path.abspath(target)}"
+    return target
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStat:
+    """Metadata of one stored block."""
+
+    namespace: str
+    key: bytes
+    size_bytes: int
+    xxh3_64: int
+    tiers: list[str]
+    generation: int
+
+
+def block_stat(info: pb.BlockInfo) -> BlockStat:
+    return BlockStat(
+        namespace=info.namespace,
+        key=info.key,
+        size_bytes=info.size_bytes,
+        xxh3_64=info.xxh3_64,
+        tiers=[t for t in (PB_TO_TIER[x] for x in info.tiers) if t],
+        generation=info.generation,
+    )
+
+
+def put_messages(
+    namespace: str, key: bytes, data: Buffer, overwrite: bool, chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[pb.PutRequest]:
+    view = memoryview(data).cast("B")
+    yield pb.PutRequest(
+        header=pb.PutHeader(
+            namespace=namespace,
+            key=key,
+            size_bytes=view.nbytes,
+            xxh3_64=xxhash.xxh3_64_intdigest(view),
+            overwrite=overwrite,
+        )
+    )
+    for start in range(0, view.nbytes, chunk_bytes):
+        yield pb.PutRequest(chunk=bytes(view[start : start + chunk_bytes]))
+
+
+class GetAssembler:
+    """Collects a Get stream into one buffer and checks it against the header's checksum."""
+
+    def __init__(self) -> None:
+        self._buf: bytearray | None = None
+        self._pos = 0
+        self._expected = 0
+        self.tier: str | None = None
+
+    def feed(self, msg: pb.GetResponse) -> None:
+        if msg.WhichOneof("msg") == "header":
+            self._buf = bytearray(msg.header.size_bytes)
+            self._expected = msg.header.xxh3_64
+            self.tier = PB_TO_TIER[msg.header.tier]
+            return
+        if self._buf is None:
+            raise KVTierError("protocol error: data before header in a Get stream")
+        end = self._pos + len(msg.chunk)
+        if end > len(self._buf):
+            raise DataLoss("the daemon sent more bytes than the block holds")
+        self._buf[self._pos : end] = msg.chunk
+        self._pos = end
+
+    def result(self) -> bytes:
+        if self._buf is None:
+            raise KVTierError("protocol error: empty Get stream")
+        if self._pos != len(self._buf) or xxhash.xxh3_64_intdigest(self._buf) != self._expected:
+            raise DataLoss("block bytes did not arrive intact; retry the get")
+        return bytes(self._buf)
+
+
+def stats_dict(resp: pb.StatsResponse) -> dict[str, Any]:
+    return {
+        "version": resp.version,
+        "uptime_s": resp.uptime_s,
+        "hits": resp.hits,
+        "misses": resp.misses,
+        "puts": resp.puts,
+        "demotions": resp.demotions,
+        "checksum_failures": resp.checksum_failures,
+        "dropped_blocks": resp.dropped_blocks,
+        "nvme_direct_io": resp.nvme_direct_io,
+        "tiers": {
+            t.name: {
+                "used_bytes": t.used_bytes,
+                "capacity_bytes": t.capacity_bytes,
+                "blocks": t.blocks,
+                "hits": t.hits,
+                "evictions": t.evictions,
+            }
+            for t in resp.tiers
+        },
+    }
+
+
+def translate(err: grpc.RpcError) -> KVTierError:
+    code = err.code() if hasattr(err, "code") else None
+    details = err.details() if hasattr(err, "details") else str(err)
+    return from_grpc_code(code, details or "")
+
+
+def as_key(key: bytes | str) -> bytes:
+    return key.encode() if isinstance(key, str) else bytes(key)

@@ -1,0 +1,251 @@
+"""Typed configuration: defaults < TOML file < drop-ins < `KVTIER_*` environment < flags.
+
+Every field has a type, a constraint, a default and a one-line doc (the doc is what
+`kvtier config default` prints). Unknown keys are errors that name the key and where it
+came from. Paths left empty are resolved at start from systemd's directories
+(`$RUNTIME_DIRECTORY`, `$STATE_DIRECTORY`) or the per-user XDG ones.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from kvtier.errors import ConfigError
+from kvtier.sizes import format_size, parse_size
+
+ByteSize = Annotated[int, BeforeValidator(parse_size)]
+ENV_PREFIX = "KVTIER_"
+ENV_CONFIG_FILE = "KVTIER_CONFIG"
+ENV_TARGET = "KVTIER_TARGET"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ServerConfig(_Section):
+    listen: str = Field(
+        "",
+        description="where to listen: unix:///path or host:port; empty = <runtime dir>/kvtier.sock",
+    )
+    metrics_listen: str = Field(
+        "", description="Prometheus /metrics address host:port; empty = no metrics endpoint"
+    )
+    reflection: bool = Field(False, description="serve gRPC reflection (for grpcurl)")
+    max_concurrent_rpcs: int = Field(256, gt=0, description="RPCs served at once before queuing")
+    chunk_bytes: ByteSize = Field(
+        1 << 20, ge=4096, le=1 << 30, description="size of data chunks in Put/Get streams"
+    )
+    stop_timeout_s: float = Field(
+        20.0, gt=0, description="SIGTERM: longest wait for in-flight calls and the NVMe flush"
+    )
+
+
+class LimitsConfig(_Section):
+    max_key_bytes: int = Field(128, gt=0, le=4096, description="longest block key accepted")
+    max_namespace_chars: int = Field(256, gt=0, le=4096, description="longest namespace accepted")
+    max_block_bytes: ByteSize = Field(
+        64 << 20, gt=0, description="largest block accepted (also capped by the DRAM capacity)"
+    )
+
+
+class DramConfig(_Section):
+    capacity_bytes: ByteSize = Field(
+        1 << 30, ge=1 << 20, description="size of the DRAM arena, allocated once at start"
+    )
+
+
+class NvmeConfig(_Section):
+    enabled: bool = Field(True, description="keep a persistent tier on disk")
+    path: str = Field("", description="directory of record files; empty = <state dir>/nvme")
+    capacity_bytes: ByteSize = Field(
+        8 << 30, ge=1 << 20, description="most bytes the NVMe tier may hold on disk"
+    )
+    io_threads: int = Field(4, gt=0, le=256, description="disk I/O threads (reads/writes in flight)")
+    direct_io: bool = Field(True, description="use O_DIRECT where the filesystem supports it")
+    sync_writes: bool = Field(
+        False, description="fdatasync each record before it becomes visible (power-loss safe)"
+    )
+    flush_on_stop: bool = Field(
+        True, description="on SIGTERM, write DRAM-only blocks to NVMe so a restart keeps them"
+    )
+
+
+class LogConfig(_Section):
+    level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+
+
+class Config(_Section):
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    dram: DramConfig = Field(default_factory=DramConfig)
+    nvme: NvmeConfig = Field(default_factory=NvmeConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    def resolved(self) -> Config:
+        """A copy with empty paths filled in from the environment (systemd or XDG)."""
+        out = self.model_copy(deep=True)
+        if not out.server.listen:
+            out.server.listen = f"unix://{runtime_dir() / 'kvtier.sock'}"
+        if not out.nvme.path:
+            out.nvme.path = str(state_dir() / "nvme")
+        return out
+
+
+def runtime_dir() -> Path:
+    """Where the socket lives: systemd's RuntimeDirectory, else the per-user runtime dir."""
+    if os.environ.get("RUNTIME_DIRECTORY"):
+        return Path(os.environ["RUNTIME_DIRECTORY"].split(":")[0])
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "kvtier"
+    return Path(f"/tmp/kvtier-{os.getuid()}")
+
+
+def state_dir() -> Path:
+    """Where persistent state lives: systemd's StateDirectory, else the XDG state dir."""
+    if os.environ.get("STATE_DIRECTORY"):
+        return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
+    xdg = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(xdg) / "kvtier"
+
+
+def default_target() -> str:
+    """The address clients use when none is given: `$KVTIER_TARGET`, else the default socket."""
+    return os.environ.get(ENV_TARGET) or Config().resolved().server.listen
+
+
+def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _describe(err: ValidationError, source: str) -> str:
+    lines = []
+    for item in err.errors():
+        key = ".".join(str(p) for p in item["loc"])
+        if item["type"] == "extra_forbidden":
+            lines.append(f"{source}: unknown key '{key}'")
+        else:
+            lines.append(f"{source}: invalid value for '{key}': {item['msg']}")
+    return "\n".join(lines)
+
+
+def _check(data: Mapping[str, Any], source: str) -> None:
+    try:
+        Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, source)) from None
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """The checked contents of one TOML file; ConfigError names the file and the key."""
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read config file: {err.strerror}") from None
+    _check(data, str(path))
+    return data
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Config from `KVTIER_<SECTION>__<FIELD>` variables (other KVTIER_* names are not config)."""
+    out: dict[str, Any] = {}
+    for name, value in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        section, _, field = name[len(ENV_PREFIX) :].lower().partition("__")
+        entry = {section: {field: value}}
+        try:
+            Config.model_validate(entry)
+        except ValidationError as err:
+            raise ConfigError(_describe(err, f"environment variable {name}")) from None
+        out = _deep_merge(out, entry)
+    return out
+
+
+def default_config_file(environ: Mapping[str, str]) -> Path | None:
+    """The file to read when no --config is given: $KVTIER_CONFIG, or systemd's config dir."""
+    if environ.get(ENV_CONFIG_FILE):
+        return Path(environ[ENV_CONFIG_FILE])
+    if environ.get("CONFIGURATION_DIRECTORY"):
+        candidate = Path(environ["CONFIGURATION_DIRECTORY"].split(":")[0]) / "kvtier.toml"
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def load_config(
+    path: Path | None = None,
+    flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Defaults < file (`path`, then `<path>.d/*.toml` drop-ins) < environment < flags."""
+    environ = os.environ if environ is None else environ
+    path = path or default_config_file(environ)
+    merged: dict[str, Any] = {}
+    if path is not None:
+        merged = read_toml(path)
+        dropins = Path(f"{path}.d")
+        if dropins.is_dir():
+            for dropin in sorted(dropins.glob("*.toml")):
+                merged = _deep_merge(merged, read_toml(dropin))
+    merged = _deep_merge(merged, env_overrides(environ))
+    if flags:
+        _check(flags, "command line")
+        merged = _deep_merge(merged, flags)
+    try:
+        return Config.model_validate(merged)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, str(path) if path else "configuration")) from None
+
+
+def _toml_value(model: type[BaseModel], name: str, value: Any) -> Any:
+    """Sizes as IEC strings (what people write), everything else as it is."""
+    is_size = any(isinstance(m, BeforeValidator) for m in model.model_fields[name].metadata)
+    return format_size(value) if is_size else value
+
+
+def dump_toml(config: Config) -> str:
+    """The configuration as TOML that `load_config` reads back to the same values."""
+    data = {
+        section: {
+            name: _toml_value(type(getattr(config, section)), name, value)
+            for name, value in getattr(config, section).model_dump().items()
+        }
+        for section in Config.model_fields
+    }
+    return tomli_w.dumps(data)
+
+
+def default_toml() -> str:
+    """The embedded default configuration, each key preceded by its one-line doc."""
+    lines = ["# kvtier configuration (defaults). Sizes are IEC strings such as '512MiB'.", ""]
+    defaults = Config()
+    for section, section_field in Config.model_fields.items():
+        if section_field.annotation is None:
+            continue
+        lines.append(f"[{section}]")
+        model = getattr(defaults, section)
+        for name, field in type(model).model_fields.items():
+            value = _toml_value(type(model), name, getattr(model, name))
+            lines.append(f"# {field.description}")
+            lines.append(tomli_w.dumps({name: value}).strip())
+        lines.append("")
+    return "\n".join(lines)

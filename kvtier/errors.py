@@ -1,0 +1,120 @@
+"""Every exception kvtier raises, and the one place they map to gRPC status codes.
+
+    KVTierError                      base; never raised itself
+    ├── ConfigError                  bad configuration: fix the named key/file and restart
+    ├── InvalidArgument              bad key, namespace or size: fix the request
+    ├── NotFound                     the block is absent (clients turn this into None)
+    ├── AlreadyExists                same key, different bytes: use overwrite=True or a new key
+    ├── ResourceExhausted            oversize block, or no room (all pinned): retry later/smaller
+    ├── DataLoss                     bytes changed in transit: retry the call
+    ├── Unavailable                  daemon draining or a tier offline: retry elsewhere/later
+    ├── Unimplemented                operation needs something this daemon lacks (e.g. a GPU)
+    └── CorruptRecord                a stored record failed verification; internal: the daemon
+                                     turns it into a miss and drops the record
+
+Clients receive the same classes: `kvtier.Client` converts a gRPC status back through
+`from_grpc_code`, so callers catch one tree whichever side raised.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import grpc
+
+
+class KVTierError(Exception):
+    """Base of every kvtier error."""
+
+    grpc_code: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
+
+
+class ConfigError(KVTierError):
+    """The configuration is invalid; the message names the key and the file to fix."""
+
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class InvalidArgument(KVTierError):
+    """The request is malformed (key, namespace, size); retrying unchanged will fail again."""
+
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(KVTierError):
+    """The block is not cached; recompute it."""
+
+    grpc_code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(KVTierError):
+    """A block with this key and different bytes exists; pass overwrite=True to replace it."""
+
+    grpc_code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class ResourceExhausted(KVTierError):
+    """Too large, or no room that can be freed now; send smaller blocks or retry later."""
+
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DataLoss(KVTierError):
+    """The bytes that arrived do not match their checksum; nothing was stored. Retry."""
+
+    grpc_code = grpc.StatusCode.DATA_LOSS
+
+
+class Unavailable(KVTierError):
+    """The daemon is draining or cannot be reached; retry later or recompute."""
+
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+
+
+class Unimplemented(KVTierError):
+    """The operation needs a capability this daemon was not started with."""
+
+    grpc_code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class CorruptRecord(KVTierError):
+    """A stored record failed verification. Internal: served as a miss, never as bytes."""
+
+    grpc_code = grpc.StatusCode.DATA_LOSS
+
+
+_BY_CODE: dict[grpc.StatusCode, type[KVTierError]] = {
+    cls.grpc_code: cls
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        AlreadyExists,
+        ResourceExhausted,
+        DataLoss,
+        Unavailable,
+        Unimplemented,
+    )
+}
+
+
+def from_grpc_code(code: grpc.StatusCode | None, message: str) -> KVTierError:
+    """The kvtier exception a client should raise for a gRPC status."""
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return Unavailable(f"deadline exceeded: {message}")
+    cls = _BY_CODE.get(code, KVTierError) if code is not None else KVTierError
+    return cls(message)
+
+
+__all__ = [
+    "AlreadyExists",
+    "ConfigError",
+    "CorruptRecord",
+    "DataLoss",
+    "InvalidArgument",
+    "KVTierError",
+    "NotFound",
+    "ResourceExhausted",
+    "Unavailable",
+    "Unimplemented",
+    "from_grpc_code",
+]

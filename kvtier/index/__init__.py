@@ -1,0 +1,1 @@
+"""The deciding half: catalog, policy, planner. Pure Python; never touches bytes."""

@@ -1,0 +1,213 @@
+"""Catalog: which blocks exist, where each lives, who is using it, and in what order to evict.
+
+Pure bookkeeping driven by the store on the event loop (single-threaded, so no locks).
+
+Lifecycle of an entry:
+    add(entry with a DRAM extent)          -> visible to lookup/get
+    pin / unpin                            -> while pinned (a read or a demotion in progress)
+                                              the entry is never chosen as a victim
+    set_nvme(record_bytes)                 -> a verified record exists on disk too
+    drop_dram / drop_nvme                  -> a copy went away; an entry with no copy is removed
+    remove                                 -> gone from lookups at once; the caller frees its
+                                              resources now, or when the last pin is released
+                                              (entry.doomed tells it which)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvtier.tiers.allocator import Extent
+
+BlockId = tuple[str, bytes]  # (namespace id, key)
+
+
+class TierName(str, Enum):
+    HBM = "hbm"
+    DRAM = "dram"
+    NVME = "nvme"
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """Mutable catalog state of one block (identity matters: compare with `is`)."""
+
+    block_id: BlockId
+    size_bytes: int
+    xxh3_64: int
+    generation: int
+    dram_extent: Extent | None = None
+    nvme_record_bytes: int = 0
+    pins: int = 0
+    doomed: bool = False
+    demoting: bool = False
+
+    @property
+    def tiers(self) -> list[TierName]:
+        out = []
+        if self.dram_extent is not None:
+            out.append(TierName.DRAM)
+        if self.nvme_record_bytes:
+            out.append(TierName.NVME)
+        return out
+
+    @property
+    def fastest_tier(self) -> TierName | None:
+        tiers = self.tiers
+        return tiers[0] if tiers else None
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """How much of an ordered chain of keys is cached, and where each key lives."""
+
+    prefix_blocks: int
+    tiers: list[str | None] = field(default_factory=list)
+
+
+class Catalog:
+    """key -> residency, with one recency order per tier (least recently used first)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[BlockId, Entry] = {}
+        self._dram_lru: OrderedDict[BlockId, None] = OrderedDict()
+        self._nvme_lru: OrderedDict[BlockId, None] = OrderedDict()
+        self.dram_used_bytes = 0
+        self.nvme_used_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, block_id: BlockId) -> Entry | None:
+        return self._entries.get(block_id)
+
+    def touch(self, entry: Entry) -> None:
+        """Mark a use: the entry moves to the most-recent end of each tier holding it."""
+        if entry.dram_extent is not None:
+            self._dram_lru.move_to_end(entry.block_id)
+        if entry.nvme_record_bytes:
+            self._nvme_lru.move_to_end(entry.block_id)
+
+    def add(self, entry: Entry) -> None:
+        if entry.block_id in self._entries:
+            raise KeyError("block already catalogued; remove the old entry first")
+        self._entries[entry.block_id] = entry
+        if entry.dram_extent is not None:
+            self._dram_lru[entry.block_id] = None
+            self.dram_used_bytes += entry.dram_extent.size_bytes
+        if entry.nvme_record_bytes:
+            self._nvme_lru[entry.block_id] = None
+            self.nvme_used_bytes += entry.nvme_record_bytes
+
+    def set_nvme(self, entry: Entry, record_bytes: int) -> None:
+        if entry.nvme_record_bytes:
+            raise ValueError("entry already has an NVMe record")
+        entry.nvme_record_bytes = record_bytes
+        if self._entries.get(entry.block_id) is entry:
+            self._nvme_lru[entry.block_id] = None
+            self.nvme_used_bytes += record_bytes
+
+    def drop_dram(self, entry: Entry) -> Extent | None:
+        """Forget the DRAM copy; returns its extent for the caller to free."""
+        extent = entry.dram_extent
+        if extent is None:
+            return None
+        entry.dram_extent = None
+        if self._entries.get(entry.block_id) is entry:
+            self._dram_lru.pop(entry.block_id, None)
+            self.dram_used_bytes -= extent.size_bytes
+            if not entry.nvme_record_bytes:
+                self._forget(entry)
+        return extent
+
+    def drop_nvme(self, entry: Entry) -> int:
+        """Forget the NVMe copy; returns its record size (0 if there was none)."""
+        record_bytes = entry.nvme_record_bytes
+        if not record_bytes:
+            return 0
+        entry.nvme_record_bytes = 0
+        if self._entries.get(entry.block_id) is entry:
+            self._nvme_lru.pop(entry.block_id, None)
+            self.nvme_used_bytes -= record_bytes
+            if entry.dram_extent is None:
+                self._forget(entry)
+        return record_bytes
+
+    def remove(self, entry: Entry) -> None:
+        """Take the entry out of every lookup now; its copies stay on it for the caller to free.
+
+        Sets `doomed` when it is pinned: the last unpin must free its resources.
+        """
+        if self._entries.get(entry.block_id) is not entry:
+            return
+        self._forget(entry)
+        if entry.dram_extent is not None:
+            self.dram_used_bytes -= entry.dram_extent.size_bytes
+        if entry.nvme_record_bytes:
+            self.nvme_used_bytes -= entry.nvme_record_bytes
+        entry.doomed = True
+
+    def is_live(self, entry: Entry) -> bool:
+        return self._entries.get(entry.block_id) is entry
+
+    def _forget(self, entry: Entry) -> None:
+        del self._entries[entry.block_id]
+        self._dram_lru.pop(entry.block_id, None)
+        self._nvme_lru.pop(entry.block_id, None)
+
+    @staticmethod
+    def pin(entry: Entry) -> None:
+        entry.pins += 1
+
+    @staticmethod
+    def unpin(entry: Entry) -> None:
+        if entry.pins <= 0:
+            raise ValueError("unpin without pin")
+        entry.pins -= 1
+
+    def dram_victims(self) -> Iterator[Entry]:
+        """DRAM entries that may be evicted now, least recently used first."""
+        for block_id in self._dram_lru:
+            entry = self._entries[block_id]
+            if entry.pins == 0 and not entry.demoting:
+                yield entry
+
+    def nvme_victims(self) -> Iterator[Entry]:
+        """NVMe entries whose record may be removed now, least recently used first."""
+        for block_id in self._nvme_lru:
+            entry = self._entries[block_id]
+            if entry.pins == 0 and not entry.demoting:
+                yield entry
+
+    def dram_only(self) -> list[Entry]:
+        """Entries whose only copy is in DRAM, most recently used first (flush order)."""
+        return [
+            self._entries[b]
+            for b in reversed(self._dram_lru)
+            if not self._entries[b].nvme_record_bytes
+        ]
+
+    def lookup(self, ns_id: str, keys: list[bytes]) -> LookupResult:
+        tiers: list[str | None] = []
+        prefix = 0
+        for key in keys:
+            entry = self._entries.get((ns_id, key))
+            tier = entry.fastest_tier if entry is not None else None
+            tiers.append(tier.value if tier is not None else None)
+            if tier is not None and prefix == len(tiers) - 1:
+                prefix += 1
+        return LookupResult(prefix_blocks=prefix, tiers=tiers)
+
+    def entries(self, ns_id: str | None = None, ns_prefix: str | None = None) -> Iterator[Entry]:
+        for (ns, _key), entry in list(self._entries.items()):
+            if ns_id is not None and ns != ns_id:
+                continue
+            if ns_prefix is not None and not ns.startswith(ns_prefix):
+                continue
+            yield entry
+
+    def count(self, tier: TierName) -> int:
+        return len(self._dram_lru) if tier is TierName.DRAM else len(self._nvme_lru)

@@ -1,0 +1,1 @@
+"""The daemon: store (tiers + catalog), gRPC servicer, process main."""

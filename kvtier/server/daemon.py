@@ -1,0 +1,173 @@
+"""`kvtier serve`: start the tiers, serve gRPC, drain on SIGTERM, reload on SIGHUP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, start_http_server
+
+from kvtier import __version__
+from kvtier._proto import kvtier_pb2, kvtier_pb2_grpc
+from kvtier.config import Config, load_config
+from kvtier.errors import ConfigError
+from kvtier.server.metrics import StoreCollector
+from kvtier.server.service import KVTierService
+from kvtier.server.store import Store
+from kvtier.sizes import human_size
+
+logger = logging.getLogger("kvtier")
+SERVICE_NAME = kvtier_pb2.DESCRIPTOR.services_by_name["KVTier"].full_name
+
+
+def message_limit_bytes(config: Config) -> int:
+    """Largest gRPC message either side accepts: a chunk, or a header with the longest key."""
+    return max(4 << 20, 2 * config.server.chunk_bytes + (64 << 10))
+
+
+def grpc_options(config: Config) -> list[tuple[str, int]]:
+    limit = message_limit_bytes(config)
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+    ]
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger().setLevel(level.upper())
+
+
+def _prepare_unix_socket(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+    if not path.exists():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()  # a stale socket left by a daemon that did not stop cleanly
+        return
+    finally:
+        probe.close()
+    raise ConfigError(f"another kvtier daemon is already serving on {path}")
+
+
+def _unix_path(listen: str) -> Path | None:
+    if listen.startswith("unix://"):
+        return Path(listen[len("unix://") :])
+    if listen.startswith("unix:"):
+        return Path(listen[len("unix:") :])
+    return None
+
+
+class Daemon:
+    def __init__(self, config: Config, config_path: Path | None) -> None:
+        self.config = config.resolved()
+        self.config_path = config_path
+        self.draining = False
+        self._stop = asyncio.Event()
+
+    async def run(self) -> int:
+        cfg = self.config
+        store = Store(cfg)
+        await store.start()
+        server = grpc.aio.server(
+            options=grpc_options(cfg), maximum_concurrent_rpcs=cfg.server.max_concurrent_rpcs
+        )
+        kvtier_pb2_grpc.add_KVTierServicer_to_server(
+            KVTierService(store, cfg, lambda: self.draining), server
+        )
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        if cfg.server.reflection:
+            from grpc_reflection.v1alpha import reflection
+
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            )
+        listen = cfg.server.listen
+        sock_path = _unix_path(listen)
+        if sock_path is not None:
+            _prepare_unix_socket(sock_path)
+            old_umask = os.umask(0o007)  # the socket's group is the access control
+        else:
+            logger.warning("listening on TCP %s without TLS: any local process can connect",
+                           listen)
+        try:
+            port = server.add_insecure_port(listen)
+        except RuntimeError as err:
+            raise ConfigError(f"server.listen: cannot listen on {listen}: {err}") from None
+        finally:
+            if sock_path is not None:
+                os.umask(old_umask)
+        if sock_path is None and port == 0:
+            raise ConfigError(f"server.listen: cannot listen on {listen}")
+        await server.start()
+        if sock_path is None and listen.rsplit(":", 1)[-1] == "0":
+            listen = f"{listen.rsplit(':', 1)[0]}:{port}"
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        if cfg.server.metrics_listen:
+            registry = CollectorRegistry()
+            registry.register(StoreCollector(store))
+            host, _, mport = cfg.server.metrics_listen.rpartition(":")
+            start_http_server(int(mport), addr=host or "127.0.0.1", registry=registry)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self._reload)
+        nvme = (f"nvme {human_size(store.nvme.capacity_bytes)} at {store.nvme.root}"
+                if store.nvme else "nvme off")
+        print(
+            f"kvtier {__version__} serving on {listen} "
+            f"(dram {human_size(store.dram.capacity_bytes)}, {nvme})",
+            flush=True,
+        )
+        await self._stop.wait()
+        logger.info("stopping: draining in-flight calls")
+        self.draining = True
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace=cfg.server.stop_timeout_s / 2)
+        if cfg.nvme.flush_on_stop:
+            try:
+                written = await asyncio.wait_for(store.flush(), cfg.server.stop_timeout_s / 2)
+                logger.info("flushed %d DRAM-only blocks to NVMe", written)
+            except TimeoutError:
+                logger.warning("NVMe flush did not finish in time; some DRAM blocks are lost")
+        await store.close()
+        if sock_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                sock_path.unlink()
+        logger.info("stopped")
+        return 0
+
+    def _reload(self) -> None:
+        try:
+            fresh = load_config(self.config_path)
+        except ConfigError as err:
+            logger.error("reload refused, keeping the running configuration: %s", err)
+            return
+        setup_logging(fresh.log.level)
+        logger.info("reloaded: log.level=%s; other settings need a restart", fresh.log.level)
+
+
+def serve(config: Config, config_path: Path | None) -> int:
+    setup_logging(config.log.level)
+    try:
+        return asyncio.run(Daemon(config, config_path).run())
+    except ConfigError as err:
+        print(f"kvtier: {err}", file=sys.stderr)
+        return 2

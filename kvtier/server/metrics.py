@@ -1,0 +1,40 @@
+"""Prometheus metrics, read from the store's counters at scrape time (nothing on the hot path)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvtier.server.store import Store
+
+
+class StoreCollector(Collector):
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._store.stats()
+        used = GaugeMetricFamily("kvtier_tier_used_bytes", "Bytes held by a tier", labels=["tier"])
+        cap = GaugeMetricFamily("kvtier_tier_capacity_bytes", "Capacity of a tier", labels=["tier"])
+        blocks = GaugeMetricFamily("kvtier_tier_blocks", "Blocks held by a tier", labels=["tier"])
+        hits = CounterMetricFamily("kvtier_hits", "Gets served, by tier", labels=["tier"])
+        evictions = CounterMetricFamily("kvtier_evictions", "Blocks evicted from a tier",
+                                        labels=["tier"])
+        for t in s.tiers:
+            used.add_metric([t.name], t.used_bytes)
+            cap.add_metric([t.name], t.capacity_bytes)
+            blocks.add_metric([t.name], t.blocks)
+            hits.add_metric([t.name], t.hits)
+            evictions.add_metric([t.name], t.evictions)
+        yield from (used, cap, blocks, hits, evictions)
+        yield CounterMetricFamily("kvtier_misses", "Gets that found nothing", value=s.misses)
+        yield CounterMetricFamily("kvtier_puts", "Blocks stored", value=s.puts)
+        yield CounterMetricFamily("kvtier_demotions", "Blocks moved DRAM -> NVMe",
+                                  value=s.demotions)
+        yield CounterMetricFamily("kvtier_checksum_failures",
+                                  "Stored records that failed verification (served as misses)",
+                                  value=s.checksum_failures)
+        yield CounterMetricFamily("kvtier_dropped_blocks", "Blocks evicted from every tier",
+                                  value=s.dropped_blocks)

@@ -1,0 +1,216 @@
+"""The kvtier.v1.KVTier gRPC servicer: validates requests, calls the store, maps errors.
+
+Exceptions from kvtier.errors become status codes here and nowhere else: every handler
+runs its body under `_status`, which aborts with the exception's code and message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import grpc
+
+from kvtier._proto import kvtier_pb2 as pb
+from kvtier._proto import kvtier_pb2_grpc as pb_grpc
+from kvtier.config import Config
+from kvtier.errors import InvalidArgument, KVTierError, NotFound, Unavailable
+from kvtier.index.catalog import BlockId, Entry, TierName
+from kvtier.keys import DEFAULT_TENANT, check_key, check_namespace, namespace_id
+from kvtier.server.store import Store
+
+TIER_TO_PB: dict[TierName | None, pb.Tier.ValueType] = {
+    None: pb.TIER_UNSPECIFIED,
+    TierName.HBM: pb.TIER_HBM,
+    TierName.DRAM: pb.TIER_DRAM,
+    TierName.NVME: pb.TIER_NVME,
+}
+TIER_NAME_TO_PB: dict[str | None, pb.Tier.ValueType] = {
+    (k.value if k else None): v for k, v in TIER_TO_PB.items()
+}
+
+
+@asynccontextmanager
+async def _status(context: grpc.aio.ServicerContext[object, object]) -> AsyncIterator[None]:
+    try:
+        yield
+    except KVTierError as err:
+        await context.abort(err.grpc_code, str(err))
+
+
+class KVTierService(pb_grpc.KVTierServicer):
+    def __init__(self, store: Store, config: Config, draining: Callable[[], bool]) -> None:
+        self._store = store
+        self._limits = config.limits
+        self._chunk_bytes = config.server.chunk_bytes
+        self._draining = draining
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _tenant(self, context: grpc.aio.ServicerContext[object, object]) -> str:
+        # Single-tenant for now; authentication (bearer tokens, mTLS) will map to tenants.
+        return DEFAULT_TENANT
+
+    def _ns_id(self, context: grpc.aio.ServicerContext[object, object], namespace: str) -> str:
+        if self._draining():
+            raise Unavailable("kvtier is shutting down; retry against the restarted daemon")
+        check_namespace(namespace, self._limits.max_namespace_chars)
+        return namespace_id(self._tenant(context), namespace)
+
+    def _block_id(
+        self, context: grpc.aio.ServicerContext[object, object], namespace: str, key: bytes
+    ) -> BlockId:
+        ns_id = self._ns_id(context, namespace)
+        return ns_id, check_key(key, self._limits.max_key_bytes)
+
+    @staticmethod
+    def _info(entry: Entry) -> pb.BlockInfo:
+        ns_id, key = entry.block_id
+        return pb.BlockInfo(
+            namespace=ns_id.partition("|")[2],
+            key=key,
+            size_bytes=entry.size_bytes,
+            xxh3_64=entry.xxh3_64,
+            tiers=[TIER_TO_PB[t] for t in entry.tiers],
+            generation=entry.generation,
+        )
+
+    # ---- RPCs ---------------------------------------------------------------------------
+    async def Put(
+        self,
+        request_iterator: AsyncIterator[pb.PutRequest],
+        context: grpc.aio.ServicerContext[pb.PutRequest, pb.PutResponse],
+    ) -> pb.PutResponse:
+        async with _status(context):
+            first = await anext(aiter(request_iterator), None)
+            if first is None or first.WhichOneof("msg") != "header":
+                raise InvalidArgument("a put stream must start with a header message")
+            header = first.header
+            block_id = self._block_id(context, header.namespace, header.key)
+            writer = await self._store.put_begin(block_id, header.size_bytes, header.overwrite)
+            try:
+                async for msg in request_iterator:
+                    if msg.WhichOneof("msg") != "chunk":
+                        raise InvalidArgument("only data chunks may follow the put header")
+                    writer.write(msg.chunk)
+                result = await self._store.put_commit(writer, header.xxh3_64)
+            finally:
+                self._store.put_abort(writer)
+            return pb.PutResponse(
+                size_bytes=result.size_bytes,
+                xxh3_64=result.xxh3_64,
+                tier=TIER_TO_PB[result.tier],
+                already_present=result.already_present,
+            )
+        raise AssertionError("unreachable")  # context.abort raised
+
+    async def Get(
+        self,
+        request: pb.GetRequest,
+        context: grpc.aio.ServicerContext[pb.GetRequest, pb.GetResponse],
+    ) -> AsyncIterator[pb.GetResponse]:
+        async with _status(context):
+            block_id = self._block_id(context, request.namespace, request.key)
+            reader = await self._store.open_block(block_id)
+            if reader is None:
+                raise NotFound("block not found in this namespace")
+            try:
+                yield pb.GetResponse(
+                    header=pb.GetHeader(
+                        size_bytes=reader.size_bytes,
+                        xxh3_64=reader.xxh3_64,
+                        tier=TIER_TO_PB[reader.tier],
+                    )
+                )
+                for chunk in reader.chunks(self._chunk_bytes):
+                    yield pb.GetResponse(chunk=chunk)
+            finally:
+                reader.close()
+
+    async def Lookup(
+        self,
+        request: pb.LookupRequest,
+        context: grpc.aio.ServicerContext[pb.LookupRequest, pb.LookupResponse],
+    ) -> pb.LookupResponse:
+        async with _status(context):
+            ns_id = self._ns_id(context, request.namespace)
+            keys = [check_key(k, self._limits.max_key_bytes) for k in request.keys]
+            result = self._store.lookup(ns_id, keys)
+            return pb.LookupResponse(
+                prefix_blocks=result.prefix_blocks,
+                tiers=[TIER_NAME_TO_PB[t] for t in result.tiers],
+            )
+        raise AssertionError("unreachable")
+
+    async def Stat(
+        self,
+        request: pb.StatRequest,
+        context: grpc.aio.ServicerContext[pb.StatRequest, pb.StatResponse],
+    ) -> pb.StatResponse:
+        async with _status(context):
+            entry = self._store.stat(self._block_id(context, request.namespace, request.key))
+            if entry is None:
+                raise NotFound("block not found in this namespace")
+            return pb.StatResponse(info=self._info(entry))
+        raise AssertionError("unreachable")
+
+    async def List(
+        self,
+        request: pb.ListRequest,
+        context: grpc.aio.ServicerContext[pb.ListRequest, pb.ListEntry],
+    ) -> AsyncIterator[pb.ListEntry]:
+        async with _status(context):
+            if request.namespace:
+                entries = self._store.catalog.entries(
+                    ns_id=self._ns_id(context, request.namespace)
+                )
+            else:
+                if self._draining():
+                    raise Unavailable("kvtier is shutting down")
+                entries = self._store.catalog.entries(
+                    ns_prefix=namespace_id(self._tenant(context), "")
+                )
+            for count, entry in enumerate(entries, start=1):
+                yield pb.ListEntry(info=self._info(entry))
+                if request.limit and count >= request.limit:
+                    break
+
+    async def Delete(
+        self,
+        request: pb.DeleteRequest,
+        context: grpc.aio.ServicerContext[pb.DeleteRequest, pb.DeleteResponse],
+    ) -> pb.DeleteResponse:
+        async with _status(context):
+            deleted = self._store.delete(self._block_id(context, request.namespace, request.key))
+            return pb.DeleteResponse(deleted=deleted)
+        raise AssertionError("unreachable")
+
+    async def Stats(
+        self,
+        request: pb.StatsRequest,
+        context: grpc.aio.ServicerContext[pb.StatsRequest, pb.StatsResponse],
+    ) -> pb.StatsResponse:
+        s = self._store.stats()
+        from kvtier import __version__
+
+        return pb.StatsResponse(
+            tiers=[
+                pb.TierStats(
+                    name=t.name,
+                    used_bytes=t.used_bytes,
+                    capacity_bytes=t.capacity_bytes,
+                    blocks=t.blocks,
+                    hits=t.hits,
+                    evictions=t.evictions,
+                )
+                for t in s.tiers
+            ],
+            hits=s.hits,
+            misses=s.misses,
+            puts=s.puts,
+            demotions=s.demotions,
+            checksum_failures=s.checksum_failures,
+            dropped_blocks=s.dropped_blocks,
+            uptime_s=s.uptime_s,
+            version=__version__,
+            nvme_direct_io=s.nvme_direct_io,
+        )

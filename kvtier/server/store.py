@@ -1,0 +1,478 @@
+"""Store: the catalog (deciding) driving the DRAM and NVMe tiers (moving) on one event loop.
+
+All catalog state is touched only from the event loop, so it needs no locks; disk I/O runs
+on the I/O pool. Puts land in DRAM. When DRAM needs room, least recently used blocks are
+demoted to NVMe (written there, then their DRAM extent freed) while NVMe has room, making
+room on NVMe by removing its least recently used records; only a block NVMe cannot take is
+dropped. A block in use (pinned by a read, or being demoted) is never evicted and its
+memory is never reused until the last user lets go.
+
+Put lifecycle: `put_begin` (reserve an extent) -> `PutWriter.write` (chunks) ->
+`put_commit` (verify length and checksum, make visible atomically) or `put_abort`.
+Get lifecycle: `open_block` (pins, reads from NVMe if needed) -> `BlockReader.chunks` ->
+`BlockReader.close` (unpins).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+import time
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from kvtier.config import Config
+from kvtier.errors import AlreadyExists, CorruptRecord, DataLoss, InvalidArgument, ResourceExhausted
+from kvtier.index.catalog import BlockId, Catalog, Entry, LookupResult, TierName
+from kvtier.movers.io import IoPool
+from kvtier.sizes import human_size
+from kvtier.tiers.allocator import Extent
+from kvtier.tiers.dram import DramTier
+from kvtier.tiers.nvme import NvmeTier, RecordHeader, header_size_for
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    size_bytes: int
+    xxh3_64: int
+    tier: TierName
+    already_present: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    name: str
+    used_bytes: int
+    capacity_bytes: int
+    blocks: int
+    hits: int
+    evictions: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    tiers: list[TierUsage]
+    hits: int
+    misses: int
+    puts: int
+    demotions: int
+    checksum_failures: int
+    dropped_blocks: int
+    uptime_s: float
+    nvme_direct_io: bool
+
+
+@dataclass(slots=True)
+class _Counters:
+    hits: dict[str, int] = field(default_factory=lambda: {"dram": 0, "nvme": 0})
+    evictions: dict[str, int] = field(default_factory=lambda: {"dram": 0, "nvme": 0})
+    misses: int = 0
+    puts: int = 0
+    demotions: int = 0
+    checksum_failures: int = 0
+    dropped_blocks: int = 0
+
+
+class PutWriter:
+    """Bytes of one block arriving into its reserved DRAM extent."""
+
+    def __init__(self, block_id: BlockId, size_bytes: int, overwrite: bool, extent: Extent,
+                 view: memoryview) -> None:
+        self.block_id = block_id
+        self.size_bytes = size_bytes
+        self.overwrite = overwrite
+        self.extent = extent
+        self._view = view
+        self._hasher = xxhash.xxh3_64()
+        self.received_bytes = 0
+        self.done = False
+
+    def write(self, chunk: bytes) -> None:
+        end = self.received_bytes + len(chunk)
+        if end > self.size_bytes:
+            raise InvalidArgument(
+                f"put stream carries more than the {self.size_bytes} bytes its header declared"
+            )
+        self._view[self.received_bytes : end] = chunk
+        self._hasher.update(chunk)
+        self.received_bytes = end
+
+    def digest(self) -> int:
+        return int(self._hasher.intdigest())
+
+    def release(self) -> None:
+        self._view.release()
+
+
+class BlockReader:
+    """A pinned block's bytes, valid until `close()`."""
+
+    def __init__(self, store: Store, entry: Entry, tier: TierName, data: memoryview,
+                 backing: mmap.mmap | None = None) -> None:
+        self._store = store
+        self._entry = entry
+        self.tier = tier
+        self.size_bytes = entry.size_bytes
+        self.xxh3_64 = entry.xxh3_64
+        self._data = data
+        self._backing = backing
+        self._closed = False
+
+    def chunks(self, chunk_bytes: int) -> Iterator[bytes]:
+        for start in range(0, self.size_bytes, chunk_bytes):
+            yield bytes(self._data[start : start + chunk_bytes])
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._data.release()
+        if self._backing is not None:
+            self._backing.close()
+        self._store._unpin(self._entry)
+
+
+class Store:
+    """Blocks across the DRAM and NVMe tiers. Create, `await start()`, use, `await close()`."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config.resolved()
+        self.catalog = Catalog()
+        self.dram = DramTier(self.config.dram.capacity_bytes)
+        nvme_cfg = self.config.nvme
+        self.nvme: NvmeTier | None = (
+            NvmeTier(Path(nvme_cfg.path), nvme_cfg.capacity_bytes, nvme_cfg.direct_io,
+                     nvme_cfg.sync_writes)
+            if nvme_cfg.enabled
+            else None
+        )
+        self.io = IoPool(nvme_cfg.io_threads)
+        self.max_block_bytes = min(self.config.limits.max_block_bytes, self.dram.capacity_bytes)
+        self._counters = _Counters()
+        self._next_generation = 1
+        self._nvme_reserved_bytes = 0
+        self._space_freed = asyncio.Event()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._started_s = time.monotonic()
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.nvme is None:
+            return
+        report = await self.io.run(self.nvme.open)
+        records = sorted(report.records, key=lambda r: r.header.generation)
+        for rec in records:
+            h = rec.header
+            self.catalog.add(Entry((h.ns_id, h.key), h.payload_bytes, h.xxh3_64, h.generation,
+                                   nvme_record_bytes=h.record_bytes))
+            self._next_generation = max(self._next_generation, h.generation + 1)
+        self._counters.checksum_failures += report.dropped_corrupt
+        self._make_nvme_room(0)
+        logger.info(
+            "NVMe tier at %s: recovered %d blocks (%s), dropped %d unreadable and %d stale "
+            "records, removed %d temporary files; direct I/O %s",
+            self.nvme.root, len(records), human_size(self.catalog.nvme_used_bytes),
+            report.dropped_corrupt, report.dropped_stale, report.removed_temporary,
+            "on" if self.nvme.direct_io else "off",
+        )
+
+    async def flush(self) -> int:
+        """Write every DRAM-only block to NVMe (most recent first); returns how many."""
+        if self.nvme is None:
+            return 0
+        written = 0
+        sem = asyncio.Semaphore(self.io.threads)
+
+        async def one(entry: Entry) -> None:
+            nonlocal written
+            async with sem:
+                if not self.catalog.is_live(entry) or entry.demoting or entry.nvme_record_bytes:
+                    return
+                entry.demoting = True
+                try:
+                    if await self._write_nvme(entry, evicting=False):
+                        written += 1
+                finally:
+                    entry.demoting = False
+                    self._after_use(entry)
+
+        await asyncio.gather(*(one(e) for e in self.catalog.dram_only()))
+        return written
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        self.io.close()
+
+    # ---- put ----------------------------------------------------------------------------
+    async def put_begin(self, block_id: BlockId, size_bytes: int, overwrite: bool) -> PutWriter:
+        if size_bytes > self.max_block_bytes:
+            raise ResourceExhausted(
+                f"block of {size_bytes} bytes is larger than the largest accepted, "
+                f"{self.max_block_bytes} bytes (limits.max_block_bytes, capped by "
+                "dram.capacity_bytes): split it or raise the limit"
+            )
+        extent = await self._reserve_dram(size_bytes)
+        return PutWriter(block_id, size_bytes, overwrite, extent, self.dram.view(extent))
+
+    async def put_commit(self, writer: PutWriter, client_xxh3_64: int) -> PutResult:
+        if writer.received_bytes != writer.size_bytes:
+            raise InvalidArgument(
+                f"put stream ended after {writer.received_bytes} of the {writer.size_bytes} "
+                "bytes its header declared; nothing was stored"
+            )
+        digest = writer.digest()
+        if client_xxh3_64 and client_xxh3_64 != digest:
+            raise DataLoss(
+                "the bytes that arrived do not match the checksum the client sent; nothing "
+                "was stored: retry the put"
+            )
+        self.dram.zero_tail(writer.extent, writer.size_bytes)
+        existing = self.catalog.get(writer.block_id)
+        if existing is not None:
+            if existing.size_bytes == writer.size_bytes and existing.xxh3_64 == digest:
+                self.put_abort(writer)
+                self.catalog.touch(existing)
+                tier = existing.fastest_tier or TierName.DRAM
+                return PutResult(writer.size_bytes, digest, tier, already_present=True)
+            if not writer.overwrite:
+                raise AlreadyExists(
+                    "a different block is already stored under this key: pass overwrite to "
+                    "replace it, or use a key that names these bytes"
+                )
+            self._discard(existing)
+        entry = Entry(writer.block_id, writer.size_bytes, digest, self._take_generation(),
+                      dram_extent=writer.extent)
+        writer.done = True
+        writer.release()
+        self.catalog.add(entry)
+        self._counters.puts += 1
+        self._signal_space()  # a new block is a victim a waiting put may take
+        return PutResult(writer.size_bytes, digest, TierName.DRAM, already_present=False)
+
+    def put_abort(self, writer: PutWriter) -> None:
+        if writer.done:
+            return
+        writer.done = True
+        writer.release()
+        self.dram.free(writer.extent)
+        self._signal_space()
+
+    # ---- get, lookup, delete ------------------------------------------------------------
+    async def open_block(self, block_id: BlockId) -> BlockReader | None:
+        entry = self.catalog.get(block_id)
+        if entry is None:
+            self._counters.misses += 1
+            return None
+        self.catalog.touch(entry)
+        self.catalog.pin(entry)
+        if entry.dram_extent is not None:
+            self._counters.hits["dram"] += 1
+            view = self.dram.view(entry.dram_extent)[: entry.size_bytes]
+            return BlockReader(self, entry, TierName.DRAM, view)
+        assert self.nvme is not None and entry.nvme_record_bytes
+        header = self._record_header(entry)
+        try:
+            buf, offset = await self.io.run(self.nvme.read, header)
+        except (CorruptRecord, OSError) as err:
+            self._on_bad_record(entry, header, err)
+            self._unpin(entry)
+            self._counters.misses += 1
+            return None
+        self._counters.hits["nvme"] += 1
+        view = memoryview(buf)[offset : offset + entry.size_bytes]
+        return BlockReader(self, entry, TierName.NVME, view, backing=buf)
+
+    def lookup(self, ns_id: str, keys: list[bytes]) -> LookupResult:
+        return self.catalog.lookup(ns_id, keys)
+
+    def stat(self, block_id: BlockId) -> Entry | None:
+        return self.catalog.get(block_id)
+
+    def delete(self, block_id: BlockId) -> bool:
+        entry = self.catalog.get(block_id)
+        if entry is None:
+            return False
+        self._discard(entry)
+        return True
+
+    def stats(self) -> StoreStats:
+        c = self._counters
+        tiers = [
+            TierUsage("dram", self.dram.used_bytes, self.dram.capacity_bytes,
+                      self.catalog.count(TierName.DRAM), c.hits["dram"], c.evictions["dram"]),
+        ]
+        if self.nvme is not None:
+            tiers.append(TierUsage("nvme", self.catalog.nvme_used_bytes, self.nvme.capacity_bytes,
+                                   self.catalog.count(TierName.NVME), c.hits["nvme"],
+                                   c.evictions["nvme"]))
+        return StoreStats(
+            tiers=tiers,
+            hits=sum(c.hits.values()),
+            misses=c.misses,
+            puts=c.puts,
+            demotions=c.demotions,
+            checksum_failures=c.checksum_failures,
+            dropped_blocks=c.dropped_blocks,
+            uptime_s=time.monotonic() - self._started_s,
+            nvme_direct_io=bool(self.nvme and self.nvme.direct_io),
+        )
+
+    # ---- making room --------------------------------------------------------------------
+    async def _reserve_dram(self, size_bytes: int) -> Extent:
+        while True:
+            extent = self.dram.allocate(size_bytes)
+            if extent is not None:
+                return extent
+            victims = self._pick_dram_victims(size_bytes)
+            if victims:
+                await asyncio.gather(*(self._evict_from_dram(v) for v in victims))
+                continue
+            if self._busy_in_dram():
+                waiter = self._space_freed
+                await waiter.wait()
+                continue
+            raise ResourceExhausted(
+                f"no room for a {size_bytes}-byte block: DRAM is full of blocks being written "
+                "or read; retry later"
+            )
+
+    def _busy_in_dram(self) -> bool:
+        # Reservations in progress and pinned blocks free space when they finish.
+        return self.dram.used_bytes > self.catalog.dram_used_bytes or any(
+            e.pins or e.demoting for e in self.catalog.entries() if e.dram_extent is not None
+        )
+
+    def _pick_dram_victims(self, size_bytes: int) -> list[Entry]:
+        shortfall = size_bytes - (self.dram.capacity_bytes - self.dram.used_bytes)
+        victims: list[Entry] = []
+        freed = 0
+        for entry in self.catalog.dram_victims():
+            victims.append(entry)
+            assert entry.dram_extent is not None
+            freed += entry.dram_extent.size_bytes
+            if freed >= shortfall or len(victims) >= self.io.threads:
+                break
+        for entry in victims:
+            entry.demoting = True
+        return victims
+
+    async def _evict_from_dram(self, entry: Entry) -> None:
+        try:
+            if self.nvme is not None and not entry.nvme_record_bytes:
+                if await self._write_nvme(entry, evicting=True):
+                    self._counters.demotions += 1
+        finally:
+            entry.demoting = False
+        self._counters.evictions["dram"] += 1
+        live = self.catalog.is_live(entry)
+        extent = self.catalog.drop_dram(entry)
+        if extent is not None:
+            self.dram.free(extent)
+        if live and not self.catalog.is_live(entry):
+            self._counters.dropped_blocks += 1
+        self._after_use(entry)
+        self._signal_space()
+
+    async def _write_nvme(self, entry: Entry, evicting: bool) -> bool:
+        assert self.nvme is not None and entry.dram_extent is not None
+        header = self._record_header(entry)
+        need = header.record_bytes
+        if not self._make_nvme_room(need):
+            return False
+        self._nvme_reserved_bytes += need
+        view = self.dram.view(entry.dram_extent)
+        try:
+            record_bytes = await self.io.run(self.nvme.write, header, [view])
+        except OSError as err:
+            logger.warning("could not write a %s record to NVMe (%s); the block %s",
+                           human_size(need), err.strerror or err,
+                           "is dropped" if evicting else "stays in DRAM only")
+            return False
+        finally:
+            view.release()
+            self._nvme_reserved_bytes -= need
+        self.catalog.set_nvme(entry, record_bytes)
+        return True
+
+    def _make_nvme_room(self, need_bytes: int) -> bool:
+        assert self.nvme is not None
+        capacity = self.nvme.capacity_bytes
+        if need_bytes > capacity:
+            return False
+        while self.catalog.nvme_used_bytes + self._nvme_reserved_bytes + need_bytes > capacity:
+            victim = next(self.catalog.nvme_victims(), None)
+            if victim is None:
+                return False
+            header = self._record_header(victim)
+            self.catalog.drop_nvme(victim)
+            self._counters.evictions["nvme"] += 1
+            if not self.catalog.is_live(victim):
+                self._counters.dropped_blocks += 1
+            self._spawn(self.io.run(self.nvme.remove, header))
+        return True
+
+    # ---- releasing ----------------------------------------------------------------------
+    def _discard(self, entry: Entry) -> None:
+        """Remove from lookups now; free its memory and record once nothing uses it."""
+        self.catalog.remove(entry)
+        self._after_use(entry)
+
+    def _after_use(self, entry: Entry) -> None:
+        if not entry.doomed or entry.pins or entry.demoting:
+            return
+        if entry.dram_extent is not None:
+            self.dram.free(entry.dram_extent)
+            entry.dram_extent = None
+            self._signal_space()
+        if entry.nvme_record_bytes and self.nvme is not None:
+            self._spawn(self.io.run(self.nvme.remove, self._record_header(entry)))
+            entry.nvme_record_bytes = 0
+
+    def _unpin(self, entry: Entry) -> None:
+        self.catalog.unpin(entry)
+        self._after_use(entry)
+        if not entry.pins:
+            self._signal_space()
+
+    def _on_bad_record(self, entry: Entry, header: RecordHeader, err: Exception) -> None:
+        assert self.nvme is not None
+        if isinstance(err, CorruptRecord):
+            self._counters.checksum_failures += 1
+            logger.warning("NVMe record failed verification (%s); served as a miss and dropped",
+                           err)
+        else:
+            logger.warning("NVMe record unreadable (%s); served as a miss and dropped", err)
+        if self.catalog.is_live(entry) and entry.nvme_record_bytes:
+            self.catalog.drop_nvme(entry)
+            if not self.catalog.is_live(entry):
+                self._counters.dropped_blocks += 1
+        self._spawn(self.io.run(self.nvme.remove, header))
+
+    def _signal_space(self) -> None:
+        self._space_freed.set()
+        self._space_freed = asyncio.Event()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _take_generation(self) -> int:
+        gen = self._next_generation
+        self._next_generation += 1
+        return gen
+
+    @staticmethod
+    def _record_header(entry: Entry) -> RecordHeader:
+        ns_id, key = entry.block_id
+        return RecordHeader(ns_id=ns_id, key=key, generation=entry.generation,
+                            payload_bytes=entry.size_bytes, xxh3_64=entry.xxh3_64,
+                            header_bytes=header_size_for(ns_id, key))

@@ -1,0 +1,60 @@
+"""DRAM tier: one fixed-capacity arena mapped at start; blocks are extents inside it.
+
+The arena is a memfd so that the zero-copy path can hand it to local clients later; no
+memory is allocated per block on the hot path. Extents are page-aligned and a block's
+padding up to its extent end is zeroed, so an extent can be written to disk with
+O_DIRECT straight from the arena.
+
+Lifecycle: `DramTier(capacity)` maps the arena -> `allocate` an extent -> write into
+`view(extent)` -> the store catalogues it -> `free(extent)` once nothing reads it ->
+`close()` after every view has been released.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+from kvtier.tiers.allocator import Extent, ExtentAllocator
+
+ALIGN_BYTES = 4096
+
+
+class DramTier:
+    name = "dram"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes - capacity_bytes % ALIGN_BYTES
+        self._fd = os.memfd_create("kvtier-dram", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, self.capacity_bytes)
+        self._map = mmap.mmap(self._fd, self.capacity_bytes)
+        self._view = memoryview(self._map)
+        self._allocator = ExtentAllocator(self.capacity_bytes, ALIGN_BYTES)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._allocator.used_bytes
+
+    def allocate(self, size_bytes: int) -> Extent | None:
+        return self._allocator.allocate(size_bytes)
+
+    def free(self, extent: Extent) -> None:
+        self._allocator.free(extent)
+
+    def view(self, extent: Extent) -> memoryview:
+        """The whole extent (block bytes, then zero padding to the extent end)."""
+        return self._view[extent.offset : extent.offset + extent.size_bytes]
+
+    def zero_tail(self, extent: Extent, size_bytes: int) -> None:
+        tail = extent.size_bytes - size_bytes
+        if tail:
+            start = extent.offset + size_bytes
+            self._view[start : start + tail] = bytes(tail)
+
+    def largest_free_bytes(self) -> int:
+        return self._allocator.largest_free_bytes()
+
+    def close(self) -> None:
+        self._view.release()
+        self._map.close()
+        os.close(self._fd)
