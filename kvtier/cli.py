@@ -178,8 +178,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
     lookups = stats["hits"] + stats["misses"]
     ratio = stats["hits"] / lookups if lookups else 0.0
     print(f"  gets: {stats['hits']} hits, {stats['misses']} misses (hit ratio {ratio:.1%})")
-    print(f"  puts: {stats['puts']}, demotions: {stats['demotions']}, "
-          f"dropped: {stats['dropped_blocks']}, checksum failures: {stats['checksum_failures']}")
+    print(
+        f"  puts: {stats['puts']}, demotions: {stats['demotions']}, "
+        f"dropped: {stats['dropped_blocks']}, checksum failures: {stats['checksum_failures']}"
+    )
     return 0
 
 

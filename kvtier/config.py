@@ -60,6 +60,9 @@ class DramConfig(_Section):
     capacity_bytes: ByteSize = Field(
         1 << 30, ge=1 << 20, description="size of the DRAM arena, allocated once at start"
     )
+    prefault: bool = Field(
+        True, description="fault the whole arena in at start (slower start, faster puts)"
+    )
 
 
 class NvmeConfig(_Section):
@@ -68,7 +71,9 @@ class NvmeConfig(_Section):
     capacity_bytes: ByteSize = Field(
         8 << 30, ge=1 << 20, description="most bytes the NVMe tier may hold on disk"
     )
-    io_threads: int = Field(4, gt=0, le=256, description="disk I/O threads (reads/writes in flight)")
+    io_threads: int = Field(
+        4, gt=0, le=256, description="disk I/O threads (reads/writes in flight)"
+    )
     direct_io: bool = Field(True, description="use O_DIRECT where the filesystem supports it")
     sync_writes: bool = Field(
         False, description="fdatasync each record before it becomes visible (power-loss safe)"
@@ -83,11 +88,11 @@ class LogConfig(_Section):
 
 
 class Config(_Section):
-    server: ServerConfig = Field(default_factory=ServerConfig)
-    limits: LimitsConfig = Field(default_factory=LimitsConfig)
-    dram: DramConfig = Field(default_factory=DramConfig)
-    nvme: NvmeConfig = Field(default_factory=NvmeConfig)
-    log: LogConfig = Field(default_factory=LogConfig)
+    server: ServerConfig = Field(default_factory=lambda: ServerConfig())
+    limits: LimitsConfig = Field(default_factory=lambda: LimitsConfig())
+    dram: DramConfig = Field(default_factory=lambda: DramConfig())
+    nvme: NvmeConfig = Field(default_factory=lambda: NvmeConfig())
+    log: LogConfig = Field(default_factory=lambda: LogConfig())
 
     def resolved(self) -> Config:
         """A copy with empty paths filled in from the environment (systemd or XDG)."""

@@ -9,7 +9,6 @@ imports to point at `kvtier._proto`.
 from __future__ import annotations
 
 import re
-import shutil
 import sys
 import tempfile
 from pathlib import Path

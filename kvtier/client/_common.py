@@ -11,6 +11,7 @@ import grpc
 import xxhash
 
 from kvtier._proto import kvtier_pb2 as pb
+from kvtier._wire import RawChunk
 from kvtier.config import default_target
 from kvtier.errors import DataLoss, KVTierError, from_grpc_code
 
@@ -62,7 +63,7 @@ def block_stat(info: pb.BlockInfo) -> BlockStat:
 
 def put_messages(
     namespace: str, key: bytes, data: Buffer, overwrite: bool, chunk_bytes: int = CHUNK_BYTES
-) -> Iterator[pb.PutRequest]:
+) -> Iterator[pb.PutRequest | RawChunk]:
     view = memoryview(data).cast("B")
     yield pb.PutRequest(
         header=pb.PutHeader(
@@ -74,38 +75,43 @@ def put_messages(
         )
     )
     for start in range(0, view.nbytes, chunk_bytes):
-        yield pb.PutRequest(chunk=bytes(view[start : start + chunk_bytes]))
+        yield RawChunk(view[start : start + chunk_bytes])
 
 
 class GetAssembler:
     """Collects a Get stream into one buffer and checks it against the header's checksum."""
 
     def __init__(self) -> None:
-        self._buf: bytearray | None = None
-        self._pos = 0
-        self._expected = 0
+        self._header: pb.GetHeader | None = None
+        self._chunks: list[Buffer] = []
+        self._received = 0
         self.tier: str | None = None
 
-    def feed(self, msg: pb.GetResponse) -> None:
-        if msg.WhichOneof("msg") == "header":
-            self._buf = bytearray(msg.header.size_bytes)
-            self._expected = msg.header.xxh3_64
+    def feed(self, msg: pb.GetResponse | RawChunk) -> None:
+        if isinstance(msg, RawChunk):
+            data: Buffer = msg.data
+        elif msg.WhichOneof("msg") == "header":
+            self._header = msg.header
             self.tier = PB_TO_TIER[msg.header.tier]
             return
-        if self._buf is None:
+        else:
+            data = msg.chunk
+        if self._header is None:
             raise KVTierError("protocol error: data before header in a Get stream")
-        end = self._pos + len(msg.chunk)
-        if end > len(self._buf):
+        self._received += len(data)
+        if self._received > self._header.size_bytes:
             raise DataLoss("the daemon sent more bytes than the block holds")
-        self._buf[self._pos : end] = msg.chunk
-        self._pos = end
+        self._chunks.append(data)
 
     def result(self) -> bytes:
-        if self._buf is None:
+        if self._header is None:
             raise KVTierError("protocol error: empty Get stream")
-        if self._pos != len(self._buf) or xxhash.xxh3_64_intdigest(self._buf) != self._expected:
+        data = b"".join(self._chunks)
+        if len(data) != self._header.size_bytes or (
+            xxhash.xxh3_64_intdigest(data) != self._header.xxh3_64
+        ):
             raise DataLoss("block bytes did not arrive intact; retry the get")
-        return bytes(self._buf)
+        return data
 
 
 def stats_dict(resp: pb.StatsResponse) -> dict[str, Any]:

@@ -10,6 +10,12 @@ import grpc
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
+from kvtier._wire import (
+    GET_METHOD,
+    PUT_METHOD,
+    get_response_deserializer,
+    put_request_serializer,
+)
 from kvtier.client._common import (
     CHANNEL_OPTIONS,
     PB_TO_TIER,
@@ -34,21 +40,36 @@ class AsyncClient:
         self.timeout_s = timeout_s
         self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVTierStub(self._channel)
+        self._put = self._channel.stream_unary(
+            PUT_METHOD,
+            request_serializer=put_request_serializer,
+            response_deserializer=pb.PutResponse.FromString,
+        )
+        self._get = self._channel.unary_stream(
+            GET_METHOD,
+            request_serializer=pb.GetRequest.SerializeToString,
+            response_deserializer=get_response_deserializer,
+        )
 
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         await self.close()
 
     async def close(self) -> None:
         await self._channel.close()
 
-    async def put(self, namespace: str, key: bytes | str, data: Buffer,
-                  overwrite: bool = False) -> bool:
+    async def put(
+        self, namespace: str, key: bytes | str, data: Buffer, overwrite: bool = False
+    ) -> bool:
         try:
-            resp = await self._stub.Put(
+            resp = await self._put(
                 put_messages(namespace, as_key(key), data, overwrite), timeout=self.timeout_s
             )
         except grpc.RpcError as err:
@@ -58,7 +79,7 @@ class AsyncClient:
     async def get(self, namespace: str, key: bytes | str) -> bytes | None:
         out = GetAssembler()
         try:
-            async for msg in self._stub.Get(
+            async for msg in self._get(
                 pb.GetRequest(namespace=namespace, key=as_key(key)), timeout=self.timeout_s
             ):
                 out.feed(msg)
@@ -105,7 +126,7 @@ class AsyncClient:
             )
         except grpc.RpcError as err:
             raise translate(err) from None
-        return resp.deleted
+        return bool(resp.deleted)
 
     async def stats(self) -> dict[str, Any]:
         try:

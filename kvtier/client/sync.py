@@ -10,6 +10,12 @@ import grpc
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
+from kvtier._wire import (
+    GET_METHOD,
+    PUT_METHOD,
+    get_response_deserializer,
+    put_request_serializer,
+)
 from kvtier.client._common import (
     CHANNEL_OPTIONS,
     PB_TO_TIER,
@@ -37,12 +43,26 @@ class Client:
         self.timeout_s = timeout_s
         self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVTierStub(self._channel)
+        self._put = self._channel.stream_unary(
+            PUT_METHOD,
+            request_serializer=put_request_serializer,
+            response_deserializer=pb.PutResponse.FromString,
+        )
+        self._get = self._channel.unary_stream(
+            GET_METHOD,
+            request_serializer=pb.GetRequest.SerializeToString,
+            response_deserializer=get_response_deserializer,
+        )
 
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     def close(self) -> None:
@@ -51,7 +71,7 @@ class Client:
     def put(self, namespace: str, key: bytes | str, data: Buffer, overwrite: bool = False) -> bool:
         """Store `data`; True if stored now, False if these exact bytes were already there."""
         try:
-            resp = self._stub.Put(
+            resp = self._put(
                 put_messages(namespace, as_key(key), data, overwrite), timeout=self.timeout_s
             )
         except grpc.RpcError as err:
@@ -62,7 +82,7 @@ class Client:
         """The block's bytes, exactly as put, or None when it is not cached."""
         out = GetAssembler()
         try:
-            for msg in self._stub.Get(
+            for msg in self._get(
                 pb.GetRequest(namespace=namespace, key=as_key(key)), timeout=self.timeout_s
             ):
                 out.feed(msg)
@@ -111,7 +131,7 @@ class Client:
             )
         except grpc.RpcError as err:
             raise translate(err) from None
-        return resp.deleted
+        return bool(resp.deleted)
 
     def stats(self) -> dict[str, Any]:
         """Counters and, under "tiers", each tier's used_bytes and capacity_bytes."""

@@ -18,14 +18,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from kvtier.tiers.allocator import Extent
 
 BlockId = tuple[str, bytes]  # (namespace id, key)
 
 
-class TierName(str, Enum):
+class TierName(StrEnum):
     HBM = "hbm"
     DRAM = "dram"
     NVME = "nvme"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import os
 import signal
@@ -16,16 +18,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from kvtier import __version__
-from kvtier._proto import kvtier_pb2, kvtier_pb2_grpc
 from kvtier.config import Config, load_config
 from kvtier.errors import ConfigError
 from kvtier.server.metrics import StoreCollector
-from kvtier.server.service import KVTierService
+from kvtier.server.service import SERVICE_NAME, KVTierService, add_to_server
 from kvtier.server.store import Store
 from kvtier.sizes import human_size
 
 logger = logging.getLogger("kvtier")
-SERVICE_NAME = kvtier_pb2.DESCRIPTOR.services_by_name["KVTier"].full_name
 
 
 def message_limit_bytes(config: Config) -> int:
@@ -39,6 +39,24 @@ def grpc_options(config: Config) -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
     ]
+
+
+def tune_malloc() -> None:
+    """Keep freed message buffers in the heap instead of returning them to the kernel.
+
+    gRPC allocates a fresh buffer per 1 MiB chunk; with glibc's defaults each one is a new
+    mmap whose pages fault in on first touch, which halves Get throughput (measured:
+    0.25 -> 0.5 GB/s for 4 MiB blocks over UDS). Raising the mmap and trim thresholds
+    lets malloc reuse warm pages. No effect (and no error) on a libc without mallopt.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 64 << 20)
+    mallopt(m_trim_threshold, 1 << 30)
 
 
 def setup_logging(level: str) -> None:
@@ -87,9 +105,7 @@ class Daemon:
         server = grpc.aio.server(
             options=grpc_options(cfg), maximum_concurrent_rpcs=cfg.server.max_concurrent_rpcs
         )
-        kvtier_pb2_grpc.add_KVTierServicer_to_server(
-            KVTierService(store, cfg, lambda: self.draining), server
-        )
+        add_to_server(KVTierService(store, cfg, lambda: self.draining), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         if cfg.server.reflection:
@@ -104,8 +120,7 @@ class Daemon:
             _prepare_unix_socket(sock_path)
             old_umask = os.umask(0o007)  # the socket's group is the access control
         else:
-            logger.warning("listening on TCP %s without TLS: any local process can connect",
-                           listen)
+            logger.warning("listening on TCP %s without TLS: any local process can connect", listen)
         try:
             port = server.add_insecure_port(listen)
         except RuntimeError as err:
@@ -129,8 +144,11 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, self._reload)
-        nvme = (f"nvme {human_size(store.nvme.capacity_bytes)} at {store.nvme.root}"
-                if store.nvme else "nvme off")
+        nvme = (
+            f"nvme {human_size(store.nvme.capacity_bytes)} at {store.nvme.root}"
+            if store.nvme
+            else "nvme off"
+        )
         print(
             f"kvtier {__version__} serving on {listen} "
             f"(dram {human_size(store.dram.capacity_bytes)}, {nvme})",
@@ -166,6 +184,7 @@ class Daemon:
 
 def serve(config: Config, config_path: Path | None) -> int:
     setup_logging(config.log.level)
+    tune_malloc()
     try:
         return asyncio.run(Daemon(config, config_path).run())
     except ConfigError as err:

@@ -20,8 +20,9 @@ class StoreCollector(Collector):
         cap = GaugeMetricFamily("kvtier_tier_capacity_bytes", "Capacity of a tier", labels=["tier"])
         blocks = GaugeMetricFamily("kvtier_tier_blocks", "Blocks held by a tier", labels=["tier"])
         hits = CounterMetricFamily("kvtier_hits", "Gets served, by tier", labels=["tier"])
-        evictions = CounterMetricFamily("kvtier_evictions", "Blocks evicted from a tier",
-                                        labels=["tier"])
+        evictions = CounterMetricFamily(
+            "kvtier_evictions", "Blocks evicted from a tier", labels=["tier"]
+        )
         for t in s.tiers:
             used.add_metric([t.name], t.used_bytes)
             cap.add_metric([t.name], t.capacity_bytes)
@@ -31,10 +32,14 @@ class StoreCollector(Collector):
         yield from (used, cap, blocks, hits, evictions)
         yield CounterMetricFamily("kvtier_misses", "Gets that found nothing", value=s.misses)
         yield CounterMetricFamily("kvtier_puts", "Blocks stored", value=s.puts)
-        yield CounterMetricFamily("kvtier_demotions", "Blocks moved DRAM -> NVMe",
-                                  value=s.demotions)
-        yield CounterMetricFamily("kvtier_checksum_failures",
-                                  "Stored records that failed verification (served as misses)",
-                                  value=s.checksum_failures)
-        yield CounterMetricFamily("kvtier_dropped_blocks", "Blocks evicted from every tier",
-                                  value=s.dropped_blocks)
+        yield CounterMetricFamily(
+            "kvtier_demotions", "Blocks moved DRAM -> NVMe", value=s.demotions
+        )
+        yield CounterMetricFamily(
+            "kvtier_checksum_failures",
+            "Stored records that failed verification (served as misses)",
+            value=s.checksum_failures,
+        )
+        yield CounterMetricFamily(
+            "kvtier_dropped_blocks", "Blocks evicted from every tier", value=s.dropped_blocks
+        )

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import grpc
 
 from kvtier._proto import kvtier_pb2 as pb
-from kvtier._proto import kvtier_pb2_grpc as pb_grpc
+from kvtier._wire import RawChunk, get_response_serializer, put_request_deserializer
 from kvtier.config import Config
 from kvtier.errors import InvalidArgument, KVTierError, NotFound, Unavailable
 from kvtier.index.catalog import BlockId, Entry, TierName
 from kvtier.keys import DEFAULT_TENANT, check_key, check_namespace, namespace_id
 from kvtier.server.store import Store
 
+Ctx = grpc.aio.ServicerContext[Any, Any]
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVTier"].full_name
 TIER_TO_PB: dict[TierName | None, pb.Tier.ValueType] = {
     None: pb.TIER_UNSPECIFIED,
     TierName.HBM: pb.TIER_HBM,
@@ -31,14 +34,14 @@ TIER_NAME_TO_PB: dict[str | None, pb.Tier.ValueType] = {
 
 
 @asynccontextmanager
-async def _status(context: grpc.aio.ServicerContext[object, object]) -> AsyncIterator[None]:
+async def _status(context: Ctx) -> AsyncIterator[None]:
     try:
         yield
     except KVTierError as err:
         await context.abort(err.grpc_code, str(err))
 
 
-class KVTierService(pb_grpc.KVTierServicer):
+class KVTierService:
     def __init__(self, store: Store, config: Config, draining: Callable[[], bool]) -> None:
         self._store = store
         self._limits = config.limits
@@ -46,19 +49,17 @@ class KVTierService(pb_grpc.KVTierServicer):
         self._draining = draining
 
     # ---- helpers ------------------------------------------------------------------------
-    def _tenant(self, context: grpc.aio.ServicerContext[object, object]) -> str:
+    def _tenant(self, context: Ctx) -> str:
         # Single-tenant for now; authentication (bearer tokens, mTLS) will map to tenants.
         return DEFAULT_TENANT
 
-    def _ns_id(self, context: grpc.aio.ServicerContext[object, object], namespace: str) -> str:
+    def _ns_id(self, context: Ctx, namespace: str) -> str:
         if self._draining():
             raise Unavailable("kvtier is shutting down; retry against the restarted daemon")
         check_namespace(namespace, self._limits.max_namespace_chars)
         return namespace_id(self._tenant(context), namespace)
 
-    def _block_id(
-        self, context: grpc.aio.ServicerContext[object, object], namespace: str, key: bytes
-    ) -> BlockId:
+    def _block_id(self, context: Ctx, namespace: str, key: bytes) -> BlockId:
         ns_id = self._ns_id(context, namespace)
         return ns_id, check_key(key, self._limits.max_key_bytes)
 
@@ -77,21 +78,24 @@ class KVTierService(pb_grpc.KVTierServicer):
     # ---- RPCs ---------------------------------------------------------------------------
     async def Put(
         self,
-        request_iterator: AsyncIterator[pb.PutRequest],
-        context: grpc.aio.ServicerContext[pb.PutRequest, pb.PutResponse],
+        request_iterator: AsyncIterator[pb.PutRequest | RawChunk],
+        context: Ctx,
     ) -> pb.PutResponse:
         async with _status(context):
             first = await anext(aiter(request_iterator), None)
-            if first is None or first.WhichOneof("msg") != "header":
+            if not isinstance(first, pb.PutRequest) or first.WhichOneof("msg") != "header":
                 raise InvalidArgument("a put stream must start with a header message")
             header = first.header
             block_id = self._block_id(context, header.namespace, header.key)
             writer = await self._store.put_begin(block_id, header.size_bytes, header.overwrite)
             try:
                 async for msg in request_iterator:
-                    if msg.WhichOneof("msg") != "chunk":
+                    if isinstance(msg, RawChunk):
+                        writer.write(msg.data)
+                    elif msg.WhichOneof("msg") == "chunk":
+                        writer.write(msg.chunk)
+                    else:
                         raise InvalidArgument("only data chunks may follow the put header")
-                    writer.write(msg.chunk)
                 result = await self._store.put_commit(writer, header.xxh3_64)
             finally:
                 self._store.put_abort(writer)
@@ -106,8 +110,8 @@ class KVTierService(pb_grpc.KVTierServicer):
     async def Get(
         self,
         request: pb.GetRequest,
-        context: grpc.aio.ServicerContext[pb.GetRequest, pb.GetResponse],
-    ) -> AsyncIterator[pb.GetResponse]:
+        context: Ctx,
+    ) -> AsyncIterator[pb.GetResponse | RawChunk]:
         async with _status(context):
             block_id = self._block_id(context, request.namespace, request.key)
             reader = await self._store.open_block(block_id)
@@ -122,14 +126,14 @@ class KVTierService(pb_grpc.KVTierServicer):
                     )
                 )
                 for chunk in reader.chunks(self._chunk_bytes):
-                    yield pb.GetResponse(chunk=chunk)
+                    yield RawChunk(chunk)
             finally:
                 reader.close()
 
     async def Lookup(
         self,
         request: pb.LookupRequest,
-        context: grpc.aio.ServicerContext[pb.LookupRequest, pb.LookupResponse],
+        context: Ctx,
     ) -> pb.LookupResponse:
         async with _status(context):
             ns_id = self._ns_id(context, request.namespace)
@@ -144,7 +148,7 @@ class KVTierService(pb_grpc.KVTierServicer):
     async def Stat(
         self,
         request: pb.StatRequest,
-        context: grpc.aio.ServicerContext[pb.StatRequest, pb.StatResponse],
+        context: Ctx,
     ) -> pb.StatResponse:
         async with _status(context):
             entry = self._store.stat(self._block_id(context, request.namespace, request.key))
@@ -156,13 +160,11 @@ class KVTierService(pb_grpc.KVTierServicer):
     async def List(
         self,
         request: pb.ListRequest,
-        context: grpc.aio.ServicerContext[pb.ListRequest, pb.ListEntry],
+        context: Ctx,
     ) -> AsyncIterator[pb.ListEntry]:
         async with _status(context):
             if request.namespace:
-                entries = self._store.catalog.entries(
-                    ns_id=self._ns_id(context, request.namespace)
-                )
+                entries = self._store.catalog.entries(ns_id=self._ns_id(context, request.namespace))
             else:
                 if self._draining():
                     raise Unavailable("kvtier is shutting down")
@@ -177,7 +179,7 @@ class KVTierService(pb_grpc.KVTierServicer):
     async def Delete(
         self,
         request: pb.DeleteRequest,
-        context: grpc.aio.ServicerContext[pb.DeleteRequest, pb.DeleteResponse],
+        context: Ctx,
     ) -> pb.DeleteResponse:
         async with _status(context):
             deleted = self._store.delete(self._block_id(context, request.namespace, request.key))
@@ -187,7 +189,7 @@ class KVTierService(pb_grpc.KVTierServicer):
     async def Stats(
         self,
         request: pb.StatsRequest,
-        context: grpc.aio.ServicerContext[pb.StatsRequest, pb.StatsResponse],
+        context: Ctx,
     ) -> pb.StatsResponse:
         s = self._store.stats()
         from kvtier import __version__
@@ -214,3 +216,45 @@ class KVTierService(pb_grpc.KVTierServicer):
             version=__version__,
             nvme_direct_io=s.nvme_direct_io,
         )
+
+
+def add_to_server(service: KVTierService, server: grpc.aio.Server) -> None:
+    """Register the service, with the copy-saving chunk codecs on Put and Get."""
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+        "Put": grpc.stream_unary_rpc_method_handler(
+            service.Put,
+            request_deserializer=put_request_deserializer,
+            response_serializer=pb.PutResponse.SerializeToString,
+        ),
+        "Get": grpc.unary_stream_rpc_method_handler(
+            service.Get,
+            request_deserializer=pb.GetRequest.FromString,
+            response_serializer=get_response_serializer,
+        ),
+        "Lookup": grpc.unary_unary_rpc_method_handler(
+            service.Lookup,
+            request_deserializer=pb.LookupRequest.FromString,
+            response_serializer=pb.LookupResponse.SerializeToString,
+        ),
+        "Stat": grpc.unary_unary_rpc_method_handler(
+            service.Stat,
+            request_deserializer=pb.StatRequest.FromString,
+            response_serializer=pb.StatResponse.SerializeToString,
+        ),
+        "List": grpc.unary_stream_rpc_method_handler(
+            service.List,
+            request_deserializer=pb.ListRequest.FromString,
+            response_serializer=pb.ListEntry.SerializeToString,
+        ),
+        "Delete": grpc.unary_unary_rpc_method_handler(
+            service.Delete,
+            request_deserializer=pb.DeleteRequest.FromString,
+            response_serializer=pb.DeleteResponse.SerializeToString,
+        ),
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            service.Stats,
+            request_deserializer=pb.StatsRequest.FromString,
+            response_serializer=pb.StatsResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -83,8 +83,9 @@ class _Counters:
 class PutWriter:
     """Bytes of one block arriving into its reserved DRAM extent."""
 
-    def __init__(self, block_id: BlockId, size_bytes: int, overwrite: bool, extent: Extent,
-                 view: memoryview) -> None:
+    def __init__(
+        self, block_id: BlockId, size_bytes: int, overwrite: bool, extent: Extent, view: memoryview
+    ) -> None:
         self.block_id = block_id
         self.size_bytes = size_bytes
         self.overwrite = overwrite
@@ -94,7 +95,7 @@ class PutWriter:
         self.received_bytes = 0
         self.done = False
 
-    def write(self, chunk: bytes) -> None:
+    def write(self, chunk: bytes | bytearray | memoryview) -> None:
         end = self.received_bytes + len(chunk)
         if end > self.size_bytes:
             raise InvalidArgument(
@@ -114,8 +115,14 @@ class PutWriter:
 class BlockReader:
     """A pinned block's bytes, valid until `close()`."""
 
-    def __init__(self, store: Store, entry: Entry, tier: TierName, data: memoryview,
-                 backing: mmap.mmap | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        entry: Entry,
+        tier: TierName,
+        data: memoryview,
+        backing: mmap.mmap | None = None,
+    ) -> None:
         self._store = store
         self._entry = entry
         self.tier = tier
@@ -125,9 +132,10 @@ class BlockReader:
         self._backing = backing
         self._closed = False
 
-    def chunks(self, chunk_bytes: int) -> Iterator[bytes]:
+    def chunks(self, chunk_bytes: int) -> Iterator[memoryview]:
+        """Views of the block's bytes; valid until `close()` (the block stays pinned)."""
         for start in range(0, self.size_bytes, chunk_bytes):
-            yield bytes(self._data[start : start + chunk_bytes])
+            yield self._data[start : start + chunk_bytes]
 
     def close(self) -> None:
         if self._closed:
@@ -145,11 +153,15 @@ class Store:
     def __init__(self, config: Config) -> None:
         self.config = config.resolved()
         self.catalog = Catalog()
-        self.dram = DramTier(self.config.dram.capacity_bytes)
+        self.dram = DramTier(self.config.dram.capacity_bytes, self.config.dram.prefault)
         nvme_cfg = self.config.nvme
         self.nvme: NvmeTier | None = (
-            NvmeTier(Path(nvme_cfg.path), nvme_cfg.capacity_bytes, nvme_cfg.direct_io,
-                     nvme_cfg.sync_writes)
+            NvmeTier(
+                Path(nvme_cfg.path),
+                nvme_cfg.capacity_bytes,
+                nvme_cfg.direct_io,
+                nvme_cfg.sync_writes,
+            )
             if nvme_cfg.enabled
             else None
         )
@@ -170,16 +182,27 @@ class Store:
         records = sorted(report.records, key=lambda r: r.header.generation)
         for rec in records:
             h = rec.header
-            self.catalog.add(Entry((h.ns_id, h.key), h.payload_bytes, h.xxh3_64, h.generation,
-                                   nvme_record_bytes=h.record_bytes))
+            self.catalog.add(
+                Entry(
+                    (h.ns_id, h.key),
+                    h.payload_bytes,
+                    h.xxh3_64,
+                    h.generation,
+                    nvme_record_bytes=h.record_bytes,
+                )
+            )
             self._next_generation = max(self._next_generation, h.generation + 1)
         self._counters.checksum_failures += report.dropped_corrupt
         self._make_nvme_room(0)
         logger.info(
             "NVMe tier at %s: recovered %d blocks (%s), dropped %d unreadable and %d stale "
             "records, removed %d temporary files; direct I/O %s",
-            self.nvme.root, len(records), human_size(self.catalog.nvme_used_bytes),
-            report.dropped_corrupt, report.dropped_stale, report.removed_temporary,
+            self.nvme.root,
+            len(records),
+            human_size(self.catalog.nvme_used_bytes),
+            report.dropped_corrupt,
+            report.dropped_stale,
+            report.removed_temporary,
             "on" if self.nvme.direct_io else "off",
         )
 
@@ -248,8 +271,13 @@ class Store:
                     "replace it, or use a key that names these bytes"
                 )
             self._discard(existing)
-        entry = Entry(writer.block_id, writer.size_bytes, digest, self._take_generation(),
-                      dram_extent=writer.extent)
+        entry = Entry(
+            writer.block_id,
+            writer.size_bytes,
+            digest,
+            self._take_generation(),
+            dram_extent=writer.extent,
+        )
         writer.done = True
         writer.release()
         self.catalog.add(entry)
@@ -306,13 +334,26 @@ class Store:
     def stats(self) -> StoreStats:
         c = self._counters
         tiers = [
-            TierUsage("dram", self.dram.used_bytes, self.dram.capacity_bytes,
-                      self.catalog.count(TierName.DRAM), c.hits["dram"], c.evictions["dram"]),
+            TierUsage(
+                "dram",
+                self.dram.used_bytes,
+                self.dram.capacity_bytes,
+                self.catalog.count(TierName.DRAM),
+                c.hits["dram"],
+                c.evictions["dram"],
+            ),
         ]
         if self.nvme is not None:
-            tiers.append(TierUsage("nvme", self.catalog.nvme_used_bytes, self.nvme.capacity_bytes,
-                                   self.catalog.count(TierName.NVME), c.hits["nvme"],
-                                   c.evictions["nvme"]))
+            tiers.append(
+                TierUsage(
+                    "nvme",
+                    self.catalog.nvme_used_bytes,
+                    self.nvme.capacity_bytes,
+                    self.catalog.count(TierName.NVME),
+                    c.hits["nvme"],
+                    c.evictions["nvme"],
+                )
+            )
         return StoreStats(
             tiers=tiers,
             hits=sum(c.hits.values()),
@@ -366,9 +407,9 @@ class Store:
 
     async def _evict_from_dram(self, entry: Entry) -> None:
         try:
-            if self.nvme is not None and not entry.nvme_record_bytes:
-                if await self._write_nvme(entry, evicting=True):
-                    self._counters.demotions += 1
+            wanted = self.nvme is not None and not entry.nvme_record_bytes
+            if wanted and await self._write_nvme(entry, evicting=True):
+                self._counters.demotions += 1
         finally:
             entry.demoting = False
         self._counters.evictions["dram"] += 1
@@ -392,9 +433,12 @@ class Store:
         try:
             record_bytes = await self.io.run(self.nvme.write, header, [view])
         except OSError as err:
-            logger.warning("could not write a %s record to NVMe (%s); the block %s",
-                           human_size(need), err.strerror or err,
-                           "is dropped" if evicting else "stays in DRAM only")
+            logger.warning(
+                "could not write a %s record to NVMe (%s); the block %s",
+                human_size(need),
+                err.strerror or err,
+                "is dropped" if evicting else "stays in DRAM only",
+            )
             return False
         finally:
             view.release()
@@ -446,8 +490,9 @@ class Store:
         assert self.nvme is not None
         if isinstance(err, CorruptRecord):
             self._counters.checksum_failures += 1
-            logger.warning("NVMe record failed verification (%s); served as a miss and dropped",
-                           err)
+            logger.warning(
+                "NVMe record failed verification (%s); served as a miss and dropped", err
+            )
         else:
             logger.warning("NVMe record unreadable (%s); served as a miss and dropped", err)
         if self.catalog.is_live(entry) and entry.nvme_record_bytes:
@@ -473,6 +518,11 @@ class Store:
     @staticmethod
     def _record_header(entry: Entry) -> RecordHeader:
         ns_id, key = entry.block_id
-        return RecordHeader(ns_id=ns_id, key=key, generation=entry.generation,
-                            payload_bytes=entry.size_bytes, xxh3_64=entry.xxh3_64,
-                            header_bytes=header_size_for(ns_id, key))
+        return RecordHeader(
+            ns_id=ns_id,
+            key=key,
+            generation=entry.generation,
+            payload_bytes=entry.size_bytes,
+            xxh3_64=entry.xxh3_64,
+            header_bytes=header_size_for(ns_id, key),
+        )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 
 from kvtier.tiers.allocator import Extent, ExtentAllocator
 
@@ -23,11 +24,15 @@ ALIGN_BYTES = 4096
 class DramTier:
     name = "dram"
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, prefault: bool = True) -> None:
         self.capacity_bytes = capacity_bytes - capacity_bytes % ALIGN_BYTES
         self._fd = os.memfd_create("kvtier-dram", os.MFD_CLOEXEC)
         os.ftruncate(self._fd, self.capacity_bytes)
-        self._map = mmap.mmap(self._fd, self.capacity_bytes)
+        started_s = time.perf_counter()
+        # Faulting pages in at start keeps page faults (a third of put time) off the hot path.
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
+        self._map = mmap.mmap(self._fd, self.capacity_bytes, flags=flags)
+        self.startup_s = time.perf_counter() - started_s
         self._view = memoryview(self._map)
         self._allocator = ExtentAllocator(self.capacity_bytes, ALIGN_BYTES)
 

@@ -97,9 +97,18 @@ def decode_header(data: bytes | memoryview) -> RecordHeader:
     """Parse and verify a header region; CorruptRecord says what is wrong."""
     if len(data) < _FIXED.size:
         raise CorruptRecord("record shorter than its fixed header")
-    (magic, version, codec, header_bytes, generation, payload_bytes, xxh3_64, ns_len, key_len, _) = (
-        _FIXED.unpack_from(data, 0)
-    )
+    (
+        magic,
+        version,
+        codec,
+        header_bytes,
+        generation,
+        payload_bytes,
+        xxh3_64,
+        ns_len,
+        key_len,
+        _,
+    ) = _FIXED.unpack_from(data, 0)
     if magic != MAGIC:
         raise CorruptRecord("bad magic")
     if version != VERSION:
@@ -226,7 +235,9 @@ class NvmeTier:
                 header = decode_header(first + fh.read(header.header_bytes - ALIGN_BYTES))
             size = os.fstat(fh.fileno()).st_size
         if size != header.record_bytes:
-            raise CorruptRecord(f"record is {size} bytes on disk, header says {header.record_bytes}")
+            raise CorruptRecord(
+                f"record is {size} bytes on disk, header says {header.record_bytes}"
+            )
         if path != self.record_path(header.ns_id, header.key, header.generation):
             raise CorruptRecord("record is not where its header says it belongs")
         return header
