@@ -141,9 +141,9 @@ class BlockReader:
         if self._closed:
             return
         self._closed = True
-        self._data.release()
-        if self._backing is not None:
-            self._backing.close()
+        # Chunk views may outlive this call inside gRPC's buffers, so the NVMe read buffer
+        # is left to the garbage collector rather than closed here.
+        del self._data, self._backing
         self._store._unpin(self._entry)
 
 

@@ -1,0 +1,157 @@
+"""Shared fixtures: a real daemon process on a real socket, and reproducible block data."""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import kvtier
+
+_POOL = os.urandom(48 << 20)
+
+
+def block_bytes(seed: int, size_bytes: int) -> bytes:
+    """Distinct, reproducible bytes for block `seed` without holding every block in memory."""
+    head = seed.to_bytes(8, "little")
+    body = size_bytes - len(head)
+    if body <= 0:
+        return head[:size_bytes]
+    start = (seed * 2_654_435_761) % (len(_POOL) - body + 1)
+    return head + _POOL[start : start + body]
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+class DaemonProcess:
+    """`kvtier serve` in a child process; `target` is the address it printed."""
+
+    def __init__(self, workdir: Path, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.workdir = workdir
+        self.args = args
+        self.env = env
+        self.proc: subprocess.Popen[str] | None = None
+        self.target = ""
+        self.log_path = workdir / "daemon.log"
+        self.banner = ""
+
+    @property
+    def nvme_path(self) -> Path:
+        return self.workdir / "nvme"
+
+    def start(self, timeout_s: float = 30.0) -> DaemonProcess:
+        env = dict(os.environ, **(self.env or {}))
+        log = self.log_path.open("a")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier", "serve", *self.args],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=env,
+        )
+        log.close()
+        assert self.proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout_s):
+            self.kill()
+            raise AssertionError(f"daemon did not start in {timeout_s} s:\n{self.log()}")
+        self.banner = self.proc.stdout.readline()
+        match = re.search(r"serving on (\S+)", self.banner)
+        if not match:
+            self.proc.wait(10)
+            raise AssertionError(f"daemon failed to start: {self.banner!r}\n{self.log()}")
+        self.target = match.group(1)
+        return self
+
+    def client(self, **kwargs: object) -> kvtier.Client:
+        return kvtier.Client(self.target, **kwargs)  # type: ignore[arg-type]
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def terminate(self, timeout_s: float = 60.0) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout_s)
+        self._close_pipe()
+        return code
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def restart(self) -> DaemonProcess:
+        if self.proc is not None and self.proc.poll() is None:
+            self.terminate()
+        return self.start()
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    # Short path: a UNIX socket path must fit in 108 bytes.
+    path = Path(tempfile.mkdtemp(prefix="kvt-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def start_daemon(workdir: Path) -> Iterator[object]:
+    """start_daemon(dram="64MiB", nvme="1GiB", listen=None, extra=[...]) -> DaemonProcess."""
+    started: list[DaemonProcess] = []
+
+    def start(
+        dram: str = "128MiB",
+        nvme: str = "1GiB",
+        listen: str | None = None,
+        extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> DaemonProcess:
+        args = [
+            "--listen",
+            listen or f"unix://{workdir / 'kvtier.sock'}",
+            "--dram-capacity",
+            dram,
+            "--nvme-path",
+            str(workdir / "nvme"),
+            "--nvme-capacity",
+            nvme,
+            *(extra or []),
+        ]
+        daemon = DaemonProcess(workdir, args, env)
+        started.append(daemon)
+        return daemon.start()
+
+    yield start
+    for daemon in started:
+        daemon.kill()
