@@ -84,6 +84,7 @@ class DaemonProcess:
         match = re.search(r"serving on (\S+)", self.banner)
         if not match:
             self.proc.wait(10)
+            self._close_pipe()
             raise AssertionError(f"daemon failed to start: {self.banner!r}\n{self.log()}")
         self.target = match.group(1)
         return self
