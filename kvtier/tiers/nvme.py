@@ -44,6 +44,7 @@ ALIGN_BYTES = 4096
 _FIXED = struct.Struct("<8sHHIQQQHHI")
 _CHECKSUM = struct.Struct("<Q")
 RECORD_SUFFIX = ".kvr"
+_MAX_HEADER_BYTES = 64 << 10  # longest namespace and key fit many times over
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,12 +228,13 @@ class NvmeTier:
 
     def _read_header(self, path: Path) -> RecordHeader:
         with path.open("rb", buffering=0) as fh:
-            first = fh.read(ALIGN_BYTES)
-            header = decode_header(first) if len(first) >= ALIGN_BYTES else None
-            if header is None:
+            data = fh.read(ALIGN_BYTES)
+            if len(data) < _FIXED.size:
                 raise CorruptRecord("truncated header")
-            if header.header_bytes > ALIGN_BYTES:
-                header = decode_header(first + fh.read(header.header_bytes - ALIGN_BYTES))
+            header_bytes = _FIXED.unpack_from(data, 0)[3]
+            if ALIGN_BYTES < header_bytes <= _MAX_HEADER_BYTES:
+                data += fh.read(header_bytes - ALIGN_BYTES)
+            header = decode_header(data)
             size = os.fstat(fh.fileno()).st_size
         if size != header.record_bytes:
             raise CorruptRecord(

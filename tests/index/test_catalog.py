@@ -1,0 +1,111 @@
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
+
+from kvtier.index.catalog import Catalog, Entry, TierName
+from kvtier.tiers.allocator import Extent
+
+NS = "default|m/l"
+KEYS = st.binary(min_size=1, max_size=3)
+
+
+class CatalogMachine(RuleBasedStateMachine):
+    """Residency, accounting, victims and lookups stay consistent under any sequence."""
+
+    entries = Bundle("entries")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.catalog = Catalog()
+        self.offset = 0
+        self.generation = 0
+
+    @rule(target=entries, key=KEYS, size=st.integers(1, 10_000))
+    def add(self, key: bytes, size: int) -> Entry:
+        old = self.catalog.get((NS, key))
+        if old is not None:
+            self.catalog.remove(old)
+        self.generation += 1
+        extent = Extent(self.offset, 4096 * (size // 4096 + 1))
+        self.offset += extent.size_bytes
+        entry = Entry((NS, key), size, 0, self.generation, dram_extent=extent)
+        self.catalog.add(entry)
+        return entry
+
+    @rule(entry=entries)
+    def demote(self, entry: Entry) -> None:
+        if self.catalog.is_live(entry) and not entry.nvme_record_bytes:
+            self.catalog.set_nvme(entry, entry.size_bytes + 4096)
+            self.catalog.drop_dram(entry)
+
+    @rule(entry=entries)
+    def pin(self, entry: Entry) -> None:
+        Catalog.pin(entry)
+
+    @rule(entry=entries)
+    def unpin(self, entry: Entry) -> None:
+        if entry.pins:
+            Catalog.unpin(entry)
+
+    @rule(entry=entries)
+    def touch(self, entry: Entry) -> None:
+        if self.catalog.is_live(entry):
+            self.catalog.touch(entry)
+
+    @rule(entry=entries)
+    def drop_nvme(self, entry: Entry) -> None:
+        self.catalog.drop_nvme(entry)
+
+    @rule(entry=entries)
+    def remove(self, entry: Entry) -> None:
+        self.catalog.remove(entry)
+
+    @rule(keys=st.lists(KEYS, max_size=6))
+    def lookup_is_a_prefix(self, keys: list[bytes]) -> None:
+        result = self.catalog.lookup(NS, keys)
+        assert len(result.tiers) == len(keys)
+        present = [t is not None for t in result.tiers]
+        assert all(present[: result.prefix_blocks])
+        assert result.prefix_blocks == len(keys) or not present[result.prefix_blocks]
+        for key, tier in zip(keys, result.tiers, strict=True):
+            entry = self.catalog.get((NS, key))
+            assert tier == (entry.fastest_tier.value if entry and entry.fastest_tier else None)
+
+    @invariant()
+    def victims_are_never_pinned(self) -> None:
+        for victim in (*self.catalog.dram_victims(), *self.catalog.nvme_victims()):
+            assert victim.pins == 0 and not victim.demoting
+
+    @invariant()
+    def accounting_matches_live_entries(self) -> None:
+        live = list(self.catalog.entries())
+        assert all(e.tiers for e in live), "an entry with no copy must not be listed"
+        dram = sum(e.dram_extent.size_bytes for e in live if e.dram_extent)
+        nvme = sum(e.nvme_record_bytes for e in live)
+        assert self.catalog.dram_used_bytes == dram
+        assert self.catalog.nvme_used_bytes == nvme
+        assert self.catalog.count(TierName.DRAM) == sum(1 for e in live if e.dram_extent)
+        assert self.catalog.count(TierName.NVME) == sum(1 for e in live if e.nvme_record_bytes)
+
+    @invariant()
+    def victims_come_least_recently_used_first(self) -> None:
+        order = [e.block_id for e in self.catalog.dram_victims()]
+        assert len(order) == len(set(order))
+
+
+TestCatalogMachine = CatalogMachine.TestCase
+TestCatalogMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+
+
+def test_lru_order_follows_touches() -> None:
+    catalog = Catalog()
+    entries = [Entry((NS, bytes([i])), 1, 0, i, dram_extent=Extent(i * 4096, 4096))
+               for i in range(4)]
+    for entry in entries:
+        catalog.add(entry)
+    catalog.touch(entries[0])
+    Catalog.pin(entries[1])
+    assert [e.block_id[1] for e in catalog.dram_victims()] == [b"\2", b"\3", b"\0"]
+    assert [e.block_id[1] for e in catalog.dram_only()] == [b"\0", b"\3", b"\2", b"\1"]
