@@ -22,8 +22,9 @@ def test_embedded_default_parses_back_to_the_defaults(tmp_path: Path) -> None:
 
 
 def test_dump_round_trips(tmp_path: Path) -> None:
-    config = load_config(None, {"dram": {"capacity_bytes": "3GiB"}, "nvme": {"io_threads": 7}},
-                         environ={})
+    config = load_config(
+        None, {"dram": {"capacity_bytes": "3GiB"}, "nvme": {"io_threads": 7}}, environ={}
+    )
     path = tmp_path / "dump.toml"
     path.write_text(dump_toml(config))
     assert load_config(path, environ={}) == config
@@ -31,7 +32,9 @@ def test_dump_round_trips(tmp_path: Path) -> None:
 
 def test_precedence_defaults_file_dropins_env_flags(tmp_path: Path) -> None:
     path = tmp_path / "kvtier.toml"
-    path.write_text('[dram]\ncapacity_bytes = "2GiB"\n[nvme]\nio_threads = 2\n[log]\nlevel = "warning"\n')
+    path.write_text(
+        '[dram]\ncapacity_bytes = "2GiB"\n[nvme]\nio_threads = 2\n[log]\nlevel = "warning"\n'
+    )
     dropins = tmp_path / "kvtier.toml.d"
     dropins.mkdir()
     (dropins / "10-nvme.toml").write_text("[nvme]\nio_threads = 3\nsync_writes = true\n")

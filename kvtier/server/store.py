@@ -16,6 +16,7 @@ Get lifecycle: `open_block` (pins, reads from NVMe if needed) -> `BlockReader.ch
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import mmap
 import time
@@ -368,6 +369,8 @@ class Store:
 
     # ---- making room --------------------------------------------------------------------
     async def _reserve_dram(self, size_bytes: int) -> Extent:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.limits.reserve_wait_s
         while True:
             extent = self.dram.allocate(size_bytes)
             if extent is not None:
@@ -376,9 +379,11 @@ class Store:
             if victims:
                 await asyncio.gather(*(self._evict_from_dram(v) for v in victims))
                 continue
-            if self._busy_in_dram():
-                waiter = self._space_freed
-                await waiter.wait()
+            # Everything left is being written or read; wait (bounded) for some to finish.
+            remaining = deadline - loop.time()
+            if remaining > 0 and self._busy_in_dram():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._space_freed.wait(), remaining)
                 continue
             raise ResourceExhausted(
                 f"no room for a {size_bytes}-byte block: DRAM is full of blocks being written "

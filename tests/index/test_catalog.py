@@ -101,8 +101,9 @@ TestCatalogMachine.settings = settings(max_examples=150, stateful_step_count=50,
 
 def test_lru_order_follows_touches() -> None:
     catalog = Catalog()
-    entries = [Entry((NS, bytes([i])), 1, 0, i, dram_extent=Extent(i * 4096, 4096))
-               for i in range(4)]
+    entries = [
+        Entry((NS, bytes([i])), 1, 0, i, dram_extent=Extent(i * 4096, 4096)) for i in range(4)
+    ]
     for entry in entries:
         catalog.add(entry)
     catalog.touch(entries[0])

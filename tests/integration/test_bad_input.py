@@ -36,17 +36,21 @@ def assert_intact(daemon: DaemonProcess) -> None:
 
 def raw_stub(daemon: DaemonProcess) -> tuple[grpc.Channel, pb_grpc.KVTierStub]:
     target = daemon.target
-    channel = grpc.insecure_channel(
-        target, options=[("grpc.max_send_message_length", 64 << 20)]
-    )
+    channel = grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)])
     return channel, pb_grpc.KVTierStub(channel)
 
 
-def put_stream(ns: str, key: bytes, data: bytes, declared: int | None = None,
-               checksum: int | None = None) -> Iterator[pb.PutRequest]:
-    yield pb.PutRequest(header=pb.PutHeader(
-        namespace=ns, key=key, size_bytes=len(data) if declared is None else declared,
-        xxh3_64=xxhash.xxh3_64_intdigest(data) if checksum is None else checksum))
+def put_stream(
+    ns: str, key: bytes, data: bytes, declared: int | None = None, checksum: int | None = None
+) -> Iterator[pb.PutRequest]:
+    yield pb.PutRequest(
+        header=pb.PutHeader(
+            namespace=ns,
+            key=key,
+            size_bytes=len(data) if declared is None else declared,
+            xxh3_64=xxhash.xxh3_64_intdigest(data) if checksum is None else checksum,
+        )
+    )
     for start in range(0, len(data), 1 << 20):
         yield pb.PutRequest(chunk=data[start : start + (1 << 20)])
 
@@ -65,7 +69,11 @@ def put_stream(ns: str, key: bytes, data: bytes, declared: int | None = None,
     ],
 )
 def test_bad_put_is_refused_with_code_and_message(
-    daemon: DaemonProcess, namespace: str, key: bytes, size: int, code: grpc.StatusCode,
+    daemon: DaemonProcess,
+    namespace: str,
+    key: bytes,
+    size: int,
+    code: grpc.StatusCode,
     words: str,
 ) -> None:
     channel, stub = raw_stub(daemon)
@@ -93,8 +101,15 @@ def test_put_stream_that_ends_early_stores_nothing(daemon: DaemonProcess) -> Non
     data = block_bytes(99, 10 << 20)
     channel, stub = raw_stub(daemon)
     with channel, pytest.raises(grpc.RpcError) as info:
-        stub.Put(put_stream(NS, b"short", data[: 3 << 20], declared=len(data),
-                            checksum=xxhash.xxh3_64_intdigest(data)))
+        stub.Put(
+            put_stream(
+                NS,
+                b"short",
+                data[: 3 << 20],
+                declared=len(data),
+                checksum=xxhash.xxh3_64_intdigest(data),
+            )
+        )
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "ended after 3145728 of the 10485760 bytes" in info.value.details()
     with daemon.client() as client:
@@ -139,13 +154,24 @@ def test_stream_protocol_errors(daemon: DaemonProcess) -> None:
         cases: list[tuple[list[pb.PutRequest], grpc.StatusCode, str]] = [
             ([], grpc.StatusCode.INVALID_ARGUMENT, "must start with a header"),
             ([pb.PutRequest(chunk=b"x")], grpc.StatusCode.INVALID_ARGUMENT, "start with a header"),
-            (list(put_stream(NS, b"over", b"x" * 100, declared=50)),
-             grpc.StatusCode.INVALID_ARGUMENT, "more than the 50 bytes"),
-            ([*put_stream(NS, b"two-headers", b"abc"),
-              pb.PutRequest(header=pb.PutHeader(namespace=NS, key=b"x"))],
-             grpc.StatusCode.INVALID_ARGUMENT, "only data chunks"),
-            (list(put_stream(NS, b"badsum", b"payload", checksum=12345)),
-             grpc.StatusCode.DATA_LOSS, "do not match the checksum"),
+            (
+                list(put_stream(NS, b"over", b"x" * 100, declared=50)),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "more than the 50 bytes",
+            ),
+            (
+                [
+                    *put_stream(NS, b"two-headers", b"abc"),
+                    pb.PutRequest(header=pb.PutHeader(namespace=NS, key=b"x")),
+                ],
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "only data chunks",
+            ),
+            (
+                list(put_stream(NS, b"badsum", b"payload", checksum=12345)),
+                grpc.StatusCode.DATA_LOSS,
+                "do not match the checksum",
+            ),
         ]
         for messages, code, words in cases:
             with pytest.raises(grpc.RpcError) as info:

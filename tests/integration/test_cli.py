@@ -16,11 +16,15 @@ from tests.conftest import DaemonProcess
 StartDaemon = Callable[..., DaemonProcess]
 
 
-def kvtier(*args: str, stdin: bytes = b"", env: dict[str, str] | None = None,
-           check: bool = True) -> subprocess.CompletedProcess[bytes]:
+def kvtier(
+    *args: str, stdin: bytes = b"", env: dict[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess[bytes]:
     result = subprocess.run(
-        [sys.executable, "-m", "kvtier", *args], input=stdin, capture_output=True,
-        env=dict(os.environ, **(env or {})), timeout=60,
+        [sys.executable, "-m", "kvtier", *args],
+        input=stdin,
+        capture_output=True,
+        env=dict(os.environ, **(env or {})),
+        timeout=60,
     )
     if check:
         assert result.returncode == 0, result.stderr.decode()
@@ -84,8 +88,9 @@ def test_config_default_dump_validate(tmp_path: Path) -> None:
     good = tmp_path / "kvtier.toml"
     good.write_text(default.replace('capacity_bytes = "1GiB"', 'capacity_bytes = "3GiB"'))
     assert b"valid" in kvtier("config", "validate", "--config", str(good)).stdout
-    dumped = kvtier("config", "dump", "--config", str(good),
-                    env={"KVTIER_NVME__CAPACITY_BYTES": "5GiB"}).stdout.decode()
+    dumped = kvtier(
+        "config", "dump", "--config", str(good), env={"KVTIER_NVME__CAPACITY_BYTES": "5GiB"}
+    ).stdout.decode()
     assert 'capacity_bytes = "3GiB"' in dumped and 'capacity_bytes = "5GiB"' in dumped
     assert "unix://" in dumped  # paths are resolved in a dump
 
@@ -115,8 +120,11 @@ def test_serve_refuses_invalid_config_naming_key_and_file(
 
 
 def test_serve_with_no_arguments_uses_embedded_defaults(tmp_path: Path) -> None:
-    env = {"XDG_RUNTIME_DIR": str(tmp_path / "run"), "XDG_STATE_HOME": str(tmp_path / "state"),
-           "KVTIER_DRAM__CAPACITY_BYTES": "64MiB"}
+    env = {
+        "XDG_RUNTIME_DIR": str(tmp_path / "run"),
+        "XDG_STATE_HOME": str(tmp_path / "state"),
+        "KVTIER_DRAM__CAPACITY_BYTES": "64MiB",
+    }
     daemon = DaemonProcess(tmp_path, [], env)
     daemon.start()
     try:
@@ -143,8 +151,9 @@ def test_second_daemon_on_the_same_socket_is_refused(start_daemon: StartDaemon) 
         assert client.get("m/l", b"k") == b"still here"
 
 
-def test_sigterm_drains_and_exits_zero_and_sighup_reloads(start_daemon: StartDaemon,
-                                                          tmp_path: Path) -> None:
+def test_sigterm_drains_and_exits_zero_and_sighup_reloads(
+    start_daemon: StartDaemon, tmp_path: Path
+) -> None:
     import signal
     import time
 

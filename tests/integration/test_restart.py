@@ -60,8 +60,9 @@ def test_sigkill_during_puts_keeps_every_block_that_reached_nvme(
         time.sleep(0.05)
     with daemon.client() as probe:
         keys = list(acked)
-        on_nvme = {k for k, t in zip(keys, probe.lookup(NS, keys).tiers, strict=True)
-                   if t == "nvme"}
+        on_nvme = {
+            k for k, t in zip(keys, probe.lookup(NS, keys).tiers, strict=True) if t == "nvme"
+        }
     assert len(on_nvme) > 20, "the test must have spilled blocks to NVMe before the kill"
     daemon.kill()  # SIGKILL while the writers are mid-put
     stop.set()

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -38,7 +40,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @invariant()
     def accounting(self) -> None:
         spans = sorted((e.offset, e.offset + e.size_bytes) for e in self.live)
-        for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+        for (_, end), (start, _) in itertools.pairwise(spans):
             assert end <= start, "two live extents overlap"
         used = sum(e.size_bytes for e in self.live)
         assert self.alloc.used_bytes == used <= CAPACITY
@@ -46,7 +48,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert sum(f.size_bytes for f in free) == CAPACITY - used
         # Free extents are coalesced: no two are adjacent.
         ordered = sorted(free, key=lambda f: f.offset)
-        for a, b in zip(ordered, ordered[1:], strict=False):
+        for a, b in itertools.pairwise(ordered):
             assert a.offset + a.size_bytes < b.offset
 
     def teardown(self) -> None:

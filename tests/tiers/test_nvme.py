@@ -33,8 +33,9 @@ def payload_buffers(data: bytes) -> list[memoryview]:
 
 
 def header_for(key: bytes, data: bytes, generation: int = 1) -> RecordHeader:
-    return RecordHeader(NS, key, generation, len(data), xxhash.xxh3_64_intdigest(data),
-                        header_size_for(NS, key))
+    return RecordHeader(
+        NS, key, generation, len(data), xxhash.xxh3_64_intdigest(data), header_size_for(NS, key)
+    )
 
 
 def write(tier: NvmeTier, key: bytes, data: bytes, generation: int = 1) -> RecordHeader:
@@ -155,8 +156,9 @@ def test_temporary_files_are_removed_at_open(tmp_path: Path) -> None:
     assert report.removed_temporary == 1 and not (tmp_path / "tmp" / "x.tmp").exists()
 
 
-def test_buffered_fallback_is_logged_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_buffered_fallback_is_logged_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setattr(NvmeTier, "_probe_direct_io", lambda self: False)
     with caplog.at_level(logging.WARNING):
         tier = make_tier(tmp_path, direct=True)

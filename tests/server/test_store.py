@@ -1,0 +1,192 @@
+"""The store in-process: eviction, demotion, pins and failures against a model of what was put."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from kvtier.config import Config
+from kvtier.errors import ResourceExhausted
+from kvtier.server.store import Store
+from kvtier.tiers.nvme import NvmeTier
+from tests.conftest import block_bytes
+
+NS = "default|m/l"
+
+
+def make_config(tmp_path: Path, dram: int, nvme: int, **nvme_extra: object) -> Config:
+    return Config.model_validate(
+        {
+            "server": {"listen": f"unix://{tmp_path}/s.sock"},
+            "limits": {"reserve_wait_s": 0.5},
+            "dram": {"capacity_bytes": dram, "prefault": False},
+            "nvme": {
+                "path": str(tmp_path / "nvme"),
+                "capacity_bytes": nvme,
+                "io_threads": 3,
+                **nvme_extra,
+            },
+        }
+    )
+
+
+async def put(store: Store, key: bytes, data: bytes, overwrite: bool = False) -> None:
+    writer = await store.put_begin((NS, key), len(data), overwrite)
+    try:
+        for start in range(0, len(data), 1 << 20):
+            writer.write(data[start : start + (1 << 20)])
+        await store.put_commit(writer, 0)
+    finally:
+        store.put_abort(writer)
+
+
+async def get(store: Store, key: bytes) -> bytes | None:
+    reader = await store.open_block((NS, key))
+    if reader is None:
+        return None
+    try:
+        return b"".join(bytes(c) for c in reader.chunks(1 << 20))
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_random_operations_match_a_model(tmp_path: Path, seed: int) -> None:
+    store = Store(make_config(tmp_path, 4 << 20, 64 << 20))
+    await store.start()
+    rng = random.Random(seed)
+    model: dict[bytes, bytes] = {}
+    for step in range(300):
+        key = f"k{rng.randrange(40)}".encode()
+        op = rng.random()
+        if op < 0.45:
+            data = block_bytes(step, rng.choice([1, 4096, 70_000, 1 << 20, 1_500_000]))
+            await put(store, key, data, overwrite=True)
+            model[key] = data
+        elif op < 0.85:
+            assert await get(store, key) == model.get(key)
+        else:
+            assert store.delete((NS, key)) == (key in model)
+            model.pop(key, None)
+        assert store.dram.used_bytes <= store.dram.capacity_bytes
+        assert store.catalog.nvme_used_bytes <= 64 << 20
+    for key, data in model.items():
+        assert await get(store, key) == data
+    await store.close()
+    # Everything on disk after a restart is exactly what the model holds (or absent).
+    again = Store(make_config(tmp_path, 4 << 20, 64 << 20))
+    await again.start()
+    for entry in list(again.catalog.entries()):
+        key = entry.block_id[1]
+        assert await get(again, key) == model[key]
+    await again.close()
+
+
+async def test_concurrent_puts_into_a_tiny_arena_do_not_deadlock(tmp_path: Path) -> None:
+    store = Store(make_config(tmp_path, 4 << 20, 256 << 20))
+    await store.start()
+    blocks = {f"c{i}".encode(): block_bytes(i, 1 << 20) for i in range(40)}
+    await asyncio.wait_for(asyncio.gather(*(put(store, k, v) for k, v in blocks.items())), 60)
+    for key, data in blocks.items():
+        assert await get(store, key) == data
+    await store.close()
+
+
+async def test_a_pinned_block_is_never_evicted_or_reused(tmp_path: Path) -> None:
+    store = Store(make_config(tmp_path, 4 << 20, 64 << 20))
+    await store.start()
+    await put(store, b"pinned", block_bytes(1, 1 << 20))
+    reader = await store.open_block((NS, b"pinned"))
+    assert reader is not None
+    for i in range(12):  # 12 MiB through a 4 MiB arena while the reader holds its pin
+        await put(store, f"f{i}".encode(), block_bytes(100 + i, 1 << 20))
+    assert store.lookup(NS, [b"pinned"]).tiers == ["dram"]
+    assert b"".join(bytes(c) for c in reader.chunks(65536)) == block_bytes(1, 1 << 20)
+    # Deleting it while it is read: gone from lookups at once, memory freed at close.
+    used = store.dram.used_bytes
+    assert store.delete((NS, b"pinned"))
+    assert await get(store, b"pinned") is None
+    assert store.dram.used_bytes == used
+    reader.close()
+    assert store.dram.used_bytes == used - (1 << 20)
+    await store.close()
+
+
+async def test_full_of_pinned_blocks_is_resource_exhausted(tmp_path: Path) -> None:
+    store = Store(make_config(tmp_path, 2 << 20, 64 << 20))
+    await store.start()
+    readers = []
+    for i in range(2):
+        await put(store, f"p{i}".encode(), block_bytes(i, 1 << 20))
+        reader = await store.open_block((NS, f"p{i}".encode()))
+        assert reader is not None
+        readers.append(reader)
+    with pytest.raises(ResourceExhausted, match="retry later"):
+        await put(store, b"more", block_bytes(9, 1 << 20))
+    for reader in readers:
+        reader.close()
+    await put(store, b"more", block_bytes(9, 1 << 20))
+    assert await get(store, b"more") == block_bytes(9, 1 << 20)
+    await store.close()
+
+
+async def test_disk_full_drops_blocks_but_never_corrupts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = Store(make_config(tmp_path, 2 << 20, 64 << 20))
+    await store.start()
+    real_write = NvmeTier.write
+    full = True
+
+    def write(self: NvmeTier, header: object, payload: object) -> int:
+        if full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(self, header, payload)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(NvmeTier, "write", write)
+    for i in range(6):
+        await put(store, f"e{i}".encode(), block_bytes(i, 1 << 20))
+    stats = store.stats()
+    assert stats.dropped_blocks >= 4 and stats.demotions == 0
+    for i in range(6):
+        assert await get(store, f"e{i}".encode()) in (None, block_bytes(i, 1 << 20))
+    assert await get(store, b"e5") == block_bytes(5, 1 << 20)
+    full = False
+    for i in range(6, 10):
+        await put(store, f"e{i}".encode(), block_bytes(i, 1 << 20))
+    assert store.stats().demotions >= 1
+    assert not list((tmp_path / "nvme" / "tmp").iterdir())
+    await store.close()
+
+
+async def test_flush_writes_dram_only_blocks(tmp_path: Path) -> None:
+    store = Store(make_config(tmp_path, 8 << 20, 64 << 20))
+    await store.start()
+    for i in range(5):
+        await put(store, f"f{i}".encode(), block_bytes(i, 500_000))
+    assert await store.flush() == 5
+    assert await store.flush() == 0
+    assert set(store.lookup(NS, [f"f{i}".encode() for i in range(5)]).tiers) == {"dram"}
+    await store.close()
+    again = Store(make_config(tmp_path, 8 << 20, 64 << 20))
+    await again.start()
+    assert [await get(again, f"f{i}".encode()) for i in range(5)] == [
+        block_bytes(i, 500_000) for i in range(5)
+    ]
+    await again.close()
+
+
+async def test_without_nvme_blocks_are_dropped_lru(tmp_path: Path) -> None:
+    store = Store(make_config(tmp_path, 2 << 20, 64 << 20, enabled=False))
+    await store.start()
+    for i in range(4):
+        await put(store, f"n{i}".encode(), block_bytes(i, 1 << 20))
+    assert await get(store, b"n0") is None
+    assert await get(store, b"n3") == block_bytes(3, 1 << 20)
+    assert [t.name for t in store.stats().tiers] == ["dram"]
+    await store.close()
