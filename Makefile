@@ -1,0 +1,51 @@
+# kvtier — the two commands a new machine needs: `make serve` and `make test`.
+# Each creates the virtual environment it needs (.venv) on first use.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-dev
+
+.PHONY: serve test check lint typecheck proto proto-check bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+## serve: run the daemon with the embedded default configuration (pass flags in ARGS=...)
+serve: $(STAMP)
+	$(BIN)/kvtier serve $(ARGS)
+
+## test: the whole test suite (real daemons on real sockets; about 3 minutes on 2 cores)
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## check: everything CI runs: generated code, lint, types, tests
+check: proto-check lint typecheck test
+
+lint: $(STAMP)
+	$(BIN)/ruff format --check kvtier tests scripts
+	$(BIN)/ruff check kvtier tests scripts
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+## proto: regenerate kvtier/_proto from proto/
+proto: $(STAMP)
+	$(BIN)/python scripts/gen_proto.py
+
+## proto-check: fail if the committed generated code is not what proto/ generates
+proto-check: proto
+	git diff --exit-code -- kvtier/_proto || \
+	  (echo "kvtier/_proto is stale: run 'make proto' and commit" >&2; exit 1)
+	test -z "$$(git status --porcelain -- kvtier/_proto)" || \
+	  (echo "kvtier/_proto has untracked generated files" >&2; exit 1)
+
+## bench: put/get throughput through the client, against memcpy measured in the same run
+bench: $(STAMP)
+	$(BIN)/python -m kvtier.bench.daemon $(ARGS)
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Benchmarks: scripts anyone can run; each reports a same-run reference beside its figures."""
