@@ -417,6 +417,11 @@ class Store:
                 self._counters.demotions += 1
         finally:
             entry.demoting = False
+        if entry.pins:
+            # A reader pinned it while it was being written out: its DRAM copy stays (now
+            # also on NVMe, so a later eviction is free) and is freed no earlier than unpin.
+            self._signal_space()
+            return
         self._counters.evictions["dram"] += 1
         live = self.catalog.is_live(entry)
         extent = self.catalog.drop_dram(entry)

@@ -190,3 +190,38 @@ async def test_without_nvme_blocks_are_dropped_lru(tmp_path: Path) -> None:
     assert await get(store, b"n3") == block_bytes(3, 1 << 20)
     assert [t.name for t in store.stats().tiers] == ["dram"]
     await store.close()
+
+
+async def test_a_block_read_while_it_is_being_demoted_keeps_its_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    store = Store(make_config(tmp_path, 2 << 20, 64 << 20))
+    await store.start()
+    release = threading.Event()
+    real_write = NvmeTier.write
+
+    def slow_write(self: NvmeTier, header: object, payload: object) -> int:
+        release.wait(10)
+        return real_write(self, header, payload)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(NvmeTier, "write", slow_write)
+    await put(store, b"a", block_bytes(1, 1 << 20))
+    await put(store, b"b", block_bytes(2, 1 << 20))
+    third = asyncio.ensure_future(put(store, b"c", block_bytes(3, 1 << 20)))
+    while not any(e.demoting for e in store.catalog.entries()):
+        await asyncio.sleep(0.01)
+    demoting = next(e for e in store.catalog.entries() if e.demoting)
+    reader = await store.open_block(demoting.block_id)  # pinned mid-demotion, from DRAM
+    assert reader is not None and reader.tier.value == "dram"
+    release.set()
+    await asyncio.wait_for(third, 10)
+    for i in range(4, 8):  # more traffic that would reuse a freed extent
+        await put(store, f"x{i}".encode(), block_bytes(i, 1 << 20))
+    seed = 1 if demoting.block_id[1] == b"a" else 2
+    assert b"".join(bytes(c) for c in reader.chunks(1 << 20)) == block_bytes(seed, 1 << 20)
+    reader.close()
+    assert await get(store, demoting.block_id[1]) == block_bytes(seed, 1 << 20)
+    assert store.dram.used_bytes <= store.dram.capacity_bytes
+    await store.close()
