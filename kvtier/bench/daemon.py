@@ -56,10 +56,24 @@ def memcpy_gbps(src: list[bytes], dst: list[bytearray]) -> float:
 
 def start_daemon(workdir: Path, listen: str, dram: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier", "serve", "--listen", listen, "--dram-capacity", dram,
-         "--nvme-path", str(workdir / "nvme"), "--nvme-capacity", "8GiB",
-         "--log-level", "warning"],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "kvtier",
+            "serve",
+            "--listen",
+            listen,
+            "--dram-capacity",
+            dram,
+            "--nvme-path",
+            str(workdir / "nvme"),
+            "--nvme-capacity",
+            "8GiB",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None
     match = re.search(r"serving on (\S+)", proc.stdout.readline())
@@ -93,15 +107,28 @@ def run(target: str, transport: str, block_bytes: int, pool_bytes: int, rounds: 
             for key in keys:
                 client.delete("bench/blocks", key)
     put_m, get_m, copy_m = (statistics.median(x) for x in (puts, gets, copies))
-    return Figures(transport, block_bytes, count * block_bytes, rounds, round(put_m, 3),
-                   round(get_m, 3), round(copy_m, 3), round(put_m / copy_m, 4),
-                   round(get_m / copy_m, 4), [round(x, 3) for x in puts],
-                   [round(x, 3) for x in gets], [round(x, 3) for x in copies])
+    return Figures(
+        transport,
+        block_bytes,
+        count * block_bytes,
+        rounds,
+        round(put_m, 3),
+        round(get_m, 3),
+        round(copy_m, 3),
+        round(put_m / copy_m, 4),
+        round(get_m / copy_m, 4),
+        [round(x, 3) for x in puts],
+        [round(x, 3) for x in gets],
+        [round(x, 3) for x in copies],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.daemon", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m kvtier.bench.daemon",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--block-size", default="4MiB")
     parser.add_argument("--pool", default="256MiB", help="distinct bytes cycled per round")
     parser.add_argument("--rounds", type=int, default=5)
@@ -128,11 +155,14 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(60)
                 if proc.stdout:
                     proc.stdout.close()
-    machine = {"cpus": os.cpu_count(), "machine": platform.machine(),
-               "python": platform.python_version(), "kvtier": kvtier.__version__}
+    machine = {
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "kvtier": kvtier.__version__,
+    }
     if args.json:
-        print(json.dumps({"machine": machine, "results": [asdict(r) for r in results]},
-                         indent=2))
+        print(json.dumps({"machine": machine, "results": [asdict(r) for r in results]}, indent=2))
         return 0
     print(f"kvtier {kvtier.__version__}, {os.cpu_count()} CPUs, Python {machine['python']}")
     for r in results:

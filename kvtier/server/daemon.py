@@ -100,8 +100,19 @@ class Daemon:
 
     async def run(self) -> int:
         cfg = self.config
-        store = Store(cfg)
-        await store.start()
+        try:
+            store = Store(cfg)
+        except OSError as err:
+            raise ConfigError(
+                f"dram.capacity_bytes: cannot map a {human_size(cfg.dram.capacity_bytes)} "
+                f"arena: {err.strerror or err}"
+            ) from None
+        try:
+            await store.start()
+        except OSError as err:
+            raise ConfigError(
+                f"nvme.path: cannot use {cfg.nvme.path}: {err.strerror or err}"
+            ) from None
         server = grpc.aio.server(
             options=grpc_options(cfg), maximum_concurrent_rpcs=cfg.server.max_concurrent_rpcs
         )
@@ -139,7 +150,12 @@ class Daemon:
             registry = CollectorRegistry()
             registry.register(StoreCollector(store))
             host, _, mport = cfg.server.metrics_listen.rpartition(":")
-            start_http_server(int(mport), addr=host or "127.0.0.1", registry=registry)
+            try:
+                start_http_server(int(mport), addr=host or "127.0.0.1", registry=registry)
+            except (OSError, ValueError) as err:
+                raise ConfigError(
+                    f"server.metrics_listen: cannot listen on {cfg.server.metrics_listen}: {err}"
+                ) from None
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)

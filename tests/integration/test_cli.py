@@ -176,3 +176,53 @@ def test_sigterm_drains_and_exits_zero_and_sighup_reloads(
         assert client.stats()["version"]  # still serving after a refused reload
     assert daemon.terminate() == 0
     assert "stopped" in daemon.log()
+
+
+def test_unusable_nvme_path_and_port_are_clear_errors(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = kvtier(
+        "serve",
+        "--listen",
+        f"unix://{tmp_path}/s.sock",
+        "--dram-capacity",
+        "8MiB",
+        "--nvme-path",
+        str(blocker / "nvme"),
+        check=False,
+    )
+    assert result.returncode == 2
+    assert b"nvme.path: cannot use" in result.stderr and b"Traceback" not in result.stderr
+    result = kvtier(
+        "serve",
+        "--listen",
+        "256.1.1.1:99999",
+        "--dram-capacity",
+        "8MiB",
+        "--nvme-path",
+        str(tmp_path / "nvme"),
+        check=False,
+    )
+    assert result.returncode == 2 and b"server.listen" in result.stderr
+
+
+def test_metrics_endpoint_exports_tier_usage(start_daemon: StartDaemon) -> None:
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    daemon = start_daemon(
+        dram="8MiB", nvme="32MiB", extra=["--metrics-listen", f"127.0.0.1:{port}"]
+    )
+    with daemon.client() as client:
+        client.put("m/l", b"k", b"v" * 5000)
+        client.get("m/l", b"k")
+        client.get("m/l", b"absent")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert 'kvtier_tier_capacity_bytes{tier="dram"} 8.388608e+06' in text
+    assert 'kvtier_tier_used_bytes{tier="dram"} 8192.0' in text
+    assert 'kvtier_hits_total{tier="dram"} 1.0' in text
+    assert "kvtier_misses_total 1.0" in text
