@@ -199,10 +199,11 @@ async def test_a_block_read_while_it_is_being_demoted_keeps_its_memory(
 
     store = Store(make_config(tmp_path, 2 << 20, 64 << 20))
     await store.start()
-    release = threading.Event()
+    release, entered = threading.Event(), threading.Event()
     real_write = NvmeTier.write
 
     def slow_write(self: NvmeTier, header: object, payload: object) -> int:
+        entered.set()
         release.wait(10)
         return real_write(self, header, payload)  # type: ignore[arg-type]
 
@@ -210,8 +211,7 @@ async def test_a_block_read_while_it_is_being_demoted_keeps_its_memory(
     await put(store, b"a", block_bytes(1, 1 << 20))
     await put(store, b"b", block_bytes(2, 1 << 20))
     third = asyncio.ensure_future(put(store, b"c", block_bytes(3, 1 << 20)))
-    while not any(e.demoting for e in store.catalog.entries()):
-        await asyncio.sleep(0.01)
+    assert await asyncio.to_thread(entered.wait, 10)
     demoting = next(e for e in store.catalog.entries() if e.demoting)
     reader = await store.open_block(demoting.block_id)  # pinned mid-demotion, from DRAM
     assert reader is not None and reader.tier.value == "dram"
