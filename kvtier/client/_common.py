@@ -11,7 +11,14 @@ import grpc
 import xxhash
 
 from kvtier._proto import kvtier_pb2 as pb
-from kvtier._wire import RawChunk
+from kvtier._proto import kvtier_pb2_grpc as pb_grpc
+from kvtier._wire import (
+    GET_METHOD,
+    PUT_METHOD,
+    RawChunk,
+    get_response_deserializer,
+    put_request_serializer,
+)
 from kvtier.config import default_target
 from kvtier.errors import DataLoss, KVTierError, from_grpc_code
 
@@ -28,6 +35,32 @@ PB_TO_TIER: dict[int, str | None] = {
     pb.TIER_NVME: "nvme",
 }
 Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class Calls:
+    """The callables of one channel (blocking or asyncio: their construction is the same)."""
+
+    stub: Any  # KVTierStub or its asyncio twin, by channel type
+    put: Any
+    get: Any
+
+
+def make_calls(channel: Any) -> Calls:
+    """Stubs for `channel`, with the copy-saving chunk codecs on Put and Get."""
+    return Calls(
+        stub=pb_grpc.KVTierStub(channel),
+        put=channel.stream_unary(
+            PUT_METHOD,
+            request_serializer=put_request_serializer,
+            response_deserializer=pb.PutResponse.FromString,
+        ),
+        get=channel.unary_stream(
+            GET_METHOD,
+            request_serializer=pb.GetRequest.SerializeToString,
+            response_deserializer=get_response_deserializer,
+        ),
+    )
 
 
 def normalize_target(target: str | None) -> str:

@@ -9,13 +9,6 @@ from typing import Any
 import grpc
 
 from kvtier._proto import kvtier_pb2 as pb
-from kvtier._proto import kvtier_pb2_grpc as pb_grpc
-from kvtier._wire import (
-    GET_METHOD,
-    PUT_METHOD,
-    get_response_deserializer,
-    put_request_serializer,
-)
 from kvtier.client._common import (
     CHANNEL_OPTIONS,
     PB_TO_TIER,
@@ -24,6 +17,7 @@ from kvtier.client._common import (
     GetAssembler,
     as_key,
     block_stat,
+    make_calls,
     normalize_target,
     put_messages,
     stats_dict,
@@ -39,17 +33,8 @@ class AsyncClient:
         self.target = normalize_target(target)
         self.timeout_s = timeout_s
         self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.KVTierStub(self._channel)
-        self._put = self._channel.stream_unary(
-            PUT_METHOD,
-            request_serializer=put_request_serializer,
-            response_deserializer=pb.PutResponse.FromString,
-        )
-        self._get = self._channel.unary_stream(
-            GET_METHOD,
-            request_serializer=pb.GetRequest.SerializeToString,
-            response_deserializer=get_response_deserializer,
-        )
+        calls = make_calls(self._channel)
+        self._stub, self._put, self._get = calls.stub, calls.put, calls.get
 
     async def __aenter__(self) -> AsyncClient:
         return self

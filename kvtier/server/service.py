@@ -219,42 +219,26 @@ class KVTierService:
 
 
 def add_to_server(service: KVTierService, server: grpc.aio.Server) -> None:
-    """Register the service, with the copy-saving chunk codecs on Put and Get."""
-    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
-        "Put": grpc.stream_unary_rpc_method_handler(
-            service.Put,
-            request_deserializer=put_request_deserializer,
-            response_serializer=pb.PutResponse.SerializeToString,
-        ),
-        "Get": grpc.unary_stream_rpc_method_handler(
-            service.Get,
-            request_deserializer=pb.GetRequest.FromString,
-            response_serializer=get_response_serializer,
-        ),
-        "Lookup": grpc.unary_unary_rpc_method_handler(
-            service.Lookup,
-            request_deserializer=pb.LookupRequest.FromString,
-            response_serializer=pb.LookupResponse.SerializeToString,
-        ),
-        "Stat": grpc.unary_unary_rpc_method_handler(
-            service.Stat,
-            request_deserializer=pb.StatRequest.FromString,
-            response_serializer=pb.StatResponse.SerializeToString,
-        ),
-        "List": grpc.unary_stream_rpc_method_handler(
-            service.List,
-            request_deserializer=pb.ListRequest.FromString,
-            response_serializer=pb.ListEntry.SerializeToString,
-        ),
-        "Delete": grpc.unary_unary_rpc_method_handler(
-            service.Delete,
-            request_deserializer=pb.DeleteRequest.FromString,
-            response_serializer=pb.DeleteResponse.SerializeToString,
-        ),
-        "Stats": grpc.unary_unary_rpc_method_handler(
-            service.Stats,
-            request_deserializer=pb.StatsRequest.FromString,
-            response_serializer=pb.StatsResponse.SerializeToString,
-        ),
-    }
+    """Register every RPC of the proto's service, with the copy-saving chunk codecs on Put/Get.
+
+    Handlers are built from the service descriptor, so a method added to the proto needs
+    only its handler method here.
+    """
+    custom_deserializers: dict[str, Any] = {"Put": put_request_deserializer}
+    custom_serializers: dict[str, Any] = {"Get": get_response_serializer}
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    for method in pb.DESCRIPTOR.services_by_name["KVTier"].methods:
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        make = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(
+            getattr(service, method.name),
+            request_deserializer=custom_deserializers.get(method.name, request_cls.FromString),
+            response_serializer=custom_serializers.get(method.name, response_cls.SerializeToString),
+        )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
