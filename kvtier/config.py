@@ -54,6 +54,9 @@ class LimitsConfig(_Section):
     max_block_bytes: ByteSize = Field(
         64 << 20, gt=0, description="largest block accepted (also capped by the DRAM capacity)"
     )
+    lease_ttl_s: float = Field(
+        30.0, gt=0, description="zero-copy leases not released in this time are reclaimed"
+    )
     reserve_wait_s: float = Field(
         5.0, ge=0, description="how long a put waits for DRAM held by blocks in use to free up"
     )

@@ -97,6 +97,14 @@ _BY_CODE: dict[grpc.StatusCode, type[KVTierError]] = {
 }
 
 
+def from_status_value(value: int, message: str) -> KVTierError:
+    """The exception for a status code sent as a number (per-item results of batch calls)."""
+    for code in grpc.StatusCode:
+        if code.value[0] == value:
+            return from_grpc_code(code, message)
+    return KVTierError(message)
+
+
 def from_grpc_code(code: grpc.StatusCode | None, message: str) -> KVTierError:
     """The kvtier exception a client should raise for a gRPC status."""
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -117,4 +125,5 @@ __all__ = [
     "Unavailable",
     "Unimplemented",
     "from_grpc_code",
+    "from_status_value",
 ]

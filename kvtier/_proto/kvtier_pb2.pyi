@@ -488,6 +488,8 @@ class StatsResponse(_message.Message):
     UPTIME_S_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     NVME_DIRECT_IO_FIELD_NUMBER: _builtins.int
+    LEASES_FIELD_NUMBER: _builtins.int
+    PROMOTIONS_FIELD_NUMBER: _builtins.int
     hits: _builtins.int
     misses: _builtins.int
     puts: _builtins.int
@@ -497,6 +499,10 @@ class StatsResponse(_message.Message):
     uptime_s: _builtins.float
     version: _builtins.str
     nvme_direct_io: _builtins.bool
+    leases: _builtins.int
+    """zero-copy leases held now"""
+    promotions: _builtins.int
+    """blocks copied NVMe -> DRAM for a leased get"""
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierStats]: ...
     def __init__(
@@ -512,11 +518,365 @@ class StatsResponse(_message.Message):
         uptime_s: _builtins.float = ...,
         version: _builtins.str = ...,
         nvme_direct_io: _builtins.bool = ...,
+        leases: _builtins.int = ...,
+        promotions: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum_failures", b"checksum_failures", "demotions", b"demotions", "dropped_blocks", b"dropped_blocks", "hits", b"hits", "misses", b"misses", "nvme_direct_io", b"nvme_direct_io", "puts", b"puts", "tiers", b"tiers", "uptime_s", b"uptime_s", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum_failures", b"checksum_failures", "demotions", b"demotions", "dropped_blocks", b"dropped_blocks", "hits", b"hits", "leases", b"leases", "misses", b"misses", "nvme_direct_io", b"nvme_direct_io", "promotions", b"promotions", "puts", b"puts", "tiers", b"tiers", "uptime_s", b"uptime_s", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatsResponse: _TypeAlias = StatsResponse  # noqa: Y015
+
+@_typing.final
+class AttachRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AttachRequest: _TypeAlias = AttachRequest  # noqa: Y015
+
+@_typing.final
+class AttachResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
+    ARENA_SOCKET_FIELD_NUMBER: _builtins.int
+    ARENA_BYTES_FIELD_NUMBER: _builtins.int
+    LEASE_TTL_S_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.int
+    nonce: _builtins.bytes
+    """present it on the arena socket to receive the arena fd"""
+    arena_socket: _builtins.str
+    """path of the side UNIX socket"""
+    arena_bytes: _builtins.int
+    """size of the mapping"""
+    lease_ttl_s: _builtins.float
+    """leases not released in this time are reclaimed"""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.int = ...,
+        nonce: _builtins.bytes = ...,
+        arena_socket: _builtins.str = ...,
+        arena_bytes: _builtins.int = ...,
+        lease_ttl_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_bytes", b"arena_bytes", "arena_socket", b"arena_socket", "lease_ttl_s", b"lease_ttl_s", "nonce", b"nonce", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AttachResponse: _TypeAlias = AttachResponse  # noqa: Y015
+
+@_typing.final
+class ReserveItem(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    key: _builtins.bytes
+    size_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        key: _builtins.bytes = ...,
+        size_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReserveItem: _TypeAlias = ReserveItem  # noqa: Y015
+
+@_typing.final
+class ReserveRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    ITEMS_FIELD_NUMBER: _builtins.int
+    OVERWRITE_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.int
+    namespace: _builtins.str
+    overwrite: _builtins.bool
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReserveItem]: ...
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.int = ...,
+        namespace: _builtins.str = ...,
+        items: _abc.Iterable[Global___ReserveItem] | None = ...,
+        overwrite: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "namespace", b"namespace", "overwrite", b"overwrite", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReserveRequest: _TypeAlias = ReserveRequest  # noqa: Y015
+
+@_typing.final
+class Slot(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFSET_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    offset: _builtins.int
+    """byte offset of the block in the arena mapping"""
+    size_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        offset: _builtins.int = ...,
+        size_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offset", b"offset", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Slot: _TypeAlias = Slot  # noqa: Y015
+
+@_typing.final
+class ReserveResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    SLOTS_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.int
+    @_builtins.property
+    def slots(self) -> _containers.RepeatedCompositeFieldContainer[Global___Slot]:
+        """one per item, in order"""
+
+    def __init__(
+        self,
+        *,
+        lease_id: _builtins.int = ...,
+        slots: _abc.Iterable[Global___Slot] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "slots", b"slots"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReserveResponse: _TypeAlias = ReserveResponse  # noqa: Y015
+
+@_typing.final
+class CommitRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    XXH3_64_FIELD_NUMBER: _builtins.int
+    ABORT_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.int
+    lease_id: _builtins.int
+    abort: _builtins.bool
+    """give the slots back without storing anything"""
+    @_builtins.property
+    def xxh3_64(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """xxh3-64 of each slot's bytes, in order (0: not sent). A mismatch fails that item."""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.int = ...,
+        lease_id: _builtins.int = ...,
+        xxh3_64: _abc.Iterable[_builtins.int] | None = ...,
+        abort: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "lease_id", b"lease_id", "session_id", b"session_id", "xxh3_64", b"xxh3_64"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitRequest: _TypeAlias = CommitRequest  # noqa: Y015
+
+@_typing.final
+class CommitResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORED_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    stored: _builtins.bool
+    """false: already present with the same bytes"""
+    code: _builtins.int
+    """0 = OK, else a grpc.StatusCode value for this item"""
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        stored: _builtins.bool = ...,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "stored", b"stored"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitResult: _TypeAlias = CommitResult  # noqa: Y015
+
+@_typing.final
+class CommitResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___CommitResult]: ...
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___CommitResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitResponse: _TypeAlias = CommitResponse  # noqa: Y015
+
+@_typing.final
+class AcquireRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.int
+    namespace: _builtins.str
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.int = ...,
+        namespace: _builtins.str = ...,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "namespace", b"namespace", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AcquireRequest: _TypeAlias = AcquireRequest  # noqa: Y015
+
+@_typing.final
+class LeasedBlock(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOUND_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    XXH3_64_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    found: _builtins.bool
+    offset: _builtins.int
+    size_bytes: _builtins.int
+    xxh3_64: _builtins.int
+    tier: Global___Tier.ValueType
+    """where it was before this call (NVMe blocks are promoted to DRAM)"""
+    def __init__(
+        self,
+        *,
+        found: _builtins.bool = ...,
+        offset: _builtins.int = ...,
+        size_bytes: _builtins.int = ...,
+        xxh3_64: _builtins.int = ...,
+        tier: Global___Tier.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found", "offset", b"offset", "size_bytes", b"size_bytes", "tier", b"tier", "xxh3_64", b"xxh3_64"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeasedBlock: _TypeAlias = LeasedBlock  # noqa: Y015
+
+@_typing.final
+class AcquireResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.int
+    """0 when nothing was found"""
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___LeasedBlock]: ...
+    def __init__(
+        self,
+        *,
+        lease_id: _builtins.int = ...,
+        blocks: _abc.Iterable[Global___LeasedBlock] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "lease_id", b"lease_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AcquireResponse: _TypeAlias = AcquireResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    LEASE_IDS_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.int
+    @_builtins.property
+    def lease_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.int = ...,
+        lease_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ids", b"lease_ids", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseRequest: _TypeAlias = ReleaseRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASED_FIELD_NUMBER: _builtins.int
+    released: _builtins.int
+    def __init__(
+        self,
+        *,
+        released: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["released", b"released"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseResponse: _TypeAlias = ReleaseResponse  # noqa: Y015

@@ -70,6 +70,31 @@ class KVTierStub:
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_unary(
+                '/kvtier.v1.KVTier/Attach',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.AttachRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.AttachResponse.FromString,
+                _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/kvtier.v1.KVTier/Reserve',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ReserveResponse.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/kvtier.v1.KVTier/Commit',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.CommitRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.CommitResponse.FromString,
+                _registered_method=True)
+        self.Acquire = channel.unary_unary(
+                '/kvtier.v1.KVTier/Acquire',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.AcquireRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.AcquireResponse.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/kvtier.v1.KVTier/Release',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
 
 
 class KVTierServicer:
@@ -123,6 +148,43 @@ class KVTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attach(self, request, context):
+        """---- zero-copy path for clients on the same node (UNIX socket targets only) ----
+        Open a session: returns where to fetch the shared arena's file descriptor (over
+        SCM_RIGHTS on a side UNIX socket, presenting the nonce). Leases of a session are
+        released when its side connection closes, or when they expire.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reserve(self, request, context):
+        """Two-phase put: reserve arena slots (one lease), write them in place, then Commit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Acquire(self, request, context):
+        """Leased get: pin blocks in the arena (promoting them from NVMe if needed), read them in
+        place, then Release. A leased block is never evicted or moved.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +222,31 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.StatsRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_kvtier__pb2.StatsResponse.SerializeToString,
+            ),
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.AttachRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.AttachResponse.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ReserveRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.ReserveResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.CommitRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.CommitResponse.SerializeToString,
+            ),
+            'Acquire': grpc.unary_unary_rpc_method_handler(
+                    servicer.Acquire,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.AcquireRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.AcquireResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ReleaseRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.ReleaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -351,6 +438,141 @@ class KVTier:
             '/kvtier.v1.KVTier/Stats',
             kvtier_dot_v1_dot_kvtier__pb2.StatsRequest.SerializeToString,
             kvtier_dot_v1_dot_kvtier__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/Attach',
+            kvtier_dot_v1_dot_kvtier__pb2.AttachRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.AttachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/Reserve',
+            kvtier_dot_v1_dot_kvtier__pb2.ReserveRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/Commit',
+            kvtier_dot_v1_dot_kvtier__pb2.CommitRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Acquire(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/Acquire',
+            kvtier_dot_v1_dot_kvtier__pb2.AcquireRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.AcquireResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/Release',
+            kvtier_dot_v1_dot_kvtier__pb2.ReleaseRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -53,6 +53,20 @@ class KVTierStub:
     """Keys held in a namespace (or all namespaces), streamed."""
     Delete: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.DeleteRequest, _kvtier_pb2.DeleteResponse]
     Stats: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.StatsRequest, _kvtier_pb2.StatsResponse]
+    Attach: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.AttachRequest, _kvtier_pb2.AttachResponse]
+    """---- zero-copy path for clients on the same node (UNIX socket targets only) ----
+    Open a session: returns where to fetch the shared arena's file descriptor (over
+    SCM_RIGHTS on a side UNIX socket, presenting the nonce). Leases of a session are
+    released when its side connection closes, or when they expire.
+    """
+    Reserve: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.ReserveRequest, _kvtier_pb2.ReserveResponse]
+    """Two-phase put: reserve arena slots (one lease), write them in place, then Commit."""
+    Commit: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.CommitRequest, _kvtier_pb2.CommitResponse]
+    Acquire: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.AcquireRequest, _kvtier_pb2.AcquireResponse]
+    """Leased get: pin blocks in the arena (promoting them from NVMe if needed), read them in
+    place, then Release. A leased block is never evicted or moved.
+    """
+    Release: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.ReleaseRequest, _kvtier_pb2.ReleaseResponse]
 
 @_typing.type_check_only
 class KVTierAsyncStub(KVTierStub):
@@ -71,6 +85,20 @@ class KVTierAsyncStub(KVTierStub):
     """Keys held in a namespace (or all namespaces), streamed."""
     Delete: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.DeleteRequest, _kvtier_pb2.DeleteResponse]  # type: ignore[assignment]
     Stats: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.StatsRequest, _kvtier_pb2.StatsResponse]  # type: ignore[assignment]
+    Attach: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.AttachRequest, _kvtier_pb2.AttachResponse]  # type: ignore[assignment]
+    """---- zero-copy path for clients on the same node (UNIX socket targets only) ----
+    Open a session: returns where to fetch the shared arena's file descriptor (over
+    SCM_RIGHTS on a side UNIX socket, presenting the nonce). Leases of a session are
+    released when its side connection closes, or when they expire.
+    """
+    Reserve: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.ReserveRequest, _kvtier_pb2.ReserveResponse]  # type: ignore[assignment]
+    """Two-phase put: reserve arena slots (one lease), write them in place, then Commit."""
+    Commit: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.CommitRequest, _kvtier_pb2.CommitResponse]  # type: ignore[assignment]
+    Acquire: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.AcquireRequest, _kvtier_pb2.AcquireResponse]  # type: ignore[assignment]
+    """Leased get: pin blocks in the arena (promoting them from NVMe if needed), read them in
+    place, then Release. A leased block is never evicted or moved.
+    """
+    Release: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.ReleaseRequest, _kvtier_pb2.ReleaseResponse]  # type: ignore[assignment]
 
 class KVTierServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -128,5 +156,49 @@ class KVTierServicer(metaclass=_abc_1.ABCMeta):
         request: _kvtier_pb2.StatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvtier_pb2.StatsResponse, _abc.Awaitable[_kvtier_pb2.StatsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Attach(
+        self,
+        request: _kvtier_pb2.AttachRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvtier_pb2.AttachResponse, _abc.Awaitable[_kvtier_pb2.AttachResponse]]:
+        """---- zero-copy path for clients on the same node (UNIX socket targets only) ----
+        Open a session: returns where to fetch the shared arena's file descriptor (over
+        SCM_RIGHTS on a side UNIX socket, presenting the nonce). Leases of a session are
+        released when its side connection closes, or when they expire.
+        """
+
+    @_abc_1.abstractmethod
+    def Reserve(
+        self,
+        request: _kvtier_pb2.ReserveRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvtier_pb2.ReserveResponse, _abc.Awaitable[_kvtier_pb2.ReserveResponse]]:
+        """Two-phase put: reserve arena slots (one lease), write them in place, then Commit."""
+
+    @_abc_1.abstractmethod
+    def Commit(
+        self,
+        request: _kvtier_pb2.CommitRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvtier_pb2.CommitResponse, _abc.Awaitable[_kvtier_pb2.CommitResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Acquire(
+        self,
+        request: _kvtier_pb2.AcquireRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvtier_pb2.AcquireResponse, _abc.Awaitable[_kvtier_pb2.AcquireResponse]]:
+        """Leased get: pin blocks in the arena (promoting them from NVMe if needed), read them in
+        place, then Release. A leased block is never evicted or moved.
+        """
+
+    @_abc_1.abstractmethod
+    def Release(
+        self,
+        request: _kvtier_pb2.ReleaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvtier_pb2.ReleaseResponse, _abc.Awaitable[_kvtier_pb2.ReleaseResponse]]: ...
 
 def add_KVTierServicer_to_server(servicer: KVTierServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

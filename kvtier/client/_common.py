@@ -158,6 +158,8 @@ def stats_dict(resp: pb.StatsResponse) -> dict[str, Any]:
         "checksum_failures": resp.checksum_failures,
         "dropped_blocks": resp.dropped_blocks,
         "nvme_direct_io": resp.nvme_direct_io,
+        "leases": resp.leases,
+        "promotions": resp.promotions,
         "tiers": {
             t.name: {
                 "used_bytes": t.used_bytes,

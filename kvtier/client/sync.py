@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import builtins
+import logging
 from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
 import grpc
+import xxhash
 
 from kvtier._proto import kvtier_pb2 as pb
+from kvtier._session import Op
 from kvtier.client._common import (
     CHANNEL_OPTIONS,
     PB_TO_TIER,
@@ -23,7 +27,17 @@ from kvtier.client._common import (
     stats_dict,
     translate,
 )
+from kvtier.client.zerocopy import SharedArena, byte_view
+from kvtier.errors import (
+    DataLoss,
+    InvalidArgument,
+    KVTierError,
+    Unavailable,
+    from_status_value,
+)
 from kvtier.index.catalog import LookupResult
+
+logger = logging.getLogger(__name__)
 
 
 class Client:
@@ -38,6 +52,8 @@ class Client:
         self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         calls = make_calls(self._channel)
         self._stub, self._put, self._get = calls.stub, calls.put, calls.get
+        self._arena: SharedArena | None = None
+        self._zero_copy_possible = self.target.startswith("unix:")
 
     def __enter__(self) -> Client:
         return self
@@ -51,6 +67,9 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        if self._arena is not None:
+            self._arena.close()  # the daemon ends the session and any lease left
+            self._arena = None
         self._channel.close()
 
     def put(self, namespace: str, key: bytes | str, data: Buffer, overwrite: bool = False) -> bool:
@@ -125,6 +144,139 @@ class Client:
         except grpc.RpcError as err:
             raise translate(err) from None
         return stats_dict(resp)
+
+    # ---- zero-copy path (same node, UNIX socket) --------------------------------------------
+    def put_from(
+        self, namespace: str, key: bytes | str, buffer: Any, overwrite: bool = False
+    ) -> bool:
+        """Store a block straight from `buffer` through the shared arena (one copy, no gRPC
+        payload). True if stored now, False if the same bytes were already there."""
+        return self.put_many(namespace, [(key, buffer)], overwrite)[0]
+
+    def get_into(
+        self, namespace: str, key: bytes | str, buffer: Any, verify: bool = False
+    ) -> int | None:
+        """Copy a block into `buffer` (any writable buffer); bytes written, or None on a miss."""
+        return self.get_many(namespace, [key], [buffer], verify)[0]
+
+    def put_many(
+        self, namespace: str, items: Sequence[tuple[bytes | str, Any]], overwrite: bool = False
+    ) -> builtins.list[bool]:
+        """Store many blocks with one reserve and one commit round trip."""
+        views = [byte_view(buf, writable=False) for _, buf in items]
+        arena = self._shared_arena()
+        if arena is None:
+            return [
+                self.put(namespace, k, v, overwrite) for (k, _), v in zip(items, views, strict=True)
+            ]
+        try:
+            resp = arena.call(
+                Op.RESERVE,
+                pb.ReserveRequest(
+                    namespace=namespace,
+                    items=[
+                        pb.ReserveItem(key=as_key(k), size_bytes=v.nbytes)
+                        for (k, _), v in zip(items, views, strict=True)
+                    ],
+                    overwrite=overwrite,
+                ),
+                pb.ReserveResponse,
+            )
+            checksums = []
+            try:
+                for slot, view in zip(resp.slots, views, strict=True):
+                    arena.view[slot.offset : slot.offset + slot.size_bytes] = view
+                    checksums.append(xxhash.xxh3_64_intdigest(view))
+            except BaseException:
+                arena.call(
+                    Op.COMMIT,
+                    pb.CommitRequest(lease_id=resp.lease_id, abort=True),
+                    pb.CommitResponse,
+                )
+                raise
+            done = arena.call(
+                Op.COMMIT,
+                pb.CommitRequest(lease_id=resp.lease_id, xxh3_64=checksums),
+                pb.CommitResponse,
+            )
+        except OSError as err:
+            raise self._lost_session(err) from None
+        for result in done.results:
+            if result.code:
+                raise from_status_value(result.code, result.message)
+        return [r.stored for r in done.results]
+
+    def get_many(
+        self,
+        namespace: str,
+        keys: Sequence[bytes | str],
+        buffers: Sequence[Any],
+        verify: bool = False,
+    ) -> builtins.list[int | None]:
+        """Copy many blocks into their buffers with one round trip; None for each miss."""
+        if len(keys) != len(buffers):
+            raise InvalidArgument("get_many needs one buffer per key")
+        views = [byte_view(buf, writable=True) for buf in buffers]
+        arena = self._shared_arena()
+        if arena is None:
+            return [self._get_copy(namespace, k, v) for k, v in zip(keys, views, strict=True)]
+        try:
+            resp = arena.call(
+                Op.ACQUIRE,
+                pb.AcquireRequest(namespace=namespace, keys=[as_key(k) for k in keys]),
+                pb.AcquireResponse,
+            )
+        except OSError as err:
+            raise self._lost_session(err) from None
+        out: builtins.list[int | None] = []
+        try:
+            for block, view in zip(resp.blocks, views, strict=True):
+                if not block.found:
+                    out.append(None)
+                    continue
+                size = block.size_bytes
+                if size > view.nbytes:
+                    raise InvalidArgument(
+                        f"buffer of {view.nbytes} bytes is too small for a {size}-byte block"
+                    )
+                view[:size] = arena.view[block.offset : block.offset + size]
+                if verify and xxhash.xxh3_64_intdigest(view[:size]) != block.xxh3_64:
+                    raise DataLoss("block bytes changed in the shared arena; retry the get")
+                out.append(size)
+        finally:
+            if resp.lease_id:
+                # No reply awaited: the caller has its bytes; the pin goes a moment later.
+                arena.send(Op.RELEASE, pb.ReleaseRequest(lease_ids=[resp.lease_id]))
+        return out
+
+    def _get_copy(self, namespace: str, key: bytes | str, view: memoryview) -> int | None:
+        data = self.get(namespace, key)
+        if data is None:
+            return None
+        if len(data) > view.nbytes:
+            raise InvalidArgument(
+                f"buffer of {view.nbytes} bytes is too small for a {len(data)}-byte block"
+            )
+        view[: len(data)] = data
+        return len(data)
+
+    def _lost_session(self, err: OSError) -> KVTierError:
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None  # the next call attaches again
+        return Unavailable(f"lost the session with the daemon: {err}")
+
+    def _shared_arena(self) -> SharedArena | None:
+        """The mapped arena, attaching on first use; None where zero-copy is unavailable."""
+        if self._arena is None and self._zero_copy_possible:
+            try:
+                self._arena = SharedArena.attach(
+                    self._stub.Attach(pb.AttachRequest(), timeout=self.timeout_s)
+                )
+            except (grpc.RpcError, OSError, KVTierError) as err:
+                self._zero_copy_possible = False
+                logger.info("zero-copy path unavailable (%s); using the gRPC byte path", err)
+        return self._arena
 
     def wait_ready(self, timeout_s: float = 10.0) -> None:
         """Block until the daemon accepts calls (or raise Unavailable after `timeout_s`)."""

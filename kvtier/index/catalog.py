@@ -110,6 +110,15 @@ class Catalog:
             self._nvme_lru[entry.block_id] = None
             self.nvme_used_bytes += record_bytes
 
+    def set_dram(self, entry: Entry, extent: Extent) -> None:
+        """A copy was promoted into DRAM (the entry keeps its NVMe record too)."""
+        if entry.dram_extent is not None:
+            raise ValueError("entry already has a DRAM copy")
+        entry.dram_extent = extent
+        if self._entries.get(entry.block_id) is entry:
+            self._dram_lru[entry.block_id] = None
+            self.dram_used_bytes += extent.size_bytes
+
     def drop_dram(self, entry: Entry) -> Extent | None:
         """Forget the DRAM copy; returns its extent for the caller to free."""
         extent = entry.dram_extent

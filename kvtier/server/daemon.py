@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from kvtier import __version__
 from kvtier.config import Config, load_config
 from kvtier.errors import ConfigError
+from kvtier.server.arena_socket import ArenaSocket
 from kvtier.server.metrics import StoreCollector
 from kvtier.server.service import SERVICE_NAME, KVTierService, add_to_server
 from kvtier.server.store import Store
@@ -100,6 +101,10 @@ class Daemon:
 
     async def run(self) -> int:
         cfg = self.config
+        listen = cfg.server.listen
+        sock_path = _unix_path(listen)
+        if sock_path is not None:
+            _prepare_unix_socket(sock_path)  # before touching the NVMe tier another may own
         try:
             store = Store(cfg)
         except OSError as err:
@@ -116,7 +121,19 @@ class Daemon:
         server = grpc.aio.server(
             options=grpc_options(cfg), maximum_concurrent_rpcs=cfg.server.max_concurrent_rpcs
         )
-        add_to_server(KVTierService(store, cfg, lambda: self.draining), server)
+        arena: ArenaSocket | None = None
+        if sock_path is not None:
+            arena = ArenaSocket(
+                sock_path.with_name(sock_path.name + ".arena"),
+                store.dram.fd,
+                store.dram.capacity_bytes,
+                store.release_session,
+            )
+            await arena.start()
+        service = KVTierService(store, cfg, lambda: self.draining, arena)
+        if arena is not None:
+            arena.set_handler(service.session_call)
+        add_to_server(service, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         if cfg.server.reflection:
@@ -125,10 +142,7 @@ class Daemon:
             reflection.enable_server_reflection(
                 (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
             )
-        listen = cfg.server.listen
-        sock_path = _unix_path(listen)
         if sock_path is not None:
-            _prepare_unix_socket(sock_path)
             old_umask = os.umask(0o007)  # the socket's group is the access control
         else:
             logger.warning("listening on TCP %s without TLS: any local process can connect", listen)
@@ -175,6 +189,8 @@ class Daemon:
         self.draining = True
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=cfg.server.stop_timeout_s / 2)
+        if arena is not None:
+            await arena.close()  # ends every session: their leases are released
         if cfg.nvme.flush_on_stop:
             try:
                 written = await asyncio.wait_for(store.flush(), cfg.server.stop_timeout_s / 2)

@@ -6,19 +6,22 @@ runs its body under `_status`, which aborts with the exception's code and messag
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from kvtier._proto import kvtier_pb2 as pb
+from kvtier._session import REQUEST_TYPES, Op
 from kvtier._wire import RawChunk, get_response_serializer, put_request_deserializer
 from kvtier.config import Config
-from kvtier.errors import InvalidArgument, KVTierError, NotFound, Unavailable
+from kvtier.errors import InvalidArgument, KVTierError, NotFound, Unavailable, Unimplemented
 from kvtier.index.catalog import BlockId, Entry, TierName
 from kvtier.keys import DEFAULT_TENANT, check_key, check_namespace, namespace_id
-from kvtier.server.store import Store
+from kvtier.server.arena_socket import ArenaSocket
+from kvtier.server.store import LeasedSlot, Store
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVTier"].full_name
@@ -42,18 +45,25 @@ async def _status(context: Ctx) -> AsyncIterator[None]:
 
 
 class KVTierService:
-    def __init__(self, store: Store, config: Config, draining: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        store: Store,
+        config: Config,
+        draining: Callable[[], bool],
+        arena: ArenaSocket | None = None,
+    ) -> None:
         self._store = store
         self._limits = config.limits
         self._chunk_bytes = config.server.chunk_bytes
         self._draining = draining
+        self._arena = arena
 
     # ---- helpers ------------------------------------------------------------------------
-    def _tenant(self, context: Ctx) -> str:
+    def _tenant(self, context: Ctx | None) -> str:
         # Single-tenant for now; authentication (bearer tokens, mTLS) will map to tenants.
         return DEFAULT_TENANT
 
-    def _ns_id(self, context: Ctx, namespace: str) -> str:
+    def _ns_id(self, context: Ctx | None, namespace: str) -> str:
         if self._draining():
             raise Unavailable("kvtier is shutting down; retry against the restarted daemon")
         check_namespace(namespace, self._limits.max_namespace_chars)
@@ -215,7 +225,124 @@ class KVTierService:
             uptime_s=s.uptime_s,
             version=__version__,
             nvme_direct_io=s.nvme_direct_io,
+            leases=s.leases,
+            promotions=s.promotions,
         )
+
+    # ---- zero-copy path -------------------------------------------------------------------
+    def _session(self, session_id: int) -> int:
+        if self._arena is None:
+            raise Unimplemented(
+                "the zero-copy path needs the daemon to listen on a UNIX socket; "
+                "use put/get (the gRPC byte path) over TCP"
+            )
+        if not self._arena.is_live(session_id):
+            raise InvalidArgument(f"unknown or ended session {session_id}: call Attach again")
+        return session_id
+
+    async def Attach(self, request: pb.AttachRequest, context: Ctx) -> pb.AttachResponse:
+        async with _status(context):
+            if self._draining():
+                raise Unavailable("kvtier is shutting down")
+            if self._arena is None:
+                self._session(0)  # raises Unimplemented
+            assert self._arena is not None
+            session = self._arena.new_session()
+            return pb.AttachResponse(
+                session_id=session.session_id,
+                nonce=session.nonce,
+                arena_socket=str(self._arena.path),
+                arena_bytes=self._store.dram.capacity_bytes,
+                lease_ttl_s=self._limits.lease_ttl_s,
+            )
+        raise AssertionError("unreachable")
+
+    async def _reserve(self, session_id: int, request: pb.ReserveRequest) -> pb.ReserveResponse:
+        ns_id = self._ns_id(None, request.namespace)
+        items = [
+            ((ns_id, check_key(item.key, self._limits.max_key_bytes)), item.size_bytes)
+            for item in request.items
+        ]
+        lease_id, slots = await self._store.reserve(session_id, items, request.overwrite)
+        return pb.ReserveResponse(
+            lease_id=lease_id,
+            slots=[pb.Slot(offset=s.offset, size_bytes=s.size_bytes) for s in slots],
+        )
+
+    async def _commit(self, session_id: int, request: pb.CommitRequest) -> pb.CommitResponse:
+        outcomes = await self._store.commit(
+            session_id, request.lease_id, list(request.xxh3_64), request.abort
+        )
+        return pb.CommitResponse(
+            results=[
+                pb.CommitResult(
+                    stored=o.stored,
+                    code=o.error.grpc_code.value[0] if o.error else 0,
+                    message=str(o.error) if o.error else "",
+                )
+                for o in outcomes
+            ]
+        )
+
+    async def _acquire(self, session_id: int, request: pb.AcquireRequest) -> pb.AcquireResponse:
+        ns_id = self._ns_id(None, request.namespace)
+        keys = [(ns_id, check_key(k, self._limits.max_key_bytes)) for k in request.keys]
+        lease_id, slots = await self._store.acquire(session_id, keys)
+        return pb.AcquireResponse(lease_id=lease_id, blocks=[_leased(s) for s in slots])
+
+    async def _release(self, session_id: int, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(released=self._store.release(session_id, list(request.lease_ids)))
+
+    async def session_call(self, session_id: int, op: int, payload: bytes) -> tuple[int, bytes]:
+        """A framed request from an attached session's socket (see kvtier._session)."""
+        try:
+            kind = Op(op)
+            request = REQUEST_TYPES[kind].FromString(payload)
+            handlers: dict[Op, Callable[[int, Any], Awaitable[Message]]] = {
+                Op.RESERVE: self._reserve,
+                Op.COMMIT: self._commit,
+                Op.ACQUIRE: self._acquire,
+                Op.RELEASE: self._release,
+            }
+            handler = handlers[kind]
+            response = await handler(session_id, request)
+        except KVTierError as err:
+            return err.grpc_code.value[0], str(err).encode()
+        except (ValueError, DecodeError):
+            return grpc.StatusCode.INVALID_ARGUMENT.value[0], b"malformed session request"
+        return 0, response.SerializeToString()
+
+    async def Reserve(self, request: pb.ReserveRequest, context: Ctx) -> pb.ReserveResponse:
+        async with _status(context):
+            return await self._reserve(self._session(request.session_id), request)
+        raise AssertionError("unreachable")
+
+    async def Commit(self, request: pb.CommitRequest, context: Ctx) -> pb.CommitResponse:
+        async with _status(context):
+            return await self._commit(self._session(request.session_id), request)
+        raise AssertionError("unreachable")
+
+    async def Acquire(self, request: pb.AcquireRequest, context: Ctx) -> pb.AcquireResponse:
+        async with _status(context):
+            return await self._acquire(self._session(request.session_id), request)
+        raise AssertionError("unreachable")
+
+    async def Release(self, request: pb.ReleaseRequest, context: Ctx) -> pb.ReleaseResponse:
+        async with _status(context):
+            return await self._release(self._session(request.session_id), request)
+        raise AssertionError("unreachable")
+
+
+def _leased(slot: LeasedSlot | None) -> pb.LeasedBlock:
+    if slot is None:
+        return pb.LeasedBlock(found=False)
+    return pb.LeasedBlock(
+        found=True,
+        offset=slot.offset,
+        size_bytes=slot.size_bytes,
+        xxh3_64=slot.xxh3_64,
+        tier=TIER_TO_PB[slot.tier],
+    )
 
 
 def add_to_server(service: KVTierService, server: grpc.aio.Server) -> None:

@@ -28,7 +28,15 @@ from typing import Any
 import xxhash
 
 from kvtier.config import Config
-from kvtier.errors import AlreadyExists, CorruptRecord, DataLoss, InvalidArgument, ResourceExhausted
+from kvtier.errors import (
+    AlreadyExists,
+    CorruptRecord,
+    DataLoss,
+    InvalidArgument,
+    KVTierError,
+    NotFound,
+    ResourceExhausted,
+)
 from kvtier.index.catalog import BlockId, Catalog, Entry, LookupResult, TierName
 from kvtier.movers.io import IoPool
 from kvtier.sizes import human_size
@@ -68,6 +76,8 @@ class StoreStats:
     dropped_blocks: int
     uptime_s: float
     nvme_direct_io: bool
+    leases: int
+    promotions: int
 
 
 @dataclass(slots=True)
@@ -77,8 +87,34 @@ class _Counters:
     misses: int = 0
     puts: int = 0
     demotions: int = 0
+    promotions: int = 0
     checksum_failures: int = 0
     dropped_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LeasedSlot:
+    """Where a block (or a reserved slot) lives in the arena mapping."""
+
+    offset: int
+    size_bytes: int
+    xxh3_64: int = 0
+    tier: TierName | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CommitOutcome:
+    stored: bool
+    error: KVTierError | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Lease:
+    lease_id: int
+    session_id: int
+    expires_s: float
+    pinned: list[Entry] = field(default_factory=list)
+    writers: list[PutWriter] = field(default_factory=list)
 
 
 class PutWriter:
@@ -108,6 +144,11 @@ class PutWriter:
 
     def digest(self) -> int:
         return int(self._hasher.intdigest())
+
+    def written_in_place(self) -> None:
+        """The client wrote the whole slot through its own mapping (zero-copy put)."""
+        self._hasher = xxhash.xxh3_64(self._view[: self.size_bytes])
+        self.received_bytes = self.size_bytes
 
     def release(self) -> None:
         self._view.release()
@@ -174,9 +215,14 @@ class Store:
         self._space_freed = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
         self._started_s = time.monotonic()
+        self._leases: dict[int, _Lease] = {}
+        self._next_lease_id = 1
+        self._promotions: dict[Entry, asyncio.Future[bool]] = {}
+        self._expiry_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
+        self._expiry_task = asyncio.ensure_future(self._expire_leases_forever())
         if self.nvme is None:
             return
         report = await self.io.run(self.nvme.open)
@@ -231,9 +277,17 @@ class Store:
         return written
 
     async def close(self) -> None:
+        if self._expiry_task is not None:
+            self._expiry_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry_task
+        for lease_id in list(self._leases):
+            self._end_lease(lease_id)
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         self.io.close()
+        if self.nvme is not None:
+            self.nvme.close()
 
     # ---- put ----------------------------------------------------------------------------
     async def put_begin(self, block_id: BlockId, size_bytes: int, overwrite: bool) -> PutWriter:
@@ -365,7 +419,167 @@ class Store:
             dropped_blocks=c.dropped_blocks,
             uptime_s=time.monotonic() - self._started_s,
             nvme_direct_io=bool(self.nvme and self.nvme.direct_io),
+            leases=len(self._leases),
+            promotions=c.promotions,
         )
+
+    # ---- leases: the zero-copy path -----------------------------------------------------
+    async def reserve(
+        self, session_id: int, items: list[tuple[BlockId, int]], overwrite: bool
+    ) -> tuple[int, list[LeasedSlot]]:
+        """Reserve arena slots for blocks a client will write in place; one lease for all."""
+        writers: list[PutWriter] = []
+        try:
+            for block_id, size_bytes in items:
+                writers.append(await self.put_begin(block_id, size_bytes, overwrite))
+        except BaseException:
+            for writer in writers:
+                self.put_abort(writer)
+            raise
+        lease = self._new_lease(session_id)
+        lease.writers = writers
+        return lease.lease_id, [LeasedSlot(w.extent.offset, w.size_bytes) for w in writers]
+
+    async def commit(
+        self, session_id: int, lease_id: int, checksums: list[int], abort: bool
+    ) -> list[CommitOutcome]:
+        """Make reserved slots visible (each verified on its own), or give them back."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.session_id != session_id or not lease.writers:
+            raise NotFound(f"no reservation with lease {lease_id}: it expired or was committed")
+        if not abort and checksums and len(checksums) != len(lease.writers):
+            raise InvalidArgument(
+                f"commit carries {len(checksums)} checksums for {len(lease.writers)} slots"
+            )
+        del self._leases[lease_id]
+        outcomes: list[CommitOutcome] = []
+        for i, writer in enumerate(lease.writers):
+            if abort:
+                self.put_abort(writer)
+                continue
+            try:
+                writer.written_in_place()
+                result = await self.put_commit(writer, checksums[i] if checksums else 0)
+                outcomes.append(CommitOutcome(stored=not result.already_present))
+            except KVTierError as err:
+                outcomes.append(CommitOutcome(stored=False, error=err))
+            finally:
+                self.put_abort(writer)
+        return outcomes
+
+    async def acquire(
+        self, session_id: int, block_ids: list[BlockId]
+    ) -> tuple[int, list[LeasedSlot | None]]:
+        """Pin blocks in DRAM (promoting NVMe-only ones) under one lease; None for a miss."""
+        pinned: list[Entry] = []
+        slots: list[LeasedSlot | None] = []
+        try:
+            for block_id in block_ids:
+                entry = self.catalog.get(block_id)
+                if entry is None:
+                    self._counters.misses += 1
+                    slots.append(None)
+                    continue
+                self.catalog.touch(entry)
+                self.catalog.pin(entry)
+                pinned.append(entry)
+                tier = entry.fastest_tier
+                if entry.dram_extent is None and not await self._promote(entry):
+                    pinned.pop()
+                    self._unpin(entry)
+                    self._counters.misses += 1
+                    slots.append(None)
+                    continue
+                assert entry.dram_extent is not None and tier is not None
+                self._counters.hits[tier.value] += 1
+                slots.append(
+                    LeasedSlot(entry.dram_extent.offset, entry.size_bytes, entry.xxh3_64, tier)
+                )
+        except BaseException:
+            for entry in pinned:
+                self._unpin(entry)
+            raise
+        if not pinned:
+            return 0, slots
+        lease = self._new_lease(session_id)
+        lease.pinned = pinned
+        return lease.lease_id, slots
+
+    def release(self, session_id: int, lease_ids: list[int]) -> int:
+        released = 0
+        for lease_id in lease_ids:
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.session_id == session_id:
+                self._end_lease(lease_id)
+                released += 1
+        return released
+
+    def release_session(self, session_id: int) -> int:
+        """The client went away: end every lease it held."""
+        ids = [i for i, lease in self._leases.items() if lease.session_id == session_id]
+        return self.release(session_id, ids)
+
+    def _new_lease(self, session_id: int) -> _Lease:
+        ttl_s = self.config.limits.lease_ttl_s
+        lease = _Lease(self._next_lease_id, session_id, time.monotonic() + ttl_s)
+        self._next_lease_id += 1
+        self._leases[lease.lease_id] = lease
+        return lease
+
+    def _end_lease(self, lease_id: int) -> None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return
+        for writer in lease.writers:
+            self.put_abort(writer)
+        for entry in lease.pinned:
+            self._unpin(entry)
+
+    async def _expire_leases_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.config.limits.lease_ttl_s / 4))
+            now = time.monotonic()
+            expired = [i for i, lease in self._leases.items() if lease.expires_s <= now]
+            for lease_id in expired:
+                self._end_lease(lease_id)
+            if expired:
+                logger.warning("reclaimed %d expired leases", len(expired))
+
+    async def _promote(self, entry: Entry) -> bool:
+        """Copy a pinned NVMe-only block into DRAM (verified); False if it cannot be."""
+        pending = self._promotions.get(entry)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._promotions[entry] = future
+        try:
+            ok = await self._promote_once(entry)
+            future.set_result(ok)
+            return ok
+        except BaseException as err:
+            future.set_exception(err)
+            future.exception()  # retrieved here: other waiters re-raise it themselves
+            raise
+        finally:
+            del self._promotions[entry]
+
+    async def _promote_once(self, entry: Entry) -> bool:
+        assert self.nvme is not None and entry.nvme_record_bytes
+        header = self._record_header(entry)
+        extent = await self._reserve_dram(entry.size_bytes)
+        view = self.dram.view(extent)
+        try:
+            await self.io.run(self.nvme.read_into, header, view)
+        except (CorruptRecord, OSError) as err:
+            self.dram.free(extent)
+            self._signal_space()
+            self._on_bad_record(entry, header, err)
+            return False
+        finally:
+            view.release()
+        self.catalog.set_dram(entry, extent)
+        self._counters.promotions += 1
+        return True
 
     # ---- making room --------------------------------------------------------------------
     async def _reserve_dram(self, size_bytes: int) -> Extent:

@@ -37,6 +37,11 @@ class DramTier:
         self._allocator = ExtentAllocator(self.capacity_bytes, ALIGN_BYTES)
 
     @property
+    def fd(self) -> int:
+        """The arena's memfd, handed to local clients for the zero-copy path."""
+        return self._fd
+
+    @property
     def used_bytes(self) -> int:
         return self._allocator.used_bytes
 

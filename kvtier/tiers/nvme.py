@@ -19,6 +19,7 @@ turns into a miss. Restart rebuilds the index from the headers on disk.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import logging
 import mmap
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvtier.errors import CorruptRecord
+from kvtier.errors import ConfigError, CorruptRecord
 from kvtier.movers.io import aligned_buffer
 from kvtier.tiers.allocator import round_up
 
@@ -168,11 +169,13 @@ class NvmeTier:
         self._want_direct = direct_io
         self.direct_io = False
         self._records_dir = root / "v1"
+        self._lock_fd: int | None = None
         self._tmp_dir = root / "tmp"
 
     # ---- start-up ---------------------------------------------------------------------
     def open(self) -> RecoveryReport:
         self._records_dir.mkdir(parents=True, exist_ok=True)
+        self._lock()
         self._tmp_dir.mkdir(parents=True, exist_ok=True)
         removed_tmp = 0
         for stray in self._tmp_dir.iterdir():
@@ -184,6 +187,23 @@ class NvmeTier:
                 "O_DIRECT is not supported on %s; the NVMe tier uses buffered I/O", self.root
             )
         return self._recover(removed_tmp)
+
+    def _lock(self) -> None:
+        """One daemon per directory: a second one would delete the first's temporary files."""
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(
+                f"nvme.path: {self.root} is in use by another kvtier daemon"
+            ) from None
+        self._lock_fd = fd
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def _probe_direct_io(self) -> bool:
         if not hasattr(os, "O_DIRECT"):
@@ -330,21 +350,48 @@ class NvmeTier:
         self._verify(buf, header)
         return buf, header.header_bytes
 
+    def read_into(self, header: RecordHeader, dest: memoryview) -> None:
+        """Read and verify a record's payload straight into `dest` (an aligned extent of
+        round_up(payload, 4096) bytes, e.g. in the DRAM arena). Raises like `read`."""
+        path = self.record_path(header.ns_id, header.key, header.generation)
+        fd = os.open(path, self._flags(os.O_RDONLY))
+        try:
+            size = os.fstat(fd).st_size
+            if size != header.record_bytes or len(dest) != size - header.header_bytes:
+                raise CorruptRecord(f"record is {size} bytes, expected {header.record_bytes}")
+            head = aligned_buffer(header.header_bytes)
+            iov = [memoryview(head), dest]
+            done = 0
+            while done < size:
+                got = os.preadv(fd, iov, done)
+                if got <= 0:
+                    raise CorruptRecord("record ended early")
+                done += got
+                while iov and got >= len(iov[0]):
+                    got -= len(iov[0])
+                    iov.pop(0)
+                if got:
+                    iov[0] = iov[0][got:]
+        finally:
+            os.close(fd)
+        self._check(memoryview(head), dest, header)
+
     @staticmethod
     def _verify(buf: mmap.mmap, expected: RecordHeader) -> None:
         view = memoryview(buf)
-        try:
-            found = decode_header(view[: expected.header_bytes])
-            if found != expected:
-                raise CorruptRecord("header does not match the catalog")
-            start = found.header_bytes
-            end = start + found.payload_bytes
-            if xxhash.xxh3_64_intdigest(view[start:end]) != found.xxh3_64:
-                raise CorruptRecord("payload checksum mismatch")
-            if view[end:].tobytes().strip(b"\0"):
-                raise CorruptRecord("non-zero padding after the payload")
-        finally:
-            view.release()
+        NvmeTier._check(view[: expected.header_bytes], view[expected.header_bytes :], expected)
+
+    @staticmethod
+    def _check(head: memoryview, body: memoryview, expected: RecordHeader) -> None:
+        """Header equal to the catalog's, payload checksum, and zero padding after it."""
+        found = decode_header(head)
+        if found != expected:
+            raise CorruptRecord("header does not match the catalog")
+        end = found.payload_bytes
+        if xxhash.xxh3_64_intdigest(body[:end]) != found.xxh3_64:
+            raise CorruptRecord("payload checksum mismatch")
+        if body[end:].tobytes().strip(b"\0"):
+            raise CorruptRecord("non-zero padding after the payload")
 
     def remove(self, header: RecordHeader) -> None:
         path = self.record_path(header.ns_id, header.key, header.generation)

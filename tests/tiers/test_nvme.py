@@ -16,14 +16,25 @@ from kvtier.tiers.nvme import NvmeTier, RecordHeader, RecoveryReport, header_siz
 NS = "default|m/l"
 
 
+_open: list[NvmeTier] = []
+
+
 def make_tier(root: Path, direct: bool = True) -> NvmeTier:
+    """A tier over `root`, as a restarted daemon would open it (the last one lets go)."""
+    while _open:
+        _open.pop().close()
     tier = NvmeTier(root, 1 << 30, direct_io=direct, sync_writes=True)
     tier.open()
+    _open.append(tier)
     return tier
 
 
 def reopen(root: Path) -> RecoveryReport:
-    return NvmeTier(root, 1 << 30, direct_io=True, sync_writes=False).open()
+    while _open:
+        _open.pop().close()
+    tier = NvmeTier(root, 1 << 30, direct_io=True, sync_writes=False)
+    _open.append(tier)
+    return tier.open()
 
 
 def payload_buffers(data: bytes) -> list[memoryview]:
@@ -166,3 +177,11 @@ def test_buffered_fallback_is_logged_once(
         assert read(tier, header) == b"v" * 9000
     assert not tier.direct_io
     assert sum("O_DIRECT is not supported" in r.message for r in caplog.records) == 1
+
+
+def test_a_second_daemon_cannot_open_the_same_directory(tmp_path: Path) -> None:
+    from kvtier.errors import ConfigError
+
+    make_tier(tmp_path)
+    with pytest.raises(ConfigError, match="in use by another kvtier daemon"):
+        NvmeTier(tmp_path, 1 << 30, direct_io=True, sync_writes=False).open()
