@@ -43,9 +43,10 @@ proto-check: proto
 	test -z "$$(git status --porcelain -- kvtier/_proto)" || \
 	  (echo "kvtier/_proto has untracked generated files" >&2; exit 1)
 
-## bench: put/get throughput through the client, against memcpy measured in the same run
+## bench: put/get throughput and latency (zero-copy, batched, gRPC) vs memcpy and Redis
 bench: $(STAMP)
-	$(BIN)/python -m kvtier.bench.daemon $(ARGS)
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/kvtier bench daemon $(ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -185,6 +185,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.kind == "daemon":
+        from kvtier.bench.daemon import main as bench_daemon
+
+        return bench_daemon(args.rest)
+    raise KVTierError(f"unknown benchmark {args.kind!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -198,6 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-listen", help="Prometheus endpoint host:port")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks (kvtier bench daemon --help)", add_help=False)
+    bench.add_argument("kind", choices=["daemon"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
 
     config = sub.add_parser("config", help="print or check configuration")
     config.add_argument("action", choices=["default", "dump", "validate"])

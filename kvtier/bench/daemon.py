@@ -1,60 +1,203 @@
-"""Put/get throughput of blocks through `kvtier.Client`, against memcpy in the same run.
+"""`kvtier bench daemon`: block put/get through the daemon, with same-run references.
 
-    python -m kvtier.bench.daemon [--block-size 4MiB] [--pool 256MiB] [--rounds 5]
-                                  [--transport uds|tcp|both] [--target ADDR] [--json]
+    kvtier bench daemon [--sizes 256KiB,1MiB,4MiB,16MiB] [--pool 256MiB] [--rounds 3]
+                        [--batch 64] [--transport uds|tcp] [--peers redis] [--json]
 
-Starts its own daemon (DRAM arena large enough for one round, NVMe in a temp dir) unless
---target is given. Every round puts the pool of distinct buffers (larger than the L3
-cache, so neither side measures the cache), gets them back (verified), then deletes them.
-The reference is a single-thread memcpy of the same buffers into a second pool, timed in
-the same process between rounds. Reports the median over rounds and the ratio to memcpy.
+Starts its own daemon (DRAM arena large enough for one pool, NVMe in a temp dir). For each
+block size it cycles a pool of distinct buffers larger than the L3 cache (so nothing is
+measured from cache) through:
+
+  zero-copy   put_from / get_into, one block per call (shared arena)
+  zc-batch    put_many / get_many, --batch blocks per call
+  grpc        put / get, the gRPC byte-stream path (what a remote client uses)
+  memcpy      single-thread copy of the same buffers into a second pool (the reference)
+  redis       SET / GET through redis-py (+hiredis when installed) against a redis-server
+              started on loopback without persistence; skipped with a message if absent
+
+Reports throughput (median over rounds), p50/p99 latency per call, and each path's ratio
+to memcpy measured in the same run. Every get is checked against what was put.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import re
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import kvtier
 from kvtier.sizes import format_size, parse_size
 
+NS = "bench/blocks"
 
-@dataclass(frozen=True, slots=True)
-class Figures:
-    transport: str
+
+@dataclass(slots=True)
+class PathFigures:
+    """One path at one block size: throughput per round and latency per call."""
+
+    path: str
     block_bytes: int
-    pool_bytes: int
-    rounds: int
-    put_gbps_median: float
-    get_gbps_median: float
-    memcpy_gbps_median: float
-    put_vs_memcpy: float
-    get_vs_memcpy: float
-    put_gbps_all: list[float]
-    get_gbps_all: list[float]
-    memcpy_gbps_all: list[float]
+    put_gbps: list[float] = field(default_factory=list)
+    get_gbps: list[float] = field(default_factory=list)
+    put_latency_s: list[float] = field(default_factory=list)
+    get_latency_s: list[float] = field(default_factory=list)
+
+    def summary(self, memcpy_gbps: float) -> dict[str, Any]:
+        def pct(xs: list[float], q: float) -> float | None:
+            if not xs:
+                return None
+            ordered = sorted(xs)
+            return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6, 1)
+
+        put = statistics.median(self.put_gbps) if self.put_gbps else None
+        get = statistics.median(self.get_gbps) if self.get_gbps else None
+        return {
+            "path": self.path,
+            "block_bytes": self.block_bytes,
+            "put_gbps": round(put, 3) if put else None,
+            "get_gbps": round(get, 3) if get else None,
+            "put_vs_memcpy": round(put / memcpy_gbps, 3) if put else None,
+            "get_vs_memcpy": round(get / memcpy_gbps, 3) if get else None,
+            "put_p50_us": pct(self.put_latency_s, 0.5),
+            "put_p99_us": pct(self.put_latency_s, 0.99),
+            "get_p50_us": pct(self.get_latency_s, 0.5),
+            "get_p99_us": pct(self.get_latency_s, 0.99),
+            "rounds_put_gbps": [round(x, 3) for x in self.put_gbps],
+            "rounds_get_gbps": [round(x, 3) for x in self.get_gbps],
+        }
 
 
-def memcpy_gbps(src: list[bytes], dst: list[bytearray]) -> float:
+def _timed_pass(
+    op: Callable[[int], object], calls: int, total_bytes: int, latencies: list[float]
+) -> float:
+    """Run op(0..calls-1), recording each call's latency; returns GB/s over the pass."""
     started = time.perf_counter()
-    for s, d in zip(src, dst, strict=True):
-        memoryview(d)[:] = s
-    elapsed = time.perf_counter() - started
-    return sum(len(s) for s in src) / elapsed / 1e9
+    for i in range(calls):
+        t0 = time.perf_counter()
+        op(i)
+        latencies.append(time.perf_counter() - t0)
+    return total_bytes / (time.perf_counter() - started) / 1e9
 
 
-def start_daemon(workdir: Path, listen: str, dram: str) -> tuple[subprocess.Popen[str], str]:
+def _fresh_keys(count: int) -> list[str]:
+    tag = uuid.uuid4().hex
+    return [f"{tag}-{i}" for i in range(count)]
+
+
+def bench_size(
+    client: kvtier.Client,
+    size: int,
+    pool_bytes: int,
+    rounds: int,
+    batch: int,
+    redis_client: Any | None,
+) -> tuple[float, list[PathFigures]]:
+    count = max(batch, pool_bytes // size)
+    pool = [os.urandom(size) for _ in range(count)]
+    sinks = [bytearray(size) for _ in range(count)]
+    total = count * size
+    groups = [range(i, min(i + batch, count)) for i in range(0, count, batch)]
+    memcpy, zc, zcb = (
+        PathFigures("memcpy", size),
+        PathFigures("zero-copy", size),
+        PathFigures("zc-batch", size),
+    )
+    rpc, red = PathFigures("grpc", size), PathFigures("redis", size)
+
+    def copy(i: int) -> None:
+        memoryview(sinks[i])[:] = pool[i]
+
+    def verify(got: list[bytes | None] | list[bytearray]) -> None:
+        if got != pool:
+            raise SystemExit("a block came back different: the benchmark is void")
+
+    _timed_pass(copy, count, total, [])  # faults the sinks in before anything is timed
+
+    def run_round() -> None:
+        memcpy.get_gbps.append(_timed_pass(copy, count, total, memcpy.get_latency_s))
+
+        keys = _fresh_keys(count)
+        zc.put_gbps.append(
+            _timed_pass(
+                lambda i: client.put_from(NS, keys[i], pool[i]), count, total, zc.put_latency_s
+            )
+        )
+        zc.get_gbps.append(
+            _timed_pass(
+                lambda i: client.get_into(NS, keys[i], sinks[i]), count, total, zc.get_latency_s
+            )
+        )
+        verify(sinks)
+        for key in keys:
+            client.delete(NS, key)
+
+        keys = _fresh_keys(count)
+
+        def put_group(g: int) -> None:
+            client.put_many(NS, [(keys[i], pool[i]) for i in groups[g]])
+
+        def get_group(g: int) -> None:
+            client.get_many(NS, [keys[i] for i in groups[g]], [sinks[i] for i in groups[g]])
+
+        sinks[:] = [bytearray(size) for _ in range(count)]
+        zcb.put_gbps.append(_timed_pass(put_group, len(groups), total, zcb.put_latency_s))
+        zcb.get_gbps.append(_timed_pass(get_group, len(groups), total, zcb.get_latency_s))
+        verify(sinks)
+        for key in keys:
+            client.delete(NS, key)
+
+        keys = _fresh_keys(count)
+        got: list[bytes | None] = [None] * count
+
+        def grpc_get(i: int) -> None:
+            got[i] = client.get(NS, keys[i])
+
+        rpc.put_gbps.append(
+            _timed_pass(lambda i: client.put(NS, keys[i], pool[i]), count, total, rpc.put_latency_s)
+        )
+        rpc.get_gbps.append(_timed_pass(grpc_get, count, total, rpc.get_latency_s))
+        verify(got)
+        for key in keys:
+            client.delete(NS, key)
+
+        if redis_client is not None:
+            keys = _fresh_keys(count)
+
+            def redis_get(i: int) -> None:
+                got[i] = redis_client.get(keys[i])
+
+            red.put_gbps.append(
+                _timed_pass(
+                    lambda i: redis_client.set(keys[i], pool[i]), count, total, red.put_latency_s
+                )
+            )
+            red.get_gbps.append(_timed_pass(redis_get, count, total, red.get_latency_s))
+            verify(got)
+            redis_client.delete(*keys)
+
+    for _ in range(rounds):
+        run_round()
+    paths = [zc, zcb, rpc, memcpy] + ([red] if redis_client is not None else [])
+    return statistics.median(memcpy.get_gbps), paths
+
+
+@contextlib.contextmanager
+def daemon(workdir: Path, transport: str, dram_bytes: int) -> Iterator[str]:
+    listen = f"unix://{workdir / 'bench.sock'}" if transport == "uds" else "127.0.0.1:0"
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -64,113 +207,143 @@ def start_daemon(workdir: Path, listen: str, dram: str) -> tuple[subprocess.Pope
             "--listen",
             listen,
             "--dram-capacity",
-            dram,
+            format_size(dram_bytes),
             "--nvme-path",
             str(workdir / "nvme"),
             "--nvme-capacity",
             "8GiB",
             "--log-level",
-            "warning",
+            "error",
         ],
         stdout=subprocess.PIPE,
         text=True,
     )
     assert proc.stdout is not None
     match = re.search(r"serving on (\S+)", proc.stdout.readline())
-    if not match:
-        proc.kill()
-        raise SystemExit("the daemon did not start")
-    return proc, match.group(1)
+    try:
+        if not match:
+            raise SystemExit("the daemon did not start")
+        yield match.group(1)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        proc.stdout.close()
 
 
-def run(target: str, transport: str, block_bytes: int, pool_bytes: int, rounds: int) -> Figures:
-    count = max(1, pool_bytes // block_bytes)
-    pool = [os.urandom(block_bytes) for _ in range(count)]
-    sink = [bytearray(block_bytes) for _ in range(count)]
-    memcpy_gbps(pool, sink)  # fault the sink pages in before timing anything
-    puts, gets, copies = [], [], []
-    with kvtier.Client(target) as client:
-        client.wait_ready()
-        for _ in range(rounds):
-            tag = uuid.uuid4().hex
-            keys = [f"{tag}-{i}".encode() for i in range(count)]
-            started = time.perf_counter()
-            for key, data in zip(keys, pool, strict=True):
-                client.put("bench/blocks", key, data)
-            puts.append(count * block_bytes / (time.perf_counter() - started) / 1e9)
-            started = time.perf_counter()
-            for key, data in zip(keys, pool, strict=True):
-                if client.get("bench/blocks", key) != data:
-                    raise SystemExit("a block came back different")
-            gets.append(count * block_bytes / (time.perf_counter() - started) / 1e9)
-            copies.append(memcpy_gbps(pool, sink))
-            for key in keys:
-                client.delete("bench/blocks", key)
-    put_m, get_m, copy_m = (statistics.median(x) for x in (puts, gets, copies))
-    return Figures(
-        transport,
-        block_bytes,
-        count * block_bytes,
-        rounds,
-        round(put_m, 3),
-        round(get_m, 3),
-        round(copy_m, 3),
-        round(put_m / copy_m, 4),
-        round(get_m / copy_m, 4),
-        [round(x, 3) for x in puts],
-        [round(x, 3) for x in gets],
-        [round(x, 3) for x in copies],
+@contextlib.contextmanager
+def redis_peer(workdir: Path) -> Iterator[Any | None]:
+    """A loopback redis-server without persistence and a redis-py client, or None."""
+    server = shutil.which("redis-server")
+    try:
+        import redis
+    except ImportError:
+        server = None
+    if server is None:
+        print("redis: skipped (needs redis-server on PATH and the redis package)", file=sys.stderr)
+        yield None
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            server,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
+    client = redis.Redis(host="127.0.0.1", port=port)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise SystemExit("redis-server did not start") from None
+                time.sleep(0.05)
+        yield client
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(30)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvtier.bench.daemon",
+        prog="kvtier bench daemon",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--block-size", default="4MiB")
-    parser.add_argument("--pool", default="256MiB", help="distinct bytes cycled per round")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--transport", choices=["uds", "tcp", "both"], default="both")
-    parser.add_argument("--target", help="use a running daemon instead of starting one")
-    parser.add_argument("--json", action="store_true", help="print JSON only")
+    parser.add_argument("--sizes", default="256KiB,1MiB,4MiB,16MiB")
+    parser.add_argument("--pool", default="256MiB", help="distinct bytes cycled per pass")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=64, help="blocks per put_many/get_many")
+    parser.add_argument("--transport", choices=["uds", "tcp"], default="uds")
+    parser.add_argument("--peers", default="redis", help="comma list of peers, or 'none'")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args(argv)
-    block, pool = parse_size(args.block_size), parse_size(args.pool)
-    dram = format_size(max(pool * 2, 64 << 20))
-    results = []
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    pool = parse_size(args.pool)
+    dram = max(pool, max(sizes) * args.batch) * 2
+    peers = set(args.peers.split(",")) - {"none", ""}
+    results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
         workdir = Path(tmp)
-        transports = ["uds", "tcp"] if args.transport == "both" else [args.transport]
-        for transport in transports:
-            if args.target:
-                results.append(run(args.target, "given", block, pool, args.rounds))
-                break
-            listen = f"unix://{workdir / 'bench.sock'}" if transport == "uds" else "127.0.0.1:0"
-            proc, target = start_daemon(workdir, listen, dram)
-            try:
-                results.append(run(target, transport, block, pool, args.rounds))
-            finally:
-                proc.terminate()
-                proc.wait(60)
-                if proc.stdout:
-                    proc.stdout.close()
+        with (
+            daemon(workdir, args.transport, dram) as target,
+            kvtier.Client(target) as client,
+            redis_peer(workdir) if "redis" in peers else contextlib.nullcontext() as red,
+        ):
+            client.wait_ready()
+            for size in sizes:
+                memcpy_gbps, paths = bench_size(client, size, pool, args.rounds, args.batch, red)
+                results.extend(p.summary(memcpy_gbps) for p in paths)
+                print(f"done {format_size(size)}", file=sys.stderr)
+    if "mooncake" in peers:
+        print("mooncake: not measured by this version of the benchmark", file=sys.stderr)
     machine = {
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
         "python": platform.python_version(),
         "kvtier": kvtier.__version__,
+        "transport": args.transport,
+        "pool_bytes": pool,
+        "rounds": args.rounds,
+        "batch": args.batch,
     }
     if args.json:
-        print(json.dumps({"machine": machine, "results": [asdict(r) for r in results]}, indent=2))
+        print(json.dumps({"machine": machine, "results": results}, indent=2))
         return 0
-    print(f"kvtier {kvtier.__version__}, {os.cpu_count()} CPUs, Python {machine['python']}")
+    print(
+        f"kvtier {kvtier.__version__}, {os.cpu_count()} CPUs, {args.transport}, "
+        f"pool {format_size(pool)}, median of {args.rounds} rounds"
+    )
+    print(
+        f"{'block':>7} {'path':>10} {'put GB/s':>9} {'get GB/s':>9} {'get/memcpy':>10} "
+        f"{'put p50/p99 us':>16} {'get p50/p99 us':>16}"
+    )
     for r in results:
+
+        def fmt(x: float | None, spec: str) -> str:
+            return "-" if x is None else format(x, spec)
+
         print(
-            f"{r.transport}: {format_size(r.block_bytes)} blocks, pool {format_size(r.pool_bytes)}"
-            f", median of {r.rounds}: put {r.put_gbps_median:.2f} GB/s "
-            f"({r.put_vs_memcpy:.3f}x memcpy), get {r.get_gbps_median:.2f} GB/s "
-            f"({r.get_vs_memcpy:.3f}x memcpy), memcpy {r.memcpy_gbps_median:.2f} GB/s"
+            f"{format_size(r['block_bytes']):>7} {r['path']:>10} {fmt(r['put_gbps'], '.2f'):>9} "
+            f"{fmt(r['get_gbps'], '.2f'):>9} {fmt(r['get_vs_memcpy'], '.3f'):>10} "
+            f"{fmt(r['put_p50_us'], '.0f') + '/' + fmt(r['put_p99_us'], '.0f'):>16} "
+            f"{fmt(r['get_p50_us'], '.0f') + '/' + fmt(r['get_p99_us'], '.0f'):>16}"
         )
     return 0
 
