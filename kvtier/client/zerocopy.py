@@ -34,7 +34,7 @@ class SharedArena:
         self._mapping = mapping
         self._conn = conn
         self._lock = threading.Lock()
-        self._header = bytearray(HEADER.size)
+        self._inbox = bytearray(64 << 10)
         self.view = memoryview(mapping)
 
     def call(self, op: Op, request: Message, response_type: type[M]) -> M:
@@ -42,26 +42,32 @@ class SharedArena:
         payload = request.SerializeToString()
         with self._lock:
             self._conn.sendall(frame(op, payload))
-            self._recv_exact(self._header)
-            length, code = HEADER.unpack(self._header)
-            reply = bytearray(length)
-            self._recv_exact(reply)
+            # One recv usually brings the whole reply; read more only for a long one.
+            got = self._conn.recv_into(self._inbox)
+            while got < HEADER.size:
+                got += self._recv_more(got)
+            length, code = HEADER.unpack_from(self._inbox)
+            end = HEADER.size + length
+            if end > len(self._inbox):
+                self._inbox.extend(bytes(end - len(self._inbox)))
+            while got < end:
+                got += self._recv_more(got)
+            reply = bytes(memoryview(self._inbox)[HEADER.size : end])
         if code:
             raise from_status_value(code, reply.decode(errors="replace"))
-        return response_type.FromString(bytes(reply))
+        return response_type.FromString(reply)
 
     def send(self, op: Op, request: Message) -> None:
         """A request that gets no response (Release): the caller does not wait."""
         with self._lock:
             self._conn.sendall(frame(op, request.SerializeToString()))
 
-    def _recv_exact(self, buf: bytearray) -> None:
-        view = memoryview(buf)
-        while view:
-            got = self._conn.recv_into(view)
-            if not got:
-                raise Unavailable("the daemon closed the session")
-            view = view[got:]
+    def _recv_more(self, offset: int) -> int:
+        with memoryview(self._inbox) as view:
+            got = self._conn.recv_into(view[offset:])
+        if not got:
+            raise Unavailable("the daemon closed the session")
+        return got
 
     @classmethod
     def attach(cls, resp: pb.AttachResponse) -> SharedArena:

@@ -13,6 +13,7 @@ size u64, little-endian) with the fd attached, or closes the connection on a bad
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -125,26 +126,14 @@ class ArenaSocket:
     async def _serve_requests(self, conn: socket.socket, session_id: int) -> None:
         """Answer framed requests (see kvtier._session) until the client closes."""
         loop = asyncio.get_running_loop()
-        buf = bytearray()
-        while True:
-            data = await loop.sock_recv(conn, 1 << 16)
-            if not data:
-                return  # EOF: the client is gone
-            buf += data
-            while len(buf) >= HEADER.size:
-                length, op = HEADER.unpack_from(buf)
-                if length > MAX_FRAME_BYTES:
-                    logger.warning(
-                        "session %d sent a %d-byte frame; closing it", session_id, length
-                    )
-                    return
-                if len(buf) < HEADER.size + length:
-                    break
-                payload = bytes(buf[HEADER.size : HEADER.size + length])
-                del buf[: HEADER.size + length]
-                code, reply = await self._handler(session_id, op, payload)
-                if op != Op.RELEASE:
-                    await loop.sock_sendall(conn, frame(code, reply))
+        closed: asyncio.Future[None] = loop.create_future()
+        transport, _ = await loop.connect_accepted_socket(
+            lambda: _SessionProtocol(session_id, self._handler, closed), sock=conn
+        )
+        try:
+            await closed
+        finally:
+            transport.close()
 
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -172,3 +161,57 @@ class ArenaSocket:
             conn.close()
             if session is not None:
                 self._end(session)
+
+
+class _SessionProtocol(asyncio.Protocol):
+    """Frames in, replies out, in order. A transport callback rather than sock_recv: no
+    selector re-registration per request (tens of microseconds on a 256 KiB get)."""
+
+    def __init__(
+        self, session_id: int, handler: SessionHandler, closed: asyncio.Future[None]
+    ) -> None:
+        self._session_id = session_id
+        self._handler = handler
+        self._closed = closed
+        self._buf = bytearray()
+        self._pending: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._worker: asyncio.Task[None] | None = None
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        while len(buf) >= HEADER.size:
+            length, op = HEADER.unpack_from(buf)
+            if length > MAX_FRAME_BYTES:
+                logger.warning(
+                    "session %d sent a %d-byte frame; closing it", self._session_id, length
+                )
+                assert self._transport is not None
+                self._transport.close()
+                return
+            if len(buf) < HEADER.size + length:
+                break
+            self._pending.append((op, bytes(buf[HEADER.size : HEADER.size + length])))
+            del buf[: HEADER.size + length]
+        if self._pending and self._worker is None:
+            self._worker = asyncio.ensure_future(self._work())
+
+    async def _work(self) -> None:
+        try:
+            while self._pending:
+                op, payload = self._pending.popleft()
+                code, reply = await self._handler(self._session_id, op, payload)
+                if op != Op.RELEASE and self._transport is not None:
+                    self._transport.write(frame(code, reply))
+        finally:
+            self._worker = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        if not self._closed.done():
+            self._closed.set_result(None)
