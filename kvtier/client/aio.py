@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import builtins
+import logging
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any
@@ -9,6 +11,7 @@ from typing import Any
 import grpc
 
 from kvtier._proto import kvtier_pb2 as pb
+from kvtier._session import Op
 from kvtier.client._common import (
     CHANNEL_OPTIONS,
     PB_TO_TIER,
@@ -23,7 +26,19 @@ from kvtier.client._common import (
     stats_dict,
     translate,
 )
+from kvtier.client.zerocopy import (
+    AsyncSharedArena,
+    byte_view,
+    commit_results,
+    copy_bytes,
+    copy_out,
+    fill_slots,
+    reserve_request,
+)
+from kvtier.errors import InvalidArgument, KVTierError, Unavailable
 from kvtier.index.catalog import LookupResult
+
+logger = logging.getLogger(__name__)
 
 
 class AsyncClient:
@@ -35,6 +50,8 @@ class AsyncClient:
         self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         calls = make_calls(self._channel)
         self._stub, self._put, self._get = calls.stub, calls.put, calls.get
+        self._arena: AsyncSharedArena | None = None
+        self._zero_copy_possible = self.target.startswith("unix:")
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -48,6 +65,9 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
         await self._channel.close()
 
     async def put(
@@ -119,3 +139,97 @@ class AsyncClient:
         except grpc.RpcError as err:
             raise translate(err) from None
         return stats_dict(resp)
+
+    # ---- zero-copy path (same node, UNIX socket) --------------------------------------------
+    async def put_from(
+        self, namespace: str, key: bytes | str, buffer: Any, overwrite: bool = False
+    ) -> bool:
+        """Store a block straight from `buffer` through the shared arena."""
+        return (await self.put_many(namespace, [(key, buffer)], overwrite))[0]
+
+    async def get_into(
+        self, namespace: str, key: bytes | str, buffer: Any, verify: bool = False
+    ) -> int | None:
+        """Copy a block into `buffer`; bytes written, or None on a miss."""
+        return (await self.get_many(namespace, [key], [buffer], verify))[0]
+
+    async def put_many(
+        self, namespace: str, items: Sequence[tuple[bytes | str, Any]], overwrite: bool = False
+    ) -> builtins.list[bool]:
+        """Store many blocks with one reserve and one commit round trip."""
+        views = [byte_view(buf, writable=False) for _, buf in items]
+        arena = await self._shared_arena()
+        if arena is None:
+            return [
+                await self.put(namespace, k, v, overwrite)
+                for (k, _), v in zip(items, views, strict=True)
+            ]
+        keys = [as_key(k) for k, _ in items]
+        try:
+            resp = await arena.call(
+                Op.RESERVE, reserve_request(namespace, keys, views, overwrite), pb.ReserveResponse
+            )
+            try:
+                checksums = fill_slots(arena, resp.slots, views)
+            except BaseException:
+                await arena.call(
+                    Op.COMMIT,
+                    pb.CommitRequest(lease_id=resp.lease_id, abort=True),
+                    pb.CommitResponse,
+                )
+                raise
+            done = await arena.call(
+                Op.COMMIT,
+                pb.CommitRequest(lease_id=resp.lease_id, xxh3_64=checksums),
+                pb.CommitResponse,
+            )
+        except OSError as err:
+            raise self._lost_session(err) from None
+        return commit_results(done)
+
+    async def get_many(
+        self,
+        namespace: str,
+        keys: Sequence[bytes | str],
+        buffers: Sequence[Any],
+        verify: bool = False,
+    ) -> builtins.list[int | None]:
+        """Copy many blocks into their buffers with one round trip; None for each miss."""
+        if len(keys) != len(buffers):
+            raise InvalidArgument("get_many needs one buffer per key")
+        views = [byte_view(buf, writable=True) for buf in buffers]
+        arena = await self._shared_arena()
+        if arena is None:
+            return [
+                copy_bytes(await self.get(namespace, k), v)
+                for k, v in zip(keys, views, strict=True)
+            ]
+        try:
+            resp = await arena.call(
+                Op.ACQUIRE,
+                pb.AcquireRequest(namespace=namespace, keys=[as_key(k) for k in keys]),
+                pb.AcquireResponse,
+            )
+        except OSError as err:
+            raise self._lost_session(err) from None
+        try:
+            return copy_out(arena, resp.blocks, views, verify)
+        finally:
+            if resp.lease_id:
+                await arena.send(Op.RELEASE, pb.ReleaseRequest(lease_ids=[resp.lease_id]))
+
+    def _lost_session(self, err: OSError) -> KVTierError:
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+        return Unavailable(f"lost the session with the daemon: {err}")
+
+    async def _shared_arena(self) -> AsyncSharedArena | None:
+        if self._arena is None and self._zero_copy_possible:
+            try:
+                resp = await self._stub.Attach(pb.AttachRequest(), timeout=self.timeout_s)
+                self._arena = await AsyncSharedArena.attach(resp)
+            except (grpc.RpcError, OSError, KVTierError) as err:
+                self._zero_copy_possible = False
+                logger.info("zero-copy path unavailable (%s); using the gRPC byte path", err)
+        return self._arena

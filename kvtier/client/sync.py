@@ -9,7 +9,6 @@ from types import TracebackType
 from typing import Any
 
 import grpc
-import xxhash
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import Op
@@ -27,13 +26,19 @@ from kvtier.client._common import (
     stats_dict,
     translate,
 )
-from kvtier.client.zerocopy import SharedArena, byte_view
+from kvtier.client.zerocopy import (
+    SharedArena,
+    byte_view,
+    commit_results,
+    copy_bytes,
+    copy_out,
+    fill_slots,
+    reserve_request,
+)
 from kvtier.errors import (
-    DataLoss,
     InvalidArgument,
     KVTierError,
     Unavailable,
-    from_status_value,
 )
 from kvtier.index.catalog import LookupResult
 
@@ -169,24 +174,15 @@ class Client:
             return [
                 self.put(namespace, k, v, overwrite) for (k, _), v in zip(items, views, strict=True)
             ]
+        keys = [as_key(k) for k, _ in items]
         try:
             resp = arena.call(
                 Op.RESERVE,
-                pb.ReserveRequest(
-                    namespace=namespace,
-                    items=[
-                        pb.ReserveItem(key=as_key(k), size_bytes=v.nbytes)
-                        for (k, _), v in zip(items, views, strict=True)
-                    ],
-                    overwrite=overwrite,
-                ),
+                reserve_request(namespace, keys, views, overwrite),
                 pb.ReserveResponse,
             )
-            checksums = []
             try:
-                for slot, view in zip(resp.slots, views, strict=True):
-                    arena.view[slot.offset : slot.offset + slot.size_bytes] = view
-                    checksums.append(xxhash.xxh3_64_intdigest(view))
+                checksums = fill_slots(arena, resp.slots, views)
             except BaseException:
                 arena.call(
                     Op.COMMIT,
@@ -201,10 +197,7 @@ class Client:
             )
         except OSError as err:
             raise self._lost_session(err) from None
-        for result in done.results:
-            if result.code:
-                raise from_status_value(result.code, result.message)
-        return [r.stored for r in done.results]
+        return commit_results(done)
 
     def get_many(
         self,
@@ -219,7 +212,7 @@ class Client:
         views = [byte_view(buf, writable=True) for buf in buffers]
         arena = self._shared_arena()
         if arena is None:
-            return [self._get_copy(namespace, k, v) for k, v in zip(keys, views, strict=True)]
+            return [copy_bytes(self.get(namespace, k), v) for k, v in zip(keys, views, strict=True)]
         try:
             resp = arena.call(
                 Op.ACQUIRE,
@@ -228,37 +221,12 @@ class Client:
             )
         except OSError as err:
             raise self._lost_session(err) from None
-        out: builtins.list[int | None] = []
         try:
-            for block, view in zip(resp.blocks, views, strict=True):
-                if not block.found:
-                    out.append(None)
-                    continue
-                size = block.size_bytes
-                if size > view.nbytes:
-                    raise InvalidArgument(
-                        f"buffer of {view.nbytes} bytes is too small for a {size}-byte block"
-                    )
-                view[:size] = arena.view[block.offset : block.offset + size]
-                if verify and xxhash.xxh3_64_intdigest(view[:size]) != block.xxh3_64:
-                    raise DataLoss("block bytes changed in the shared arena; retry the get")
-                out.append(size)
+            return copy_out(arena, resp.blocks, views, verify)
         finally:
             if resp.lease_id:
                 # No reply awaited: the caller has its bytes; the pin goes a moment later.
                 arena.send(Op.RELEASE, pb.ReleaseRequest(lease_ids=[resp.lease_id]))
-        return out
-
-    def _get_copy(self, namespace: str, key: bytes | str, view: memoryview) -> int | None:
-        data = self.get(namespace, key)
-        if data is None:
-            return None
-        if len(data) > view.nbytes:
-            raise InvalidArgument(
-                f"buffer of {view.nbytes} bytes is too small for a {len(data)}-byte block"
-            )
-        view[: len(data)] = data
-        return len(data)
 
     def _lost_session(self, err: OSError) -> KVTierError:
         if self._arena is not None:

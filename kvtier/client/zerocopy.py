@@ -7,19 +7,22 @@ side connection stays open: the daemon releases the session's leases when it clo
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import os
 import socket
 import struct
 import sys
 import threading
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
+import xxhash
 from google.protobuf.message import Message
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import HEADER, Op, frame
-from kvtier.errors import InvalidArgument, Unavailable, from_status_value
+from kvtier.errors import DataLoss, InvalidArgument, Unavailable, from_status_value
 
 M = TypeVar("M", bound=Message)
 
@@ -95,6 +98,116 @@ class SharedArena:
         self.view.release()
         self._mapping.close()
         self._conn.close()
+
+
+class AsyncSharedArena:
+    """The same session for asyncio code: requests go through the event loop."""
+
+    def __init__(self, arena: SharedArena) -> None:
+        self._arena = arena
+        self.session_id = arena.session_id
+        self.view = arena.view
+        self._conn = arena._conn
+        self._conn.setblocking(False)
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    async def attach(cls, resp: pb.AttachResponse) -> AsyncSharedArena:
+        return cls(await asyncio.to_thread(SharedArena.attach, resp))
+
+    async def call(self, op: Op, request: Message, response_type: type[M]) -> M:
+        loop = asyncio.get_running_loop()
+        async with self._lock:
+            await loop.sock_sendall(self._conn, frame(op, request.SerializeToString()))
+            header = await self._recv_exact(HEADER.size)
+            length, code = HEADER.unpack(header)
+            reply = await self._recv_exact(length)
+        if code:
+            raise from_status_value(code, reply.decode(errors="replace"))
+        return response_type.FromString(reply)
+
+    async def send(self, op: Op, request: Message) -> None:
+        async with self._lock:
+            await asyncio.get_running_loop().sock_sendall(
+                self._conn, frame(op, request.SerializeToString())
+            )
+
+    async def _recv_exact(self, size: int) -> bytes:
+        loop = asyncio.get_running_loop()
+        out = bytearray()
+        while len(out) < size:
+            part = await loop.sock_recv(self._conn, size - len(out))
+            if not part:
+                raise Unavailable("the daemon closed the session")
+            out += part
+        return bytes(out)
+
+    def close(self) -> None:
+        self._arena.close()
+
+
+AnyArena = SharedArena | AsyncSharedArena
+
+
+def reserve_request(
+    namespace: str, keys: list[bytes], views: list[memoryview], overwrite: bool
+) -> pb.ReserveRequest:
+    return pb.ReserveRequest(
+        namespace=namespace,
+        items=[
+            pb.ReserveItem(key=k, size_bytes=v.nbytes) for k, v in zip(keys, views, strict=True)
+        ],
+        overwrite=overwrite,
+    )
+
+
+def fill_slots(arena: AnyArena, slots: Iterable[pb.Slot], views: list[memoryview]) -> list[int]:
+    """Copy each buffer into its reserved slot; returns their checksums for the commit."""
+    checksums = []
+    for slot, view in zip(slots, views, strict=True):
+        arena.view[slot.offset : slot.offset + slot.size_bytes] = view
+        checksums.append(xxhash.xxh3_64_intdigest(view))
+    return checksums
+
+
+def commit_results(done: pb.CommitResponse) -> list[bool]:
+    """Per block: stored now (True) or already there (False); raises the first failure."""
+    for result in done.results:
+        if result.code:
+            raise from_status_value(result.code, result.message)
+    return [r.stored for r in done.results]
+
+
+def copy_out(
+    arena: AnyArena, blocks: Iterable[pb.LeasedBlock], views: list[memoryview], verify: bool
+) -> list[int | None]:
+    """Copy leased blocks out of the arena into their buffers; None for each miss."""
+    out: list[int | None] = []
+    for block, view in zip(blocks, views, strict=True):
+        if not block.found:
+            out.append(None)
+            continue
+        size = block.size_bytes
+        check_fits(size, view)
+        view[:size] = arena.view[block.offset : block.offset + size]
+        if verify and xxhash.xxh3_64_intdigest(view[:size]) != block.xxh3_64:
+            raise DataLoss("block bytes changed in the shared arena; retry the get")
+        out.append(size)
+    return out
+
+
+def copy_bytes(data: bytes | None, view: memoryview) -> int | None:
+    """The byte-path fallback of get_into: copy what get() returned."""
+    if data is None:
+        return None
+    check_fits(len(data), view)
+    view[: len(data)] = data
+    return len(data)
+
+
+def check_fits(size: int, view: memoryview) -> None:
+    if size > view.nbytes:
+        raise InvalidArgument(f"buffer of {view.nbytes} bytes is too small for a {size}-byte block")
 
 
 def byte_view(obj: Any, writable: bool) -> memoryview:

@@ -264,3 +264,27 @@ def test_a_wrong_nonce_gets_no_arena(start_daemon: StartDaemon) -> None:
         msg, fds, _, _ = socket.recv_fds(conn, 16, 1)
         assert msg == b"" and fds == []
     assert oct(os.stat(resp.arena_socket).st_mode & 0o777) == oct(0o770)
+
+
+async def test_async_client_zero_copy(start_daemon: StartDaemon) -> None:
+    import asyncio
+
+    daemon = start_daemon(dram="32MiB", nvme="128MiB")
+    async with kvtier.AsyncClient(daemon.target) as client:
+        blocks = {f"a{i}": block_bytes(i, 300_000 + i) for i in range(16)}
+        assert await client.put_many(NS, list(blocks.items())) == [True] * 16
+        assert await client.put_from(NS, "one", bytearray(b"x" * 5000)) is True
+        sinks = [bytearray(400_000) for _ in blocks]
+        sizes = await client.get_many(NS, [*blocks], sinks, verify=True)
+        assert sizes == [len(v) for v in blocks.values()]
+        assert all(s[:n] == v for s, n, v in zip(sinks, sizes, blocks.values(), strict=True))
+        # Concurrent calls share the session socket safely.
+        outs = [bytearray(400_000) for _ in range(8)]
+        got = await asyncio.gather(*(client.get_into(NS, f"a{i}", outs[i]) for i in range(8)))
+        assert got == [300_000 + i for i in range(8)]
+        assert await client.get_into(NS, "missing", bytearray(1)) is None
+        assert client._arena is not None
+        stats = await client.stats()
+    assert stats["promotions"] == 0
+    with daemon.client() as sync_client:
+        wait_for(lambda: sync_client.stats()["leases"] == 0, "async leases must be released")
