@@ -320,11 +320,7 @@ class NvmeTier:
             done += written
             # A short write: continue after what was written (still aligned under O_DIRECT,
             # or the kernel refuses and we raise, leaving only the temporary file).
-            while views and written >= len(views[0]):
-                written -= len(views[0])
-                views.pop(0)
-            if written:
-                views[0] = views[0][written:]
+            _advance(views, written)
 
     def read(self, header: RecordHeader) -> tuple[mmap.mmap, int]:
         """Read and verify the record `header` describes; returns (buffer, payload offset).
@@ -332,49 +328,37 @@ class NvmeTier:
         Raises CorruptRecord when anything on disk differs from what was written, and
         FileNotFoundError when the record is gone.
         """
-        path = self.record_path(header.ns_id, header.key, header.generation)
-        fd = os.open(path, self._flags(os.O_RDONLY))
-        try:
-            size = os.fstat(fd).st_size
-            if size != header.record_bytes:
-                raise CorruptRecord(f"record is {size} bytes, expected {header.record_bytes}")
-            buf = aligned_buffer(size)
-            done = 0
-            while done < size:
-                got = os.preadv(fd, [memoryview(buf)[done:]], done)
-                if got <= 0:
-                    raise CorruptRecord("record ended early")
-                done += got
-        finally:
-            os.close(fd)
+        buf = aligned_buffer(header.record_bytes)
+        self._read_record(header, [memoryview(buf)])
         self._verify(buf, header)
         return buf, header.header_bytes
 
     def read_into(self, header: RecordHeader, dest: memoryview) -> None:
         """Read and verify a record's payload straight into `dest` (an aligned extent of
         round_up(payload, 4096) bytes, e.g. in the DRAM arena). Raises like `read`."""
+        if len(dest) != header.record_bytes - header.header_bytes:
+            raise ValueError("destination does not match the record's payload size")
+        head = aligned_buffer(header.header_bytes)
+        self._read_record(header, [memoryview(head), dest])
+        self._check(memoryview(head), dest, header)
+
+    def _read_record(self, header: RecordHeader, iov: list[memoryview]) -> None:
+        """Fill `iov` (adding up to the record's size) from the record file."""
         path = self.record_path(header.ns_id, header.key, header.generation)
         fd = os.open(path, self._flags(os.O_RDONLY))
         try:
             size = os.fstat(fd).st_size
-            if size != header.record_bytes or len(dest) != size - header.header_bytes:
+            if size != header.record_bytes:
                 raise CorruptRecord(f"record is {size} bytes, expected {header.record_bytes}")
-            head = aligned_buffer(header.header_bytes)
-            iov = [memoryview(head), dest]
             done = 0
             while done < size:
                 got = os.preadv(fd, iov, done)
                 if got <= 0:
                     raise CorruptRecord("record ended early")
                 done += got
-                while iov and got >= len(iov[0]):
-                    got -= len(iov[0])
-                    iov.pop(0)
-                if got:
-                    iov[0] = iov[0][got:]
+                _advance(iov, got)
         finally:
             os.close(fd)
-        self._check(memoryview(head), dest, header)
 
     @staticmethod
     def _verify(buf: mmap.mmap, expected: RecordHeader) -> None:
@@ -396,3 +380,12 @@ class NvmeTier:
     def remove(self, header: RecordHeader) -> None:
         path = self.record_path(header.ns_id, header.key, header.generation)
         path.unlink(missing_ok=True)
+
+
+def _advance(iov: list[memoryview], done_bytes: int) -> None:
+    """Drop the first `done_bytes` of an iovec list in place (after a partial transfer)."""
+    while iov and done_bytes >= len(iov[0]):
+        done_bytes -= len(iov[0])
+        iov.pop(0)
+    if done_bytes:
+        iov[0] = iov[0][done_bytes:]
