@@ -73,7 +73,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace) -> Any:
     from kvtier.client import Client
 
-    return Client(args.target)
+    return Client(args.target, token=args.token)
 
 
 def cmd_put(args: argparse.Namespace) -> int:
@@ -185,6 +185,20 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_token(args: argparse.Namespace) -> int:
+    """A new bearer token for a tenant, and the config line that admits it."""
+    import secrets
+
+    from kvtier.keys import check_tenant, hash_token
+
+    tenant = check_tenant(args.tenant)
+    token = args.value or secrets.token_urlsafe(32)
+    print(f"token:  {token}")
+    print("config: add under [auth.tokens] (the file keeps only the hash):")
+    print(f'        "{hash_token(token)}" = "{tenant}"')
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.kind == "daemon":
         from kvtier.bench.daemon import main as bench_daemon
@@ -207,6 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)
 
+    token = sub.add_parser("token", help="make a bearer token for a tenant")
+    token.add_argument("tenant")
+    token.add_argument("--value", help="hash this token instead of making a new one")
+    token.set_defaults(func=cmd_token)
+
     bench = sub.add_parser("bench", help="benchmarks (kvtier bench daemon --help)", add_help=False)
     bench.add_argument("kind", choices=["daemon"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
@@ -220,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     def client_cmd(name: str, help_text: str, with_key: bool = True) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--target", help="daemon address (default: the default socket)")
+        p.add_argument("--token", help="bearer token (default: $KVTIER_TOKEN)")
         p.add_argument("--hex", action="store_true", help="keys are hex")
         if with_key:
             p.add_argument("namespace")

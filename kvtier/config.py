@@ -9,13 +9,22 @@ came from. Paths left empty are resolved at start from systemd's directories
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvtier.errors import ConfigError
 from kvtier.sizes import format_size, parse_size
@@ -24,6 +33,9 @@ ByteSize = Annotated[int, BeforeValidator(parse_size)]
 ENV_PREFIX = "KVTIER_"
 ENV_CONFIG_FILE = "KVTIER_CONFIG"
 ENV_TARGET = "KVTIER_TARGET"
+ENV_TOKEN = "KVTIER_TOKEN"
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 class _Section(BaseModel):
@@ -89,6 +101,33 @@ class NvmeConfig(_Section):
     )
 
 
+class AuthConfig(_Section):
+    tokens: dict[str, str] = Field(
+        default_factory=dict,
+        description="sha256 hex of a bearer token -> tenant (make one: kvtier token); "
+        "empty = no tokens, every caller is tenant 'default'",
+    )
+
+    @field_validator("tokens")
+    @classmethod
+    def _check_tokens(cls, tokens: dict[str, str]) -> dict[str, str]:
+        for digest, tenant in tokens.items():
+            if not _SHA256_RE.match(digest):
+                raise ValueError(
+                    "keys must be the sha256 hex digest of a token (64 lowercase hex "
+                    f"characters), not the token itself: {digest[:8]}..."
+                )
+            if not _TENANT_RE.match(tenant):
+                raise ValueError(f"tenant name {tenant!r} must match {_TENANT_RE.pattern}")
+        return tokens
+
+
+class TenantConfig(_Section):
+    dram_capacity_bytes: ByteSize = Field(
+        ge=1 << 20, description="size of this tenant's own DRAM arena (its quota)"
+    )
+
+
 class LogConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
@@ -99,6 +138,29 @@ class Config(_Section):
     dram: DramConfig = Field(default_factory=lambda: DramConfig())
     nvme: NvmeConfig = Field(default_factory=lambda: NvmeConfig())
     log: LogConfig = Field(default_factory=lambda: LogConfig())
+    auth: AuthConfig = Field(default_factory=lambda: AuthConfig())
+    tenants: dict[str, TenantConfig] = Field(
+        default_factory=dict,
+        description="per-tenant settings; every tenant named in auth.tokens needs one "
+        "(except 'default', whose arena is dram.capacity_bytes)",
+    )
+
+    @model_validator(mode="after")
+    def _tenants_have_arenas(self) -> Config:
+        for tenant in sorted(set(self.auth.tokens.values()) - {"default"}):
+            if tenant not in self.tenants:
+                raise ValueError(
+                    f"auth.tokens maps a token to tenant '{tenant}', which has no "
+                    f"[tenants.{tenant}] section: give it dram_capacity_bytes"
+                )
+        return self
+
+    def tenant_arenas(self) -> dict[str, int]:
+        """Tenant -> its DRAM arena's size. 'default' exists unless only tokens name tenants."""
+        arenas = {name: t.dram_capacity_bytes for name, t in self.tenants.items()}
+        if not self.auth.tokens or "default" in self.auth.tokens.values():
+            arenas["default"] = self.dram.capacity_bytes
+        return arenas
 
     def resolved(self) -> Config:
         """A copy with empty paths filled in from the environment (systemd or XDG)."""
@@ -233,16 +295,28 @@ def _toml_value(model: type[BaseModel], name: str, value: Any) -> Any:
     return format_size(value) if is_size else value
 
 
+def _section_dict(model: BaseModel) -> dict[str, Any]:
+    return {
+        name: _toml_value(type(model), name, value) for name, value in model.model_dump().items()
+    }
+
+
 def dump_toml(config: Config) -> str:
     """The configuration as TOML that `load_config` reads back to the same values."""
-    data = {
-        section: {
-            name: _toml_value(type(getattr(config, section)), name, value)
-            for name, value in getattr(config, section).model_dump().items()
-        }
-        for section in Config.model_fields
-    }
+    data: dict[str, Any] = {}
+    for section in Config.model_fields:
+        value = getattr(config, section)
+        if isinstance(value, BaseModel):
+            data[section] = _section_dict(value)
+        else:  # tenants: name -> TenantConfig
+            data[section] = {name: _section_dict(t) for name, t in value.items()}
     return tomli_w.dumps(data)
+
+
+def _toml_line(name: str, value: Any) -> str:
+    if isinstance(value, dict) and not value:
+        return f"{name} = {{}}"
+    return tomli_w.dumps({name: value}).strip()
 
 
 def default_toml() -> str:
@@ -250,13 +324,17 @@ def default_toml() -> str:
     lines = ["# kvtier configuration (defaults). Sizes are IEC strings such as '512MiB'.", ""]
     defaults = Config()
     for section, section_field in Config.model_fields.items():
-        if section_field.annotation is None:
+        model = getattr(defaults, section)
+        if not isinstance(model, BaseModel):
+            lines.append(f"# [{section}.NAME]: {section_field.description}")
+            lines.append(f"# [{section}.team-a]")
+            lines.append('# dram_capacity_bytes = "4GiB"')
+            lines.append("")
             continue
         lines.append(f"[{section}]")
-        model = getattr(defaults, section)
         for name, field in type(model).model_fields.items():
             value = _toml_value(type(model), name, getattr(model, name))
             lines.append(f"# {field.description}")
-            lines.append(tomli_w.dumps({name: value}).strip())
+            lines.append(_toml_line(name, value))
         lines.append("")
     return "\n".join(lines)

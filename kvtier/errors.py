@@ -8,6 +8,8 @@
     ├── ResourceExhausted            oversize block, or no room (all pinned): retry later/smaller
     ├── DataLoss                     bytes changed in transit: retry the call
     ├── Unavailable                  daemon draining or a tier offline: retry elsewhere/later
+    ├── Unauthenticated              missing or unknown bearer token: pass the right token
+    ├── PermissionDenied             the credentials do not allow this (another tenant's session)
     ├── Unimplemented                operation needs something this daemon lacks (e.g. a GPU)
     └── CorruptRecord                a stored record failed verification; internal: the daemon
                                      turns it into a miss and drops the record
@@ -71,6 +73,18 @@ class Unavailable(KVTierError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
 
 
+class Unauthenticated(KVTierError):
+    """No or an unknown bearer token; pass the token the operator gave you."""
+
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(KVTierError):
+    """The caller's tenant may not do this (e.g. use another tenant's session)."""
+
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class Unimplemented(KVTierError):
     """The operation needs a capability this daemon was not started with."""
 
@@ -92,6 +106,8 @@ _BY_CODE: dict[grpc.StatusCode, type[KVTierError]] = {
         ResourceExhausted,
         DataLoss,
         Unavailable,
+        Unauthenticated,
+        PermissionDenied,
         Unimplemented,
     )
 }
@@ -121,7 +137,9 @@ __all__ = [
     "InvalidArgument",
     "KVTierError",
     "NotFound",
+    "PermissionDenied",
     "ResourceExhausted",
+    "Unauthenticated",
     "Unavailable",
     "Unimplemented",
     "from_grpc_code",

@@ -57,6 +57,16 @@ def namespace_id(tenant: str, namespace: str) -> str:
     return f"{tenant}|{namespace}"
 
 
+def tenant_of(ns_id: str) -> str:
+    """The tenant part of a namespace id."""
+    return ns_id.partition("|")[0]
+
+
+def hash_token(token: str) -> str:
+    """What the config stores for a bearer token (never the token itself)."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
 def _field(data: bytes) -> bytes:
     return struct.pack("<Q", len(data)) + data
 

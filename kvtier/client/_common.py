@@ -19,7 +19,7 @@ from kvtier._wire import (
     get_response_deserializer,
     put_request_serializer,
 )
-from kvtier.config import default_target
+from kvtier.config import ENV_TOKEN, default_target
 from kvtier.errors import DataLoss, KVTierError, from_grpc_code
 
 CHUNK_BYTES = 1 << 20
@@ -61,6 +61,12 @@ def make_calls(channel: Any) -> Calls:
             response_deserializer=get_response_deserializer,
         ),
     )
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """gRPC metadata carrying the bearer token (`token`, else $KVTIER_TOKEN), if any."""
+    token = token or os.environ.get(ENV_TOKEN)
+    return (("authorization", f"Bearer {token}"),) if token else None
 
 
 def normalize_target(target: str | None) -> str:

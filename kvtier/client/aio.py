@@ -19,6 +19,7 @@ from kvtier.client._common import (
     Buffer,
     GetAssembler,
     as_key,
+    auth_metadata,
     block_stat,
     make_calls,
     normalize_target,
@@ -44,9 +45,12 @@ logger = logging.getLogger(__name__)
 class AsyncClient:
     """A connection to one kvtier daemon for asyncio code; use `async with` or `await close()`."""
 
-    def __init__(self, target: str | None = None, timeout_s: float | None = 60.0) -> None:
+    def __init__(
+        self, target: str | None = None, timeout_s: float | None = 60.0, token: str | None = None
+    ) -> None:
         self.target = normalize_target(target)
         self.timeout_s = timeout_s
+        self._metadata = auth_metadata(token)
         self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         calls = make_calls(self._channel)
         self._stub, self._put, self._get = calls.stub, calls.put, calls.get
@@ -75,7 +79,9 @@ class AsyncClient:
     ) -> bool:
         try:
             resp = await self._put(
-                put_messages(namespace, as_key(key), data, overwrite), timeout=self.timeout_s
+                put_messages(namespace, as_key(key), data, overwrite),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
             )
         except grpc.RpcError as err:
             raise translate(err) from None
@@ -85,7 +91,9 @@ class AsyncClient:
         out = GetAssembler()
         try:
             async for msg in self._get(
-                pb.GetRequest(namespace=namespace, key=as_key(key)), timeout=self.timeout_s
+                pb.GetRequest(namespace=namespace, key=as_key(key)),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
             ):
                 out.feed(msg)
         except grpc.RpcError as err:
@@ -99,6 +107,7 @@ class AsyncClient:
             resp = await self._stub.Lookup(
                 pb.LookupRequest(namespace=namespace, keys=[as_key(k) for k in keys]),
                 timeout=self.timeout_s,
+                metadata=self._metadata,
             )
         except grpc.RpcError as err:
             raise translate(err) from None
@@ -107,7 +116,9 @@ class AsyncClient:
     async def stat(self, namespace: str, key: bytes | str) -> BlockStat | None:
         try:
             resp = await self._stub.Stat(
-                pb.StatRequest(namespace=namespace, key=as_key(key)), timeout=self.timeout_s
+                pb.StatRequest(namespace=namespace, key=as_key(key)),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
             )
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.NOT_FOUND:
@@ -118,7 +129,9 @@ class AsyncClient:
     async def list(self, namespace: str = "", limit: int = 0) -> AsyncIterator[BlockStat]:
         try:
             async for entry in self._stub.List(
-                pb.ListRequest(namespace=namespace, limit=limit), timeout=self.timeout_s
+                pb.ListRequest(namespace=namespace, limit=limit),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
             ):
                 yield block_stat(entry.info)
         except grpc.RpcError as err:
@@ -127,7 +140,9 @@ class AsyncClient:
     async def delete(self, namespace: str, key: bytes | str) -> bool:
         try:
             resp = await self._stub.Delete(
-                pb.DeleteRequest(namespace=namespace, key=as_key(key)), timeout=self.timeout_s
+                pb.DeleteRequest(namespace=namespace, key=as_key(key)),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
             )
         except grpc.RpcError as err:
             raise translate(err) from None
@@ -135,7 +150,9 @@ class AsyncClient:
 
     async def stats(self) -> dict[str, Any]:
         try:
-            resp = await self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)
+            resp = await self._stub.Stats(
+                pb.StatsRequest(), timeout=self.timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as err:
             raise translate(err) from None
         return stats_dict(resp)
@@ -227,7 +244,9 @@ class AsyncClient:
     async def _shared_arena(self) -> AsyncSharedArena | None:
         if self._arena is None and self._zero_copy_possible:
             try:
-                resp = await self._stub.Attach(pb.AttachRequest(), timeout=self.timeout_s)
+                resp = await self._stub.Attach(
+                    pb.AttachRequest(), timeout=self.timeout_s, metadata=self._metadata
+                )
                 self._arena = await AsyncSharedArena.attach(resp)
             except (grpc.RpcError, OSError, KVTierError) as err:
                 self._zero_copy_possible = False

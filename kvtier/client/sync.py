@@ -19,6 +19,7 @@ from kvtier.client._common import (
     Buffer,
     GetAssembler,
     as_key,
+    auth_metadata,
     block_stat,
     make_calls,
     normalize_target,
@@ -51,9 +52,12 @@ class Client:
     `target`: unix:///path/to.sock, host:port, or None for the default socket.
     """
 
-    def __init__(self, target: str | None = None, timeout_s: float | None = 60.0) -> None:
+    def __init__(
+        self, target: str | None = None, timeout_s: float | None = 60.0, token: str | None = None
+    ) -> None:
         self.target = normalize_target(target)
         self.timeout_s = timeout_s
+        self._metadata = auth_metadata(token)
         self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         calls = make_calls(self._channel)
         self._stub, self._put, self._get = calls.stub, calls.put, calls.get
@@ -81,7 +85,9 @@ class Client:
         """Store `data`; True if stored now, False if these exact bytes were already there."""
         try:
             resp = self._put(
-                put_messages(namespace, as_key(key), data, overwrite), timeout=self.timeout_s
+                put_messages(namespace, as_key(key), data, overwrite),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
             )
         except grpc.RpcError as err:
             raise translate(err) from None
@@ -92,7 +98,9 @@ class Client:
         out = GetAssembler()
         try:
             for msg in self._get(
-                pb.GetRequest(namespace=namespace, key=as_key(key)), timeout=self.timeout_s
+                pb.GetRequest(namespace=namespace, key=as_key(key)),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
             ):
                 out.feed(msg)
         except grpc.RpcError as err:
@@ -107,6 +115,7 @@ class Client:
             resp = self._stub.Lookup(
                 pb.LookupRequest(namespace=namespace, keys=[as_key(k) for k in keys]),
                 timeout=self.timeout_s,
+                metadata=self._metadata,
             )
         except grpc.RpcError as err:
             raise translate(err) from None
@@ -115,7 +124,9 @@ class Client:
     def stat(self, namespace: str, key: bytes | str) -> BlockStat | None:
         try:
             resp = self._stub.Stat(
-                pb.StatRequest(namespace=namespace, key=as_key(key)), timeout=self.timeout_s
+                pb.StatRequest(namespace=namespace, key=as_key(key)),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
             )
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.NOT_FOUND:
@@ -126,7 +137,9 @@ class Client:
     def list(self, namespace: str = "", limit: int = 0) -> Iterator[BlockStat]:
         try:
             for entry in self._stub.List(
-                pb.ListRequest(namespace=namespace, limit=limit), timeout=self.timeout_s
+                pb.ListRequest(namespace=namespace, limit=limit),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
             ):
                 yield block_stat(entry.info)
         except grpc.RpcError as err:
@@ -136,7 +149,9 @@ class Client:
         """True if a block was removed, False if there was none."""
         try:
             resp = self._stub.Delete(
-                pb.DeleteRequest(namespace=namespace, key=as_key(key)), timeout=self.timeout_s
+                pb.DeleteRequest(namespace=namespace, key=as_key(key)),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
             )
         except grpc.RpcError as err:
             raise translate(err) from None
@@ -145,7 +160,9 @@ class Client:
     def stats(self) -> dict[str, Any]:
         """Counters and, under "tiers", each tier's used_bytes and capacity_bytes."""
         try:
-            resp = self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)
+            resp = self._stub.Stats(
+                pb.StatsRequest(), timeout=self.timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as err:
             raise translate(err) from None
         return stats_dict(resp)
@@ -239,7 +256,9 @@ class Client:
         if self._arena is None and self._zero_copy_possible:
             try:
                 self._arena = SharedArena.attach(
-                    self._stub.Attach(pb.AttachRequest(), timeout=self.timeout_s)
+                    self._stub.Attach(
+                        pb.AttachRequest(), timeout=self.timeout_s, metadata=self._metadata
+                    )
                 )
             except (grpc.RpcError, OSError, KVTierError) as err:
                 self._zero_copy_possible = False

@@ -8,6 +8,7 @@ of the session is released at once instead of waiting for the lease TTL.
 
 Protocol: client sends 16 bytes (nonce); daemon sends 16 bytes (session id u64, arena
 size u64, little-endian) with the fd attached, or closes the connection on a bad nonce.
+Each tenant has its own arena; a session only ever receives its own tenant's.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ async def _no_handler(session_id: int, op: int, payload: bytes) -> tuple[int, by
 class Session:
     session_id: int
     nonce: bytes
+    tenant: str
     connected: bool = False
     ended: bool = False
 
@@ -53,12 +55,15 @@ class ArenaSocket:
     """Sessions and the side socket. Lifecycle: `start()`, `new_session()`..., `close()`."""
 
     def __init__(
-        self, path: Path, arena_fd: int, arena_bytes: int, on_session_end: Callable[[int], object]
+        self,
+        path: Path,
+        arena_for: Callable[[str], tuple[int, int]],
+        on_session_end: Callable[[int], object],
     ) -> None:
         self.path = path
-        self._arena_fd = arena_fd
-        self._arena_bytes = arena_bytes
+        self._arena_for = arena_for  # tenant -> (memfd, size) of its own arena
         self._on_session_end = on_session_end
+        self._handler: SessionHandler = _no_handler
         self._by_nonce: dict[bytes, Session] = {}  # attached, not yet connected
         self._sessions: dict[int, Session] = {}
         self._next_id = 1
@@ -83,19 +88,20 @@ class ArenaSocket:
         """Who answers framed requests: (session id, op, payload) -> (status code, reply)."""
         self._handler = handler
 
-    def new_session(self) -> Session:
+    def new_session(self, tenant: str) -> Session:
         while len(self._by_nonce) >= MAX_PENDING_SESSIONS:  # attached but never connected
             stale = self._by_nonce.pop(next(iter(self._by_nonce)))
             self._end(stale)
-        session = Session(self._next_id, secrets.token_bytes(NONCE_BYTES))
+        session = Session(self._next_id, secrets.token_bytes(NONCE_BYTES), tenant)
         self._next_id += 1
         self._by_nonce[session.nonce] = session
         self._sessions[session.session_id] = session
         return session
 
-    def is_live(self, session_id: int) -> bool:
+    def tenant_of(self, session_id: int) -> str | None:
+        """The tenant a live session was opened for; None if unknown or ended."""
         session = self._sessions.get(session_id)
-        return session is not None and not session.ended
+        return session.tenant if session is not None and not session.ended else None
 
     def _end(self, session: Session) -> None:
         session.ended = True
@@ -151,9 +157,8 @@ class ArenaSocket:
                 logger.warning("arena socket: refused a connection with an unknown nonce")
                 return
             session.connected = True
-            socket.send_fds(
-                conn, [REPLY.pack(session.session_id, self._arena_bytes)], [self._arena_fd]
-            )
+            arena_fd, arena_bytes = self._arena_for(session.tenant)
+            socket.send_fds(conn, [REPLY.pack(session.session_id, arena_bytes)], [arena_fd])
             await self._serve_requests(conn, session.session_id)
         except (TimeoutError, OSError):
             pass

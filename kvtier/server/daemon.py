@@ -125,8 +125,7 @@ class Daemon:
         if sock_path is not None:
             arena = ArenaSocket(
                 sock_path.with_name(sock_path.name + ".arena"),
-                store.dram.fd,
-                store.dram.capacity_bytes,
+                lambda tenant: (store.arena(tenant).fd, store.arena(tenant).capacity_bytes),
                 store.release_session,
             )
             await arena.start()
@@ -181,7 +180,7 @@ class Daemon:
         )
         print(
             f"kvtier {__version__} serving on {listen} "
-            f"(dram {human_size(store.dram.capacity_bytes)}, {nvme})",
+            f"(dram {human_size(sum(a.capacity_bytes for a in store.arenas.values()))}, {nvme})",
             flush=True,
         )
         await self._stop.wait()

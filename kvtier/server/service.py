@@ -17,9 +17,17 @@ from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import REQUEST_TYPES, Op
 from kvtier._wire import RawChunk, get_response_serializer, put_request_deserializer
 from kvtier.config import Config
-from kvtier.errors import InvalidArgument, KVTierError, NotFound, Unavailable, Unimplemented
+from kvtier.errors import (
+    InvalidArgument,
+    KVTierError,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+    Unimplemented,
+)
 from kvtier.index.catalog import BlockId, Entry, TierName
-from kvtier.keys import DEFAULT_TENANT, check_key, check_namespace, namespace_id
+from kvtier.keys import DEFAULT_TENANT, check_key, check_namespace, hash_token, namespace_id
 from kvtier.server.arena_socket import ArenaSocket
 from kvtier.server.store import LeasedSlot, Store
 
@@ -57,20 +65,32 @@ class KVTierService:
         self._chunk_bytes = config.server.chunk_bytes
         self._draining = draining
         self._arena = arena
+        self._tokens = dict(config.auth.tokens)
 
     # ---- helpers ------------------------------------------------------------------------
-    def _tenant(self, context: Ctx | None) -> str:
-        # Single-tenant for now; authentication (bearer tokens, mTLS) will map to tenants.
-        return DEFAULT_TENANT
+    def _tenant(self, context: Ctx) -> str:
+        """The caller's tenant, from its bearer token (never from a request field)."""
+        if not self._tokens:
+            return DEFAULT_TENANT
+        auth = dict(context.invocation_metadata() or ()).get("authorization", "")
+        if not isinstance(auth, str) or not auth.startswith("Bearer "):
+            raise Unauthenticated(
+                "this daemon requires a bearer token: pass Client(target, token=...) "
+                "or set KVTIER_TOKEN"
+            )
+        tenant = self._tokens.get(hash_token(auth[len("Bearer ") :]))
+        if tenant is None:
+            raise Unauthenticated("unknown bearer token")
+        return tenant
 
-    def _ns_id(self, context: Ctx | None, namespace: str) -> str:
+    def _ns_id(self, tenant: str, namespace: str) -> str:
         if self._draining():
             raise Unavailable("kvtier is shutting down; retry against the restarted daemon")
         check_namespace(namespace, self._limits.max_namespace_chars)
-        return namespace_id(self._tenant(context), namespace)
+        return namespace_id(tenant, namespace)
 
     def _block_id(self, context: Ctx, namespace: str, key: bytes) -> BlockId:
-        ns_id = self._ns_id(context, namespace)
+        ns_id = self._ns_id(self._tenant(context), namespace)
         return ns_id, check_key(key, self._limits.max_key_bytes)
 
     @staticmethod
@@ -146,7 +166,7 @@ class KVTierService:
         context: Ctx,
     ) -> pb.LookupResponse:
         async with _status(context):
-            ns_id = self._ns_id(context, request.namespace)
+            ns_id = self._ns_id(self._tenant(context), request.namespace)
             keys = [check_key(k, self._limits.max_key_bytes) for k in request.keys]
             result = self._store.lookup(ns_id, keys)
             return pb.LookupResponse(
@@ -174,7 +194,8 @@ class KVTierService:
     ) -> AsyncIterator[pb.ListEntry]:
         async with _status(context):
             if request.namespace:
-                entries = self._store.catalog.entries(ns_id=self._ns_id(context, request.namespace))
+                ns_id = self._ns_id(self._tenant(context), request.namespace)
+                entries = self._store.catalog.entries(ns_id=ns_id)
             else:
                 if self._draining():
                     raise Unavailable("kvtier is shutting down")
@@ -230,35 +251,47 @@ class KVTierService:
         )
 
     # ---- zero-copy path -------------------------------------------------------------------
-    def _session(self, session_id: int) -> int:
+    def _session_tenant(self, session_id: int) -> str:
+        """The tenant of a live zero-copy session."""
         if self._arena is None:
             raise Unimplemented(
                 "the zero-copy path needs the daemon to listen on a UNIX socket; "
                 "use put/get (the gRPC byte path) over TCP"
             )
-        if not self._arena.is_live(session_id):
+        tenant = self._arena.tenant_of(session_id)
+        if tenant is None:
             raise InvalidArgument(f"unknown or ended session {session_id}: call Attach again")
-        return session_id
+        return tenant
+
+    def _session(self, session_id: int, context: Ctx) -> tuple[int, str]:
+        tenant = self._session_tenant(session_id)
+        if tenant != self._tenant(context):
+            raise PermissionDenied("this session belongs to another tenant")
+        return session_id, tenant
 
     async def Attach(self, request: pb.AttachRequest, context: Ctx) -> pb.AttachResponse:
         async with _status(context):
             if self._draining():
                 raise Unavailable("kvtier is shutting down")
+            tenant = self._tenant(context)
             if self._arena is None:
-                self._session(0)  # raises Unimplemented
+                self._session_tenant(0)  # raises Unimplemented
             assert self._arena is not None
-            session = self._arena.new_session()
+            arena_bytes = self._store.arena(tenant).capacity_bytes
+            session = self._arena.new_session(tenant)
             return pb.AttachResponse(
                 session_id=session.session_id,
                 nonce=session.nonce,
                 arena_socket=str(self._arena.path),
-                arena_bytes=self._store.dram.capacity_bytes,
+                arena_bytes=arena_bytes,
                 lease_ttl_s=self._limits.lease_ttl_s,
             )
         raise AssertionError("unreachable")
 
-    async def _reserve(self, session_id: int, request: pb.ReserveRequest) -> pb.ReserveResponse:
-        ns_id = self._ns_id(None, request.namespace)
+    async def _reserve(
+        self, session_id: int, tenant: str, request: pb.ReserveRequest
+    ) -> pb.ReserveResponse:
+        ns_id = self._ns_id(tenant, request.namespace)
         items = [
             ((ns_id, check_key(item.key, self._limits.max_key_bytes)), item.size_bytes)
             for item in request.items
@@ -269,7 +302,9 @@ class KVTierService:
             slots=[pb.Slot(offset=s.offset, size_bytes=s.size_bytes) for s in slots],
         )
 
-    async def _commit(self, session_id: int, request: pb.CommitRequest) -> pb.CommitResponse:
+    async def _commit(
+        self, session_id: int, tenant: str, request: pb.CommitRequest
+    ) -> pb.CommitResponse:
         outcomes = await self._store.commit(
             session_id, request.lease_id, list(request.xxh3_64), request.abort
         )
@@ -284,13 +319,17 @@ class KVTierService:
             ]
         )
 
-    async def _acquire(self, session_id: int, request: pb.AcquireRequest) -> pb.AcquireResponse:
-        ns_id = self._ns_id(None, request.namespace)
+    async def _acquire(
+        self, session_id: int, tenant: str, request: pb.AcquireRequest
+    ) -> pb.AcquireResponse:
+        ns_id = self._ns_id(tenant, request.namespace)
         keys = [(ns_id, check_key(k, self._limits.max_key_bytes)) for k in request.keys]
         lease_id, slots = await self._store.acquire(session_id, keys)
         return pb.AcquireResponse(lease_id=lease_id, blocks=[_leased(s) for s in slots])
 
-    async def _release(self, session_id: int, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
+    async def _release(
+        self, session_id: int, tenant: str, request: pb.ReleaseRequest
+    ) -> pb.ReleaseResponse:
         return pb.ReleaseResponse(released=self._store.release(session_id, list(request.lease_ids)))
 
     async def session_call(self, session_id: int, op: int, payload: bytes) -> tuple[int, bytes]:
@@ -298,14 +337,15 @@ class KVTierService:
         try:
             kind = Op(op)
             request = REQUEST_TYPES[kind].FromString(payload)
-            handlers: dict[Op, Callable[[int, Any], Awaitable[Message]]] = {
+            tenant = self._session_tenant(session_id)
+            handlers: dict[Op, Callable[[int, str, Any], Awaitable[Message]]] = {
                 Op.RESERVE: self._reserve,
                 Op.COMMIT: self._commit,
                 Op.ACQUIRE: self._acquire,
                 Op.RELEASE: self._release,
             }
             handler = handlers[kind]
-            response = await handler(session_id, request)
+            response = await handler(session_id, tenant, request)
         except KVTierError as err:
             return err.grpc_code.value[0], str(err).encode()
         except (ValueError, DecodeError):
@@ -314,22 +354,22 @@ class KVTierService:
 
     async def Reserve(self, request: pb.ReserveRequest, context: Ctx) -> pb.ReserveResponse:
         async with _status(context):
-            return await self._reserve(self._session(request.session_id), request)
+            return await self._reserve(*self._session(request.session_id, context), request)
         raise AssertionError("unreachable")
 
     async def Commit(self, request: pb.CommitRequest, context: Ctx) -> pb.CommitResponse:
         async with _status(context):
-            return await self._commit(self._session(request.session_id), request)
+            return await self._commit(*self._session(request.session_id, context), request)
         raise AssertionError("unreachable")
 
     async def Acquire(self, request: pb.AcquireRequest, context: Ctx) -> pb.AcquireResponse:
         async with _status(context):
-            return await self._acquire(self._session(request.session_id), request)
+            return await self._acquire(*self._session(request.session_id, context), request)
         raise AssertionError("unreachable")
 
     async def Release(self, request: pb.ReleaseRequest, context: Ctx) -> pb.ReleaseResponse:
         async with _status(context):
-            return await self._release(self._session(request.session_id), request)
+            return await self._release(*self._session(request.session_id, context), request)
         raise AssertionError("unreachable")
 
 

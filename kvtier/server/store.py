@@ -35,9 +35,11 @@ from kvtier.errors import (
     InvalidArgument,
     KVTierError,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
 )
 from kvtier.index.catalog import BlockId, Catalog, Entry, LookupResult, TierName
+from kvtier.keys import tenant_of
 from kvtier.movers.io import IoPool
 from kvtier.sizes import human_size
 from kvtier.tiers.allocator import Extent
@@ -195,7 +197,11 @@ class Store:
     def __init__(self, config: Config) -> None:
         self.config = config.resolved()
         self.catalog = Catalog()
-        self.dram = DramTier(self.config.dram.capacity_bytes, self.config.dram.prefault)
+        # One arena per tenant: a client maps its tenant's arena and nothing else.
+        self.arenas: dict[str, DramTier] = {
+            tenant: DramTier(size, self.config.dram.prefault)
+            for tenant, size in self.config.tenant_arenas().items()
+        }
         nvme_cfg = self.config.nvme
         self.nvme: NvmeTier | None = (
             NvmeTier(
@@ -208,7 +214,7 @@ class Store:
             else None
         )
         self.io = IoPool(nvme_cfg.io_threads)
-        self.max_block_bytes = min(self.config.limits.max_block_bytes, self.dram.capacity_bytes)
+        self._reserving: dict[str, int] = dict.fromkeys(self.arenas, 0)
         self._counters = _Counters()
         self._next_generation = 1
         self._nvme_reserved_bytes = 0
@@ -289,16 +295,33 @@ class Store:
         if self.nvme is not None:
             self.nvme.close()
 
+    def arena(self, tenant: str) -> DramTier:
+        """The DRAM arena of `tenant` (every tenant that can authenticate has one)."""
+        try:
+            return self.arenas[tenant]
+        except KeyError:
+            raise PermissionDenied(f"tenant {tenant!r} has no DRAM arena") from None
+
+    def arena_of(self, block_id: BlockId) -> DramTier:
+        return self.arena(tenant_of(block_id[0]))
+
     # ---- put ----------------------------------------------------------------------------
     async def put_begin(self, block_id: BlockId, size_bytes: int, overwrite: bool) -> PutWriter:
-        if size_bytes > self.max_block_bytes:
+        arena = self.arena_of(block_id)
+        largest = min(self.config.limits.max_block_bytes, arena.capacity_bytes)
+        if size_bytes > largest:
             raise ResourceExhausted(
                 f"block of {size_bytes} bytes is larger than the largest accepted, "
-                f"{self.max_block_bytes} bytes (limits.max_block_bytes, capped by "
-                "dram.capacity_bytes): split it or raise the limit"
+                f"{largest} bytes (limits.max_block_bytes, capped by the tenant's DRAM "
+                "arena): split it or raise the limit"
             )
-        extent = await self._reserve_dram(size_bytes)
-        return PutWriter(block_id, size_bytes, overwrite, extent, self.dram.view(extent))
+        tenant = tenant_of(block_id[0])
+        self._reserving[tenant] += 1
+        try:
+            extent = await self._reserve_dram(arena, size_bytes)
+        finally:
+            self._reserving[tenant] -= 1
+        return PutWriter(block_id, size_bytes, overwrite, extent, arena.view(extent))
 
     async def put_commit(self, writer: PutWriter, client_xxh3_64: int) -> PutResult:
         if writer.received_bytes != writer.size_bytes:
@@ -312,7 +335,7 @@ class Store:
                 "the bytes that arrived do not match the checksum the client sent; nothing "
                 "was stored: retry the put"
             )
-        self.dram.zero_tail(writer.extent, writer.size_bytes)
+        self.arena_of(writer.block_id).zero_tail(writer.extent, writer.size_bytes)
         existing = self.catalog.get(writer.block_id)
         if existing is not None:
             if existing.size_bytes == writer.size_bytes and existing.xxh3_64 == digest:
@@ -345,7 +368,7 @@ class Store:
             return
         writer.done = True
         writer.release()
-        self.dram.free(writer.extent)
+        self.arena_of(writer.block_id).free(writer.extent)
         self._signal_space()
 
     # ---- get, lookup, delete ------------------------------------------------------------
@@ -358,7 +381,7 @@ class Store:
         self.catalog.pin(entry)
         if entry.dram_extent is not None:
             self._counters.hits["dram"] += 1
-            view = self.dram.view(entry.dram_extent)[: entry.size_bytes]
+            view = self.arena_of(block_id).view(entry.dram_extent)[: entry.size_bytes]
             return BlockReader(self, entry, TierName.DRAM, view)
         assert self.nvme is not None and entry.nvme_record_bytes
         header = self._record_header(entry)
@@ -391,8 +414,8 @@ class Store:
         tiers = [
             TierUsage(
                 "dram",
-                self.dram.used_bytes,
-                self.dram.capacity_bytes,
+                sum(a.used_bytes for a in self.arenas.values()),
+                sum(a.capacity_bytes for a in self.arenas.values()),
                 self.catalog.count(TierName.DRAM),
                 c.hits["dram"],
                 c.evictions["dram"],
@@ -566,12 +589,13 @@ class Store:
     async def _promote_once(self, entry: Entry) -> bool:
         assert self.nvme is not None and entry.nvme_record_bytes
         header = self._record_header(entry)
-        extent = await self._reserve_dram(entry.size_bytes)
-        view = self.dram.view(extent)
+        arena = self.arena_of(entry.block_id)
+        extent = await self._reserve_dram(arena, entry.size_bytes)
+        view = arena.view(extent)
         try:
             await self.io.run(self.nvme.read_into, header, view)
         except (CorruptRecord, OSError) as err:
-            self.dram.free(extent)
+            arena.free(extent)
             self._signal_space()
             self._on_bad_record(entry, header, err)
             return False
@@ -582,20 +606,20 @@ class Store:
         return True
 
     # ---- making room --------------------------------------------------------------------
-    async def _reserve_dram(self, size_bytes: int) -> Extent:
+    async def _reserve_dram(self, arena: DramTier, size_bytes: int) -> Extent:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.limits.reserve_wait_s
         while True:
-            extent = self.dram.allocate(size_bytes)
+            extent = arena.allocate(size_bytes)
             if extent is not None:
                 return extent
-            victims = self._pick_dram_victims(size_bytes)
+            victims = self._pick_dram_victims(arena, size_bytes)
             if victims:
                 await asyncio.gather(*(self._evict_from_dram(v) for v in victims))
                 continue
             # Everything left is being written or read; wait (bounded) for some to finish.
             remaining = deadline - loop.time()
-            if remaining > 0 and self._busy_in_dram():
+            if remaining > 0 and self._busy_in_dram(arena):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._space_freed.wait(), remaining)
                 continue
@@ -604,17 +628,36 @@ class Store:
                 "or read; retry later"
             )
 
-    def _busy_in_dram(self) -> bool:
+    def _busy_in_dram(self, arena: DramTier) -> bool:
         # Reservations in progress and pinned blocks free space when they finish.
-        return self.dram.used_bytes > self.catalog.dram_used_bytes or any(
-            e.pins or e.demoting for e in self.catalog.entries() if e.dram_extent is not None
+        tenant = self._tenant_of_arena(arena)
+        if arena.used_bytes > self._catalogued_bytes(tenant) or self._reserving[tenant] > 1:
+            return True
+        return any(e.pins or e.demoting for e in self._dram_entries(tenant))
+
+    def _dram_entries(self, tenant: str) -> Iterator[Entry]:
+        for entry in self.catalog.entries():
+            if entry.dram_extent is not None and tenant_of(entry.block_id[0]) == tenant:
+                yield entry
+
+    def _catalogued_bytes(self, tenant: str) -> int:
+        return sum(
+            e.dram_extent.size_bytes
+            for e in self._dram_entries(tenant)
+            if e.dram_extent is not None
         )
 
-    def _pick_dram_victims(self, size_bytes: int) -> list[Entry]:
-        shortfall = size_bytes - (self.dram.capacity_bytes - self.dram.used_bytes)
+    def _tenant_of_arena(self, arena: DramTier) -> str:
+        return next(t for t, a in self.arenas.items() if a is arena)
+
+    def _pick_dram_victims(self, arena: DramTier, size_bytes: int) -> list[Entry]:
+        shortfall = size_bytes - (arena.capacity_bytes - arena.used_bytes)
+        tenant = self._tenant_of_arena(arena)
         victims: list[Entry] = []
         freed = 0
         for entry in self.catalog.dram_victims():
+            if tenant_of(entry.block_id[0]) != tenant:
+                continue
             victims.append(entry)
             assert entry.dram_extent is not None
             freed += entry.dram_extent.size_bytes
@@ -640,7 +683,7 @@ class Store:
         live = self.catalog.is_live(entry)
         extent = self.catalog.drop_dram(entry)
         if extent is not None:
-            self.dram.free(extent)
+            self.arena_of(entry.block_id).free(extent)
         if live and not self.catalog.is_live(entry):
             self._counters.dropped_blocks += 1
         self._after_use(entry)
@@ -653,7 +696,7 @@ class Store:
         if not self._make_nvme_room(need):
             return False
         self._nvme_reserved_bytes += need
-        view = self.dram.view(entry.dram_extent)
+        view = self.arena_of(entry.block_id).view(entry.dram_extent)
         try:
             record_bytes = await self.io.run(self.nvme.write, header, [view])
         except OSError as err:
@@ -697,7 +740,7 @@ class Store:
         if not entry.doomed or entry.pins or entry.demoting:
             return
         if entry.dram_extent is not None:
-            self.dram.free(entry.dram_extent)
+            self.arena_of(entry.block_id).free(entry.dram_extent)
             entry.dram_extent = None
             self._signal_space()
         if entry.nvme_record_bytes and self.nvme is not None:

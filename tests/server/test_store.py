@@ -73,7 +73,7 @@ async def test_random_operations_match_a_model(tmp_path: Path, seed: int) -> Non
         else:
             assert store.delete((NS, key)) == (key in model)
             model.pop(key, None)
-        assert store.dram.used_bytes <= store.dram.capacity_bytes
+        assert store.arena("default").used_bytes <= store.arena("default").capacity_bytes
         assert store.catalog.nvme_used_bytes <= 64 << 20
     for key, data in model.items():
         assert await get(store, key) == data
@@ -108,12 +108,12 @@ async def test_a_pinned_block_is_never_evicted_or_reused(tmp_path: Path) -> None
     assert store.lookup(NS, [b"pinned"]).tiers == ["dram"]
     assert b"".join(bytes(c) for c in reader.chunks(65536)) == block_bytes(1, 1 << 20)
     # Deleting it while it is read: gone from lookups at once, memory freed at close.
-    used = store.dram.used_bytes
+    used = store.arena("default").used_bytes
     assert store.delete((NS, b"pinned"))
     assert await get(store, b"pinned") is None
-    assert store.dram.used_bytes == used
+    assert store.arena("default").used_bytes == used
     reader.close()
-    assert store.dram.used_bytes == used - (1 << 20)
+    assert store.arena("default").used_bytes == used - (1 << 20)
     await store.close()
 
 
@@ -223,5 +223,5 @@ async def test_a_block_read_while_it_is_being_demoted_keeps_its_memory(
     assert b"".join(bytes(c) for c in reader.chunks(1 << 20)) == block_bytes(seed, 1 << 20)
     reader.close()
     assert await get(store, demoting.block_id[1]) == block_bytes(seed, 1 << 20)
-    assert store.dram.used_bytes <= store.dram.capacity_bytes
+    assert store.arena("default").used_bytes <= store.arena("default").capacity_bytes
     await store.close()
