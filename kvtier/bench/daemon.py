@@ -13,6 +13,9 @@ measured from cache) through:
   memcpy      single-thread copy of the same buffers into a second pool (the reference)
   redis       SET / GET through redis-py (+hiredis when installed) against a redis-server
               started on loopback without persistence; skipped with a message if absent
+  mooncake    Mooncake Store (CPU/TCP build) put_from / get_into between a client and a
+              store process over loopback, in a private network namespace (needs root,
+              unshare, and --mooncake-python); skipped with a message if absent
 
 Reports throughput (median over rounds), p50/p99 latency per call, and each path's ratio
 to memcpy measured in the same run. Every get is checked against what was put.
@@ -26,6 +29,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import socket
 import statistics
@@ -281,6 +285,75 @@ def redis_peer(workdir: Path) -> Iterator[Any | None]:
         proc.wait(30)
 
 
+def mooncake_python(explicit: str | None) -> Path | None:
+    """A Python with Mooncake's store module: given, $KVTIER_BENCH_MOONCAKE_PYTHON, or the
+    one beside `mooncake_master` on PATH."""
+    if explicit or os.environ.get("KVTIER_BENCH_MOONCAKE_PYTHON"):
+        return Path(explicit or os.environ["KVTIER_BENCH_MOONCAKE_PYTHON"])
+    master = shutil.which("mooncake_master")
+    return Path(master).with_name("python") if master else None
+
+
+def mooncake_peer(
+    python: Path | None, sizes: list[int], pool_bytes: int, rounds: int
+) -> list[PathFigures]:
+    """Mooncake Store put_from/get_into between two processes over loopback TCP, run in a
+    private network namespace (its listeners bind every interface); [] when unavailable."""
+    master = python.with_name("mooncake_master") if python else None
+    if python is None or master is None or not master.exists() or not python.exists():
+        print(
+            "mooncake: skipped (install mooncake-transfer-engine-non-cuda in a venv and "
+            "pass --mooncake-python)",
+            file=sys.stderr,
+        )
+        return []
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        print(
+            "mooncake: skipped (needs root and unshare for a private network namespace)",
+            file=sys.stderr,
+        )
+        return []
+    script = Path(__file__).with_name("mooncake_peer.py")
+    segment = max(pool_bytes, max(sizes) * 64) * 2
+    q = shlex.quote
+    shell = f"""
+        set -e
+        ip link set lo up
+        export MC_TCP_BIND_ADDRESS=127.0.0.1
+        {q(str(master))} --rpc_address=127.0.0.1 --rpc_port=50051 --metrics_host=127.0.0.1 \
+            --enable_http_metadata_server=true --http_metadata_server_host=127.0.0.1 \
+            --http_metadata_server_port=8080 --default_kv_lease_ttl=500 >/dev/null 2>&1 &
+        sleep 2
+        {q(str(python))} {q(str(script))} store {segment} >/dev/null 2>&1 &
+        sleep 5
+        {q(str(python))} {q(str(script))} client {",".join(map(str, sizes))} {pool_bytes} {rounds}
+        kill %1 %2 || true
+    """
+    out = subprocess.run(
+        ["unshare", "--net", "bash", "-c", shell],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    try:
+        rows = json.loads(out.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        print(f"mooncake: failed; its stderr ends with: {out.stderr[-800:]}", file=sys.stderr)
+        return []
+    return [
+        PathFigures(
+            "mooncake",
+            r["block_bytes"],
+            r["put_gbps"],
+            r["get_gbps"],
+            r["put_latency_s"],
+            r["get_latency_s"],
+        )
+        for r in rows
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="kvtier bench daemon",
@@ -292,7 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=64, help="blocks per put_many/get_many")
     parser.add_argument("--transport", choices=["uds", "tcp"], default="uds")
-    parser.add_argument("--peers", default="redis", help="comma list of peers, or 'none'")
+    parser.add_argument(
+        "--peers", default="redis,mooncake", help="comma list of peers (redis, mooncake), or 'none'"
+    )
+    parser.add_argument("--mooncake-python", help="Python with Mooncake's store installed")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -308,12 +384,17 @@ def main(argv: list[str] | None = None) -> int:
             redis_peer(workdir) if "redis" in peers else contextlib.nullcontext() as red,
         ):
             client.wait_ready()
+            memcpy_by_size: dict[int, float] = {}
             for size in sizes:
                 memcpy_gbps, paths = bench_size(client, size, pool, args.rounds, args.batch, red)
+                memcpy_by_size[size] = memcpy_gbps
                 results.extend(p.summary(memcpy_gbps) for p in paths)
                 print(f"done {format_size(size)}", file=sys.stderr)
     if "mooncake" in peers:
-        print("mooncake: not measured by this version of the benchmark", file=sys.stderr)
+        python = mooncake_python(args.mooncake_python)
+        for figures in mooncake_peer(python, sizes, pool, args.rounds):
+            results.append(figures.summary(memcpy_by_size[figures.block_bytes]))
+        results.sort(key=lambda r: (r["block_bytes"], r["path"] == "mooncake"))
     machine = {
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
