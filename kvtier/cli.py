@@ -204,7 +204,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvtier.bench.daemon import main as bench_daemon
 
         return bench_daemon(args.rest)
-    raise KVTierError(f"unknown benchmark {args.kind!r}")
+    from kvtier.bench.nvme import main as bench_nvme
+
+    return bench_nvme(args.rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -226,8 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     token.add_argument("--value", help="hash this token instead of making a new one")
     token.set_defaults(func=cmd_token)
 
-    bench = sub.add_parser("bench", help="benchmarks (kvtier bench daemon --help)", add_help=False)
-    bench.add_argument("kind", choices=["daemon"])
+    bench = sub.add_parser(
+        "bench", help="benchmarks: kvtier bench daemon|nvme --help", add_help=False
+    )
+    bench.add_argument("kind", choices=["daemon", "nvme"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
 

@@ -1,0 +1,711 @@
+"""`kvtier bench nvme`: an fio-like benchmark of a drive for KV-cache traffic.
+
+    kvtier bench nvme --directory /mnt/nvme0 --rw read --bs 4M --iodepth 8 --size 2G
+    kvtier bench nvme --directory /mnt/nvme0 --model llama3-8b --tokens-per-block 16 \\
+        --rw randread --pattern chain --mode tier --output-format json
+    kvtier bench nvme --directory /mnt/nvme0 --rw write --bs 1M --vs-fio
+
+Flags mean what fio's flags of the same name mean. `--mode raw` does plain aligned
+I/O (what the drive gives); `--mode tier` goes through kvtier's NVMe tier code (record
+headers, checksums verified on every read, one file per block), which is what kvtier gets
+out of the drive. Queue depth is emulated with threads doing synchronous I/O (the GIL is
+released in the syscalls). Output: fio-style text, or JSON laid out like fio's
+(`jobs[].read|write.{io_bytes,bw_bytes,iops,runtime,clat_ns.percentile}`) under the top key
+"kvtier-bench version". Everything the run creates is removed at the end, Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+import kvtier
+from kvtier.movers.io import aligned_buffer
+from kvtier.sizes import human_size, parse_size
+from kvtier.tiers.allocator import round_up
+from kvtier.tiers.nvme import NvmeTier, RecordHeader, header_size_for
+
+ALIGN_BYTES = 4096
+# fio's default completion-latency percentiles, and its key format.
+PERCENTILES = (
+    1.0,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    70.0,
+    80.0,
+    90.0,
+    95.0,
+    99.0,
+    99.5,
+    99.9,
+    99.95,
+    99.99,
+)
+# KV bytes per token, bf16 (K and V, all layers); per GPU for tensor-parallel profiles.
+MODELS: dict[str, int] = {
+    "llama3-8b": 128 << 10,
+    "llama3-70b-tp8": 320 << 10,
+    "llama3-70b": 2560 << 10,
+    "qwen2.5-7b": 56 << 10,
+    "mistral-7b": 128 << 10,
+}
+
+
+class BenchError(Exception):
+    """A refusal with a message that says what to change."""
+
+
+def percentile_key(p: float) -> str:
+    return f"{p:f}"
+
+
+@dataclass(slots=True)
+class Direction:
+    """Completed I/Os of one direction (read or write) of a job."""
+
+    clat_ns: list[int] = field(default_factory=list)
+    io_bytes: int = 0
+    timeline: list[tuple[float, int]] = field(default_factory=list)  # (seconds, bytes)
+
+    def record(self, started_ns: int, ended_ns: int, size: int, t0_ns: int) -> None:
+        self.clat_ns.append(ended_ns - started_ns)
+        self.io_bytes += size
+        self.timeline.append(((ended_ns - t0_ns) / 1e9, size))
+
+    def to_fio(self, runtime_s: float) -> dict[str, Any]:
+        lat = sorted(self.clat_ns)
+        n = len(lat)
+        pct = {
+            percentile_key(p): (lat[min(n - 1, math.ceil(p / 100 * n) - 1)] if n else 0)
+            for p in PERCENTILES
+        }
+        clat = {
+            "min": lat[0] if n else 0,
+            "max": lat[-1] if n else 0,
+            "mean": statistics.fmean(lat) if n else 0.0,
+            "stddev": statistics.pstdev(lat) if n > 1 else 0.0,
+            "N": n,
+            "percentile": pct,
+        }
+        bw_bytes = int(self.io_bytes / runtime_s) if runtime_s > 0 and n else 0
+        return {
+            "io_bytes": self.io_bytes,
+            "io_kbytes": self.io_bytes // 1024,
+            "bw_bytes": bw_bytes,
+            "bw": bw_bytes // 1024,
+            "iops": n / runtime_s if runtime_s > 0 else 0.0,
+            "runtime": round(runtime_s * 1000) if n else 0,
+            "total_ios": n,
+            "clat_ns": clat,
+            "lat_ns": dict(clat),
+        }
+
+
+@dataclass(slots=True)
+class Job:
+    index: int
+    args: argparse.Namespace
+    path: Path  # file (raw) or directory (tier)
+    read: Direction = field(default_factory=Direction)
+    write: Direction = field(default_factory=Direction)
+    runtime_s: float = 0.0
+    error: str = ""
+
+
+def _blocks(args: argparse.Namespace) -> int:
+    return max(1, int(args.size) // int(args.bs))
+
+
+def _offsets(args: argparse.Namespace, rng: random.Random) -> Iterator[int]:
+    """Block indices in the order the job issues them (endless when time-based)."""
+    count = _blocks(args)
+    sequential = args.rw in ("read", "write")
+    if args.pattern == "chain":
+        # Prefix chains: the file holds chains of up to 64 blocks; each request reads a
+        # random-length prefix of one chain, in order, as an engine loading a cached prompt.
+        chain = min(64, count)
+        while True:
+            start = rng.randrange(0, max(1, count - chain + 1), chain) if count > chain else 0
+            yield from range(start, start + rng.randint(1, chain))
+    while True:
+        order = range(count) if sequential else (rng.randrange(count) for _ in range(count))
+        yield from order
+        if not args.time_based:
+            return
+
+
+class Runner:
+    """Runs the jobs of one invocation and owns everything they create on disk."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.root: Path = Path(args.directory) / f"kvtier-bench-{uuid.uuid4().hex[:8]}"
+        self.jobs: list[Job] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._done_bytes = 0
+        self._t0_ns = 0
+        self._queues: dict[int, Iterator[tuple[str, int]]] = {}
+        self._tiers: dict[int, NvmeTier] = {}
+        # One payload for every write: its checksum goes in every tier-mode record header.
+        self._payload = aligned_buffer(round_up(args.bs, ALIGN_BYTES))
+        self._payload[: args.bs] = os.urandom(args.bs)
+        self._payload_view = memoryview(self._payload)[: round_up(args.bs, ALIGN_BYTES)]
+        self._payload_xxh3 = xxhash.xxh3_64_intdigest(self._payload_view[: args.bs])
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def check(self) -> None:
+        args = self.args
+        if not args.directory.is_dir():
+            raise BenchError(f"--directory {args.directory} is not a directory")
+        if args.bs % ALIGN_BYTES and args.direct:
+            raise BenchError(f"--bs must be a multiple of {ALIGN_BYTES} with --direct=1")
+        overhead = header_size_for(NS_ID, _key(0)) if args.mode == "tier" else 0
+        need = args.numjobs * _blocks(args) * (round_up(args.bs, ALIGN_BYTES) + overhead)
+        free = shutil.disk_usage(args.directory).free
+        if need > free * 0.95:
+            raise BenchError(
+                f"not enough free space in {args.directory}: the run needs "
+                f"{human_size(need)} ({args.numjobs} job(s) of --size), only "
+                f"{human_size(free)} is free; lower --size or --numjobs"
+            )
+        if args.direct and not _supports_o_direct(args.directory):
+            raise BenchError(
+                f"the filesystem of {args.directory} does not support O_DIRECT; "
+                "use --direct=0 (buffered I/O) or another directory"
+            )
+
+    @contextlib.contextmanager
+    def workspace(self) -> Iterator[None]:
+        self.root.mkdir()
+        try:
+            yield
+        finally:
+            for tier in self._tiers.values():
+                tier.close()
+            shutil.rmtree(self.root, ignore_errors=True)
+            if self.args.filename is not None and self.args.mode == "raw":
+                Path(self.args.filename).unlink(missing_ok=True)
+
+    def run(self) -> None:
+        args = self.args
+        self.jobs = [Job(i, args, self._job_path(i)) for i in range(args.numjobs)]
+        for job in self.jobs:
+            self._layout(job)
+            self._queues[job.index] = self._issue_order(job)
+        deadline = time.monotonic() + args.runtime if args.runtime else None
+        threads = [
+            threading.Thread(target=self._worker, args=(job, deadline), daemon=True)
+            for job in self.jobs
+            for _ in range(args.iodepth)
+        ]
+        self._t0_ns = time.monotonic_ns()
+        for t in threads:
+            t.start()
+        try:
+            while any(t.is_alive() for t in threads):
+                threads[0].join(0.5) if threads[0].is_alive() else time.sleep(0.05)
+                self._progress()
+        except KeyboardInterrupt:
+            self._stop.set()
+            for t in threads:
+                t.join()
+            raise
+        elapsed = (time.monotonic_ns() - self._t0_ns) / 1e9
+        for job in self.jobs:
+            job.runtime_s = elapsed
+        if self._done_bytes and (time.monotonic_ns() - self._t0_ns) > 2e9:
+            print(file=sys.stderr)
+
+    def _job_path(self, index: int) -> Path:
+        """A file per job (raw) or a record directory (tier); --filename names job 0's file."""
+        if self.args.filename is not None and self.args.mode == "raw" and index == 0:
+            return Path(self.args.filename)
+        return self.root / f"job{index}"
+
+    def _progress(self) -> None:
+        elapsed = (time.monotonic_ns() - self._t0_ns) / 1e9
+        if elapsed < 2:
+            return
+        print(
+            f"\rkvtier-bench: {human_size(self._done_bytes)} in {elapsed:.0f} s, "
+            f"{human_size(self._done_bytes / elapsed)}/s",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    # ---- data ----------------------------------------------------------------------------
+    def _issue_order(self, job: Job) -> Iterator[tuple[str, int]]:
+        args = self.args
+        rng = random.Random(job.index * 7919 + 1)
+        for index in _offsets(args, rng):
+            if args.rw in ("read", "randread"):
+                yield "read", index
+            elif args.rw in ("write", "randwrite"):
+                yield "write", index
+            else:
+                yield ("read" if rng.random() * 100 < args.rwmixread else "write"), index
+
+    def _next(self, job: Job) -> tuple[str, int] | None:
+        with self._lock:
+            return next(self._queues[job.index], None)
+
+    def _layout(self, job: Job) -> None:
+        """Write what the job will read before timing starts (as fio lays out its files)."""
+        args = self.args
+        reads = args.rw not in ("write", "randwrite")
+        if args.mode == "raw":
+            job.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(job.path, os.O_RDWR | os.O_CREAT | self._direct(), 0o600)
+            try:
+                os.ftruncate(fd, _blocks(args) * args.bs)
+                for i in range(_blocks(args) if reads else 0):
+                    os.pwritev(fd, [self._payload_view], i * args.bs)
+            finally:
+                os.close(fd)
+            return
+        tier = NvmeTier(job.path, 1 << 62, direct_io=bool(args.direct), sync_writes=False)
+        tier.open()
+        self._tiers[job.index] = tier
+        for i in range(_blocks(args) if reads else 0):
+            tier.write(self._header(i), [self._payload_view])
+
+    def _direct(self) -> int:
+        return os.O_DIRECT if self.args.direct else 0
+
+    def _header(self, index: int) -> RecordHeader:
+        key = _key(index)
+        return RecordHeader(
+            NS_ID, key, 1, self.args.bs, self._payload_xxh3, header_size_for(NS_ID, key)
+        )
+
+    def _worker(self, job: Job, deadline: float | None) -> None:
+        args = self.args
+        read_buf = aligned_buffer(round_up(args.bs, ALIGN_BYTES))
+        read_view = memoryview(read_buf)[: round_up(args.bs, ALIGN_BYTES)]
+        fd = os.open(job.path, os.O_RDWR | self._direct()) if args.mode == "raw" else -1
+        tier = self._tiers.get(job.index)
+        try:
+            while not self._stop.is_set():
+                if deadline is not None and time.monotonic() >= deadline:
+                    return
+                item = self._next(job)
+                if item is None:
+                    return
+                kind, index = item
+                t_start = time.monotonic_ns()
+                if tier is None:
+                    if kind == "read":
+                        got = os.preadv(fd, [read_view], index * args.bs)
+                        if got < args.bs:
+                            raise OSError(f"short read: {got} of {args.bs} bytes")
+                    else:
+                        os.pwritev(fd, [self._payload_view], index * args.bs)
+                elif kind == "read":
+                    tier.read(self._header(index))  # verifies header and checksum
+                else:
+                    tier.write(self._header(index), [self._payload_view])  # atomic replace
+                t_end = time.monotonic_ns()
+                (job.read if kind == "read" else job.write).record(
+                    t_start, t_end, args.bs, self._t0_ns
+                )
+                with self._lock:
+                    self._done_bytes += args.bs
+        except Exception as err:
+            job.error = f"{type(err).__name__}: {err}"
+            self._stop.set()
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+
+NS_ID = "bench|kv"
+
+
+def _key(index: int) -> bytes:
+    return index.to_bytes(8, "little") * 4
+
+
+def _supports_o_direct(directory: Path) -> bool:
+    probe = directory / f".kvtier-bench-probe-{uuid.uuid4().hex}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        os.pwritev(fd, [aligned_buffer(ALIGN_BYTES)], 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
+
+
+# ---- output ---------------------------------------------------------------------------------
+def job_options(args: argparse.Namespace) -> dict[str, str]:
+    return {
+        "rw": args.rw,
+        "bs": str(args.bs),
+        "size": str(args.size),
+        "iodepth": str(args.iodepth),
+        "numjobs": str(args.numjobs),
+        "direct": str(int(args.direct)),
+        "rwmixread": str(args.rwmixread),
+        "runtime": str(args.runtime or 0),
+        "time_based": str(int(args.time_based)),
+        "mode": args.mode,
+        "pattern": args.pattern,
+    }
+
+
+def report(args: argparse.Namespace, jobs: list[Job]) -> dict[str, Any]:
+    """The run as a fio-like JSON document."""
+    return {
+        "kvtier-bench version": f"kvtier-{kvtier.__version__}",
+        "timestamp": int(time.time()),
+        "time": time.strftime("%a %b %d %H:%M:%S %Y"),
+        "global options": {"directory": str(args.directory), "ioengine": "psync-threads"},
+        "jobs": [
+            {
+                "jobname": args.name,
+                "groupid": 0,
+                "error": 1 if job.error else 0,
+                "error_message": job.error,
+                "job options": job_options(args),
+                "read": job.read.to_fio(job.runtime_s),
+                "write": job.write.to_fio(job.runtime_s),
+                "job_runtime": int(job.runtime_s * 1000),
+            }
+            for job in jobs
+        ],
+    }
+
+
+def totals(doc: dict[str, Any], direction: str) -> tuple[float, int]:
+    """Aggregate bandwidth (bytes/s) and I/O count of one direction over all jobs."""
+    jobs = doc["jobs"]
+    return (
+        sum(j[direction]["bw_bytes"] for j in jobs),
+        sum(j[direction]["total_ios"] for j in jobs),
+    )
+
+
+def _unit(ns_values: list[float]) -> tuple[str, float]:
+    top = max(ns_values, default=0)
+    return ("msec", 1e6) if top >= 1e7 else ("usec", 1e3)
+
+
+def normal_text(doc: dict[str, Any]) -> str:
+    lines = []
+    for i, job in enumerate(doc["jobs"]):
+        lines.append(
+            f"{job['jobname']}: (groupid=0, jobs=1): err={job['error']:2d}: job={i}"
+            + (f" ({job['error_message']})" if job["error"] else "")
+        )
+        for direction in ("read", "write"):
+            d = job[direction]
+            if not d["total_ios"]:
+                continue
+            mib = d["bw_bytes"] / (1 << 20)
+            lines.append(
+                f"  {direction}: IOPS={d['iops']:.0f}, BW={mib:.0f}MiB/s "
+                f"({d['bw_bytes'] / 1e6:.0f}MB/s)({human_size(d['io_bytes'])}/{d['runtime']}msec)"
+            )
+            clat = d["clat_ns"]
+            unit, div = _unit([clat["max"]])
+            lines.append(
+                f"    clat ({unit}): min={clat['min'] / div:.0f}, max={clat['max'] / div:.0f}, "
+                f"avg={clat['mean'] / div:.2f}, stdev={clat['stddev'] / div:.2f}"
+            )
+            lines.append(f"     clat percentiles ({unit}):")
+            cells = [f"{float(k):5.2f}th=[{v / div:6.0f}]" for k, v in clat["percentile"].items()]
+            for row in range(0, len(cells), 4):
+                lines.append("     | " + ", ".join(cells[row : row + 4]) + ",")
+    return "\n".join(lines) + "\n"
+
+
+# ---- fio, side by side -----------------------------------------------------------------------
+def fio_command(args: argparse.Namespace, directory: Path) -> list[str]:
+    cmd = [
+        "fio",
+        "--name=kvtier-vs-fio",
+        f"--directory={directory}",
+        f"--size={args.size}",
+        f"--bs={args.bs}",
+        f"--iodepth={args.iodepth}",
+        f"--numjobs={args.numjobs}",
+        f"--rw={args.rw}",
+        f"--rwmixread={args.rwmixread}",
+        f"--direct={int(args.direct)}",
+        "--ioengine=libaio",
+        "--group_reporting",
+        "--output-format=json",
+    ]
+    if args.runtime:
+        cmd.append(f"--runtime={args.runtime}")
+    if args.time_based:
+        cmd.append("--time_based")
+    return cmd
+
+
+def run_fio(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
+    if shutil.which("fio") is None:
+        raise BenchError("--vs-fio needs fio on PATH (Debian: apt-get install fio)")
+    out = subprocess.run(
+        fio_command(args, directory),
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=max(600, 10 * (args.runtime or 60)),
+    )
+    if out.returncode:
+        raise BenchError(f"fio failed: {out.stderr.strip()[-400:]}")
+    start = out.stdout.find("{")
+    doc: dict[str, Any] = json.loads(out.stdout[start:])
+    return doc
+
+
+def comparison(ours: dict[str, Any], fio: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for direction in ("read", "write"):
+        bw, ios = totals(ours, direction)
+        fio_bw, fio_ios = totals(fio, direction)
+        if ios or fio_ios:
+            fio_p50 = (
+                fio["jobs"][0][direction]["clat_ns"]
+                .get("percentile", {})
+                .get(percentile_key(50.0), 0)
+            )
+            our_p50 = ours["jobs"][0][direction]["clat_ns"]["percentile"][percentile_key(50.0)]
+            out[direction] = {
+                "kvtier_bw_bytes": bw,
+                "fio_bw_bytes": fio_bw,
+                "bw_ratio": round(bw / fio_bw, 4) if fio_bw else None,
+                "kvtier_clat_p50_ns": our_p50,
+                "fio_clat_p50_ns": fio_p50,
+            }
+    return out
+
+
+def comparison_text(cmp: dict[str, Any]) -> str:
+    lines = ["", f"{'':6} {'kvtier-bench':>14} {'fio':>14} {'ratio':>7}"]
+    for direction, c in cmp.items():
+        ratio = f"{c['bw_ratio']:.3f}" if c["bw_ratio"] is not None else "-"
+        lines.append(
+            f"{direction:6} {c['kvtier_bw_bytes'] / 1e6:>10.0f} MB/s "
+            f"{c['fio_bw_bytes'] / 1e6:>9.0f} MB/s {ratio:>7}"
+        )
+        lines.append(
+            f"{'p50':>6} {c['kvtier_clat_p50_ns'] / 1e3:>11.0f} us "
+            f"{c['fio_clat_p50_ns'] / 1e3:>10.0f} us"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# ---- plot -----------------------------------------------------------------------------------
+def plot(jobs: list[Job], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise BenchError("--plot needs matplotlib: pip install matplotlib") from None
+    fig, (ax_lat, ax_bw) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for direction in ("read", "write"):
+        lat = [ns / 1e3 for job in jobs for ns in getattr(job, direction).clat_ns]
+        if lat:
+            ax_lat.hist(lat, bins=60, alpha=0.6, label=direction)
+        points = sorted(p for job in jobs for p in getattr(job, direction).timeline)
+        if points:
+            bin_s = max(0.1, points[-1][0] / 100)
+            bins: dict[int, int] = {}
+            for t, size in points:
+                bins[int(t / bin_s)] = bins.get(int(t / bin_s), 0) + size
+            xs = sorted(bins)
+            ax_bw.plot(
+                [x * bin_s for x in xs], [bins[x] / bin_s / 1e6 for x in xs], label=direction
+            )
+    ax_lat.set(xlabel="completion latency (µs)", ylabel="I/Os", title="latency distribution")
+    ax_bw.set(xlabel="time (s)", ylabel="MB/s", title="bandwidth over time")
+    ax_lat.legend()
+    ax_bw.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---- command line ---------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvtier bench nvme",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--name", default="kvtier-bench", help="job name in the report")
+    p.add_argument("--directory", type=Path, help="where to create the test files")
+    p.add_argument(
+        "--filename",
+        type=Path,
+        help="create the test file here (must not exist); implies its directory",
+    )
+    p.add_argument("--size", default="1G", help="bytes per job (fio sizes: 1G, 512M, 4GiB)")
+    p.add_argument("--bs", default="4M", help="block size")
+    p.add_argument("--model", choices=sorted(MODELS), help="derive --bs from a model's KV size")
+    p.add_argument("--tokens-per-block", type=int, default=16, help="with --model")
+    p.add_argument("--iodepth", type=int, default=1)
+    p.add_argument("--numjobs", type=int, default=1)
+    p.add_argument(
+        "--rw", default="read", choices=["read", "write", "randread", "randwrite", "randrw"]
+    )
+    p.add_argument("--rwmixread", type=int, default=50)
+    p.add_argument(
+        "--pattern",
+        default="plain",
+        choices=["plain", "chain"],
+        help="chain: reads arrive as prefix chains of random length",
+    )
+    p.add_argument("--runtime", type=float, default=0, help="seconds (0: until --size is done)")
+    p.add_argument("--time-based", "--time_based", dest="time_based", action="store_true")
+    p.add_argument("--direct", type=int, choices=[0, 1], default=1)
+    p.add_argument("--mode", choices=["raw", "tier"], default="raw")
+    p.add_argument("--output-format", choices=["normal", "json"], default="normal")
+    p.add_argument("--output", type=Path, help="write the report here instead of stdout")
+    p.add_argument("--vs-fio", action="store_true", help="also run fio's equivalent job")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run N times (alternating with fio) and report the median run",
+    )
+    p.add_argument("--plot", type=Path, help="PNG of latency distribution and bandwidth")
+    return p
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    fio_units = {"k": "KiB", "m": "MiB", "g": "GiB", "t": "TiB"}
+
+    def size(text: str) -> int:
+        t = text.strip()
+        if t and t[-1].lower() in fio_units and t[:-1].replace(".", "").isdigit():
+            t = t[:-1] + fio_units[t[-1].lower()]  # fio's 1G means 1 GiB
+        return parse_size(t)
+
+    try:
+        args.size, args.bs = size(args.size), size(args.bs)
+    except ValueError as err:
+        raise BenchError(str(err)) from None
+    if args.model:
+        args.bs = MODELS[args.model] * args.tokens_per_block
+    if args.filename is not None:
+        if args.filename.exists():
+            raise BenchError(
+                f"--filename {args.filename} exists; name a new file (it is "
+                "written over and removed at the end)"
+            )
+        args.directory = args.filename.parent
+    if args.directory is None:
+        raise BenchError("name where to test: --directory DIR (on the drive to measure)")
+    if args.iodepth < 1 or args.numjobs < 1 or args.repeat < 1 or not 0 <= args.rwmixread <= 100:
+        raise BenchError("--iodepth and --numjobs must be >= 1, --rwmixread within 0..100")
+    if args.time_based and not args.runtime:
+        raise BenchError("--time-based needs --runtime")
+    if args.bs < 1 or args.size < args.bs:
+        raise BenchError("--size must hold at least one --bs block")
+    return args
+
+
+def _median_run(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run whose total bandwidth (read + write) is the median of the repeats."""
+    ranked = sorted(docs, key=lambda d: totals(d, "read")[0] + totals(d, "write")[0])
+    return ranked[len(ranked) // 2]
+
+
+def run_once(args: argparse.Namespace) -> tuple[dict[str, Any], list[Job]]:
+    runner = Runner(args)
+    runner.check()
+    with runner.workspace():
+        runner.run()
+    return report(args, runner.jobs), runner.jobs
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parse(argv)
+        ours: list[tuple[dict[str, Any], list[Job]]] = []
+        fios: list[dict[str, Any]] = []
+        # Alternate our run and fio's, so both see the same drift of a noisy disk.
+        for _ in range(args.repeat):
+            ours.append(run_once(args))
+            if args.vs_fio:
+                fio_dir = args.directory / f"kvtier-bench-fio-{uuid.uuid4().hex[:8]}"
+                fio_dir.mkdir()
+                try:
+                    fios.append(run_fio(args, fio_dir))
+                finally:
+                    shutil.rmtree(fio_dir, ignore_errors=True)
+        doc = _median_run([d for d, _ in ours])
+        jobs = next(j for d, j in ours if d is doc)
+        if args.repeat > 1:
+            doc["repeats"] = {
+                direction: [totals(d, direction)[0] for d, _ in ours]
+                for direction in ("read", "write")
+            }
+        if fios:
+            fio_doc = _median_run(fios)
+            doc["fio"] = {
+                "version": fio_doc.get("fio version"),
+                "command": fio_command(args, args.directory / "<scratch>"),
+                "jobs": fio_doc["jobs"],
+                "repeats": {
+                    direction: [totals(d, direction)[0] for d in fios]
+                    for direction in ("read", "write")
+                },
+            }
+            doc["vs_fio"] = comparison(doc, fio_doc)
+        if args.plot:
+            plot(jobs, args.plot)
+    except BenchError as err:
+        print(f"kvtier bench nvme: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nkvtier bench nvme: interrupted; test files removed", file=sys.stderr)
+        return 130
+    if args.output_format == "json":
+        text = json.dumps(doc, indent=2) + "\n"
+    else:
+        text = normal_text(doc) + (comparison_text(doc["vs_fio"]) if "vs_fio" in doc else "")
+    if args.output:
+        args.output.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 1 if any(job["error"] for job in doc["jobs"]) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
