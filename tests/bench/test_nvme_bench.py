@@ -1,0 +1,260 @@
+"""`kvtier bench nvme`: fio's flags, fio's JSON layout, clear refusals, nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.bench import nvme
+
+# fio's default completion-latency percentiles, as its JSON writes their keys.
+FIO_PERCENTILE_KEYS = [
+    "1.000000",
+    "5.000000",
+    "10.000000",
+    "20.000000",
+    "30.000000",
+    "40.000000",
+    "50.000000",
+    "60.000000",
+    "70.000000",
+    "80.000000",
+    "90.000000",
+    "95.000000",
+    "99.000000",
+    "99.500000",
+    "99.900000",
+    "99.950000",
+    "99.990000",
+]
+DIRECTION_LAYOUT = {
+    "io_bytes": int,
+    "io_kbytes": int,
+    "bw_bytes": int,
+    "bw": int,
+    "iops": float,
+    "runtime": int,
+    "total_ios": int,
+    "clat_ns": dict,
+    "lat_ns": dict,
+}
+CLAT_LAYOUT = {"min": int, "max": int, "mean": float, "stddev": float, "N": int, "percentile": dict}
+
+
+def bench(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier", "bench", "nvme", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if check:
+        assert out.returncode == 0, out.stderr
+    return out
+
+
+def validate(doc: dict[str, Any]) -> None:
+    """The documented layout (README, 'For storage teams')."""
+    assert doc["kvtier-bench version"].startswith("kvtier-")
+    assert isinstance(doc["timestamp"], int) and isinstance(doc["global options"], dict)
+    assert doc["jobs"], "at least one job"
+    for job in doc["jobs"]:
+        assert {"jobname", "groupid", "error", "job options", "read", "write"} <= set(job)
+        for direction in ("read", "write"):
+            d = job[direction]
+            for key, kind in DIRECTION_LAYOUT.items():
+                assert isinstance(d[key], kind if kind is not float else (int, float)), key
+            for key, kind in CLAT_LAYOUT.items():
+                assert isinstance(d["clat_ns"][key], kind if kind is not float else (int, float))
+            assert list(d["clat_ns"]["percentile"]) == FIO_PERCENTILE_KEYS
+            values = list(d["clat_ns"]["percentile"].values())
+            assert values == sorted(values), "percentiles must not decrease"
+            if d["total_ios"]:
+                assert d["clat_ns"]["min"] <= values[0] and values[-1] <= d["clat_ns"]["max"]
+
+
+@pytest.mark.parametrize(
+    ("rw", "mode"), [("read", "raw"), ("randrw", "raw"), ("write", "tier"), ("randread", "tier")]
+)
+def test_json_is_laid_out_like_fio(tmp_path: Path, rw: str, mode: str) -> None:
+    out = bench(
+        "--directory",
+        str(tmp_path),
+        "--size",
+        "8M",
+        "--bs",
+        "1M",
+        "--rw",
+        rw,
+        "--mode",
+        mode,
+        "--iodepth",
+        "2",
+        "--output-format",
+        "json",
+    )
+    doc = json.loads(out.stdout)  # stdout is pure JSON
+    validate(doc)
+    job = doc["jobs"][0]
+    assert job["job options"]["rw"] == rw and job["job options"]["mode"] == mode
+    ios = job["read"]["total_ios"] + job["write"]["total_ios"]
+    assert ios == 8  # 8 MiB in 1 MiB blocks, each once
+    assert job["read"]["io_bytes"] == job["read"]["total_ios"] << 20
+    if rw == "randrw":
+        assert job["read"]["total_ios"] and job["write"]["total_ios"]
+    assert list(tmp_path.iterdir()) == [], "the run must leave nothing behind"
+
+
+def test_model_shortcut_chains_and_time_based(tmp_path: Path) -> None:
+    out = bench(
+        "--directory",
+        str(tmp_path),
+        "--size",
+        "32M",
+        "--model",
+        "llama3-8b",
+        "--tokens-per-block",
+        "4",
+        "--rw",
+        "randread",
+        "--pattern",
+        "chain",
+        "--mode",
+        "tier",
+        "--runtime",
+        "1",
+        "--time-based",
+        "--numjobs",
+        "2",
+        "--output-format",
+        "json",
+    )
+    doc = json.loads(out.stdout)
+    validate(doc)
+    assert doc["jobs"][0]["job options"]["bs"] == str(4 * (128 << 10))
+    assert len(doc["jobs"]) == 2
+    assert all(j["read"]["total_ios"] > 8 for j in doc["jobs"])  # time-based: past --size
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_normal_output_reads_like_fio(tmp_path: Path) -> None:
+    out = bench("--directory", str(tmp_path), "--size", "4M", "--bs", "1M")
+    assert "read: IOPS=" in out.stdout and ", BW=" in out.stdout
+    assert "clat percentiles (usec):" in out.stdout and "99.00th=[" in out.stdout
+
+
+def test_refusals_say_what_to_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = bench("--directory", str(tmp_path), "--size", "900T", "--bs", "1M", check=False)
+    assert out.returncode == 2 and "not enough free space" in out.stderr
+    assert "lower --size" in out.stderr
+    out = bench("--directory", str(tmp_path / "absent"), check=False)
+    assert out.returncode == 2 and "not a directory" in out.stderr
+    out = bench("--directory", str(tmp_path), "--bs", "1000", "--size", "1M", check=False)
+    assert out.returncode == 2 and "multiple of 4096" in out.stderr
+    monkeypatch.setattr(nvme, "_supports_o_direct", lambda directory: False)
+    assert nvme.main(["--directory", str(tmp_path), "--size", "1M", "--bs", "64K"]) == 2
+    assert "--direct=0" in capsys.readouterr().err
+    assert (
+        nvme.main(
+            [
+                "--directory",
+                str(tmp_path),
+                "--size",
+                "1M",
+                "--bs",
+                "64K",
+                "--direct",
+                "0",
+                "--output-format",
+                "json",
+            ]
+        )
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["jobs"][0]["read"]["total_ios"] == 16
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_leaves_nothing_behind(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvtier",
+            "bench",
+            "nvme",
+            "--directory",
+            str(tmp_path),
+            "--size",
+            "16M",
+            "--bs",
+            "1M",
+            "--runtime",
+            "60",
+            "--time-based",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 30
+    while not any(tmp_path.iterdir()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_percentiles_follow_fios_rank_rule() -> None:
+    d = nvme.Direction()
+    for ns in range(1, 101):
+        d.record(0, ns, 4096, 0)
+    pct = d.to_fio(1.0)["clat_ns"]["percentile"]
+    assert pct["50.000000"] == 50 and pct["99.000000"] == 99 and pct["1.000000"] == 1
+    assert pct["99.990000"] == 100
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="needs fio")
+def test_vs_fio_runs_the_equivalent_job(tmp_path: Path) -> None:
+    out = bench(
+        "--directory",
+        str(tmp_path),
+        "--size",
+        "16M",
+        "--bs",
+        "1M",
+        "--rw",
+        "write",
+        "--vs-fio",
+        "--output-format",
+        "json",
+    )
+    doc = json.loads(out.stdout)
+    ratio = doc["vs_fio"]["write"]["bw_ratio"]
+    assert ratio is not None and ratio > 0
+    assert "--rw=write" in doc["fio"]["command"] and "--bs=1048576" in doc["fio"]["command"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path.parent / f"{tmp_path.name}.png"
+    data = tmp_path / "data"
+    data.mkdir()
+    bench("--directory", str(data), "--size", "8M", "--bs", "1M", "--plot", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    os.unlink(png)
