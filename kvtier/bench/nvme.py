@@ -169,6 +169,8 @@ class Runner:
         self._t0_ns = 0
         self._queues: dict[int, Iterator[tuple[str, int]]] = {}
         self._tiers: dict[int, NvmeTier] = {}
+        self._generations: dict[int, dict[int, int]] = {}  # job -> block -> record generation
+        self._next_generation = 2
         # One payload for every write: its checksum goes in every tier-mode record header.
         self._payload = aligned_buffer(round_up(args.bs, ALIGN_BYTES))
         self._payload[: args.bs] = os.urandom(args.bs)
@@ -290,17 +292,51 @@ class Runner:
         tier = NvmeTier(job.path, 1 << 62, direct_io=bool(args.direct), sync_writes=False)
         tier.open()
         self._tiers[job.index] = tier
+        self._generations[job.index] = {}
         for i in range(_blocks(args) if reads else 0):
             tier.write(self._header(i), [self._payload_view])
+            self._generations[job.index][i] = 1
 
     def _direct(self) -> int:
         return os.O_DIRECT if self.args.direct else 0
 
-    def _header(self, index: int) -> RecordHeader:
+    def _header(self, index: int, generation: int = 1) -> RecordHeader:
         key = _key(index)
         return RecordHeader(
-            NS_ID, key, 1, self.args.bs, self._payload_xxh3, header_size_for(NS_ID, key)
+            NS_ID, key, generation, self.args.bs, self._payload_xxh3, header_size_for(NS_ID, key)
         )
+
+    # Tier mode writes a new record per write, as the daemon does, and removes the one it
+    # supersedes afterwards (the daemon does that on its I/O pool, off the write path).
+    def _tier_write(self, job: Job, tier: NvmeTier, index: int) -> int:
+        with self._lock:
+            generation = self._next_generation
+            self._next_generation += 1
+        tier.write(self._header(index, generation), [self._payload_view])
+        return generation
+
+    def _supersede(self, job: Job, tier: NvmeTier, index: int, generation: int) -> None:
+        with self._lock:
+            current = self._generations[job.index].get(index)
+            if current is None or current < generation:
+                self._generations[job.index][index] = generation
+                stale = current
+            else:
+                stale = generation  # a newer write of this block landed first
+        if stale is not None:
+            tier.remove(self._header(index, stale))
+
+    def _tier_read(self, job: Job, tier: NvmeTier, index: int, into: memoryview) -> None:
+        """The leased-get promotion path: straight into an aligned buffer, verified."""
+        for _ in range(8):
+            with self._lock:
+                generation = self._generations[job.index].get(index, 1)
+            try:
+                tier.read_into(self._header(index, generation), into)
+                return
+            except FileNotFoundError:
+                continue  # superseded by a concurrent write between lookup and open
+        raise OSError(f"block {index} kept being superseded while read")
 
     def _worker(self, job: Job, deadline: float | None) -> None:
         args = self.args
@@ -325,13 +361,15 @@ class Runner:
                     else:
                         os.pwritev(fd, [self._payload_view], index * args.bs)
                 elif kind == "read":
-                    tier.read(self._header(index))  # verifies header and checksum
+                    self._tier_read(job, tier, index, read_view)
                 else:
-                    tier.write(self._header(index), [self._payload_view])  # atomic replace
+                    generation = self._tier_write(job, tier, index)
                 t_end = time.monotonic_ns()
                 (job.read if kind == "read" else job.write).record(
                     t_start, t_end, args.bs, self._t0_ns
                 )
+                if tier is not None and kind == "write":
+                    self._supersede(job, tier, index, generation)
                 with self._lock:
                     self._done_bytes += args.bs
         except Exception as err:

@@ -176,6 +176,8 @@ class NvmeTier:
     def open(self) -> RecoveryReport:
         self._records_dir.mkdir(parents=True, exist_ok=True)
         self._lock()
+        for fan in range(256):  # once here, not a mkdir per record write
+            (self._records_dir / f"{fan:02x}").mkdir(exist_ok=True)
         self._tmp_dir.mkdir(parents=True, exist_ok=True)
         removed_tmp = 0
         for stray in self._tmp_dir.iterdir():
@@ -296,7 +298,6 @@ class NvmeTier:
             raise
         os.close(fd)
         try:
-            final.parent.mkdir(exist_ok=True)
             os.rename(tmp, final)
         except BaseException:
             tmp.unlink(missing_ok=True)

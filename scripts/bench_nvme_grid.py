@@ -1,0 +1,48 @@
+#!/usr/bin/env python3
+"""The `kvtier bench nvme --vs-fio` grid of the benchmark issue, as a markdown table.
+
+    python scripts/bench_nvme_grid.py --directory /mnt/nvme0 [--size 512M] [--repeat 3]
+
+Runs sequential read and write at --bs 1M and 4M, --iodepth 1 and 8, --direct 1, in
+--mode raw and --mode tier, each against fio's equivalent job (libaio) in the same
+invocation, alternating runs (--repeat) and comparing medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--directory", required=True)
+    parser.add_argument("--size", default="512M")
+    parser.add_argument("--repeat", default="3")
+    args = parser.parse_args()
+    print("| mode | rw | bs | iodepth | kvtier-bench MB/s | fio MB/s | ratio | p50 µs (kvtier / fio) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for mode in ("raw", "tier"):
+        for rw in ("read", "write"):
+            for bs in ("1M", "4M"):
+                for depth in ("1", "8"):
+                    out = subprocess.run(
+                        [sys.executable, "-m", "kvtier", "bench", "nvme", "--directory",
+                         args.directory, "--size", args.size, "--bs", bs, "--rw", rw,
+                         "--iodepth", depth, "--direct", "1", "--mode", mode, "--vs-fio",
+                         "--repeat", args.repeat, "--output-format", "json"],
+                        capture_output=True, text=True, check=True,
+                    )
+                    c = json.loads(out.stdout)["vs_fio"][rw]
+                    print(f"| {mode} | {rw} | {bs} | {depth} | {c['kvtier_bw_bytes'] / 1e6:.0f} | "
+                          f"{c['fio_bw_bytes'] / 1e6:.0f} | {c['bw_ratio']:.2f} | "
+                          f"{c['kvtier_clat_p50_ns'] / 1e3:.0f} / {c['fio_clat_p50_ns'] / 1e3:.0f} |",
+                          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
