@@ -577,7 +577,11 @@ def plot(jobs: list[Job], path: Path) -> None:
     for direction in ("read", "write"):
         lat = [ns / 1e3 for job in jobs for ns in getattr(job, direction).clat_ns]
         if lat:
-            ax_lat.hist(lat, bins=60, alpha=0.6, label=direction)
+            # Log-spaced bins: one slow outlier must not squash the distribution.
+            low, high = max(min(lat), 1e-3), max(lat)
+            edges = [low * (high / low) ** (i / 60) for i in range(61)] if high > low else 60
+            ax_lat.hist(lat, bins=edges, alpha=0.6, label=direction)
+            ax_lat.set_xscale("log")
         points = sorted(p for job in jobs for p in getattr(job, direction).timeline)
         if points:
             bin_s = max(0.1, points[-1][0] / 100)
