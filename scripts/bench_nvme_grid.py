@@ -17,30 +17,47 @@ import sys
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--directory", required=True)
     parser.add_argument("--size", default="512M")
     parser.add_argument("--repeat", default="3")
     args = parser.parse_args()
-    print("| mode | rw | bs | iodepth | kvtier-bench MB/s | fio MB/s | ratio | p50 µs (kvtier / fio) |")
+    print(
+        "| mode | rw | bs | iodepth | kvtier-bench MB/s | fio MB/s | ratio | p50 µs (kvtier/fio) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for mode in ("raw", "tier"):
         for rw in ("read", "write"):
             for bs in ("1M", "4M"):
                 for depth in ("1", "8"):
+                    flags = (
+                        f"--size {args.size} --bs {bs} --rw {rw} --iodepth {depth} --direct 1 "
+                        f"--mode {mode} --vs-fio --repeat {args.repeat} --output-format json"
+                    )
                     out = subprocess.run(
-                        [sys.executable, "-m", "kvtier", "bench", "nvme", "--directory",
-                         args.directory, "--size", args.size, "--bs", bs, "--rw", rw,
-                         "--iodepth", depth, "--direct", "1", "--mode", mode, "--vs-fio",
-                         "--repeat", args.repeat, "--output-format", "json"],
-                        capture_output=True, text=True, check=True,
+                        [
+                            sys.executable,
+                            "-m",
+                            "kvtier",
+                            "bench",
+                            "nvme",
+                            "--directory",
+                            args.directory,
+                            *flags.split(),
+                        ],
+                        capture_output=True,
+                        text=True,
+                        check=True,
                     )
                     c = json.loads(out.stdout)["vs_fio"][rw]
-                    print(f"| {mode} | {rw} | {bs} | {depth} | {c['kvtier_bw_bytes'] / 1e6:.0f} | "
-                          f"{c['fio_bw_bytes'] / 1e6:.0f} | {c['bw_ratio']:.2f} | "
-                          f"{c['kvtier_clat_p50_ns'] / 1e3:.0f} / {c['fio_clat_p50_ns'] / 1e3:.0f} |",
-                          flush=True)
+                    print(
+                        f"| {mode} | {rw} | {bs} | {depth} | {c['kvtier_bw_bytes'] / 1e6:.0f} | "
+                        f"{c['fio_bw_bytes'] / 1e6:.0f} | {c['bw_ratio']:.2f} | "
+                        f"{c['kvtier_clat_p50_ns'] / 1e3:.0f} / {c['fio_clat_p50_ns'] / 1e3:.0f} |",
+                        flush=True,
+                    )
     return 0
 
 
