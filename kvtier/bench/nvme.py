@@ -40,7 +40,7 @@ import kvtier
 from kvtier.movers.io import aligned_buffer
 from kvtier.sizes import human_size, parse_size
 from kvtier.tiers.allocator import round_up
-from kvtier.tiers.nvme import NvmeTier, RecordHeader, header_size_for
+from kvtier.tiers.nvme import NvmeTier, RecordHeader, header_size_for, supports_o_direct
 
 ALIGN_BYTES = 4096
 # fio's default completion-latency percentiles, and its key format.
@@ -388,19 +388,7 @@ def _key(index: int) -> bytes:
 
 
 def _supports_o_direct(directory: Path) -> bool:
-    probe = directory / f".kvtier-bench-probe-{uuid.uuid4().hex}"
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
-    except OSError:
-        return False
-    try:
-        os.pwritev(fd, [aligned_buffer(ALIGN_BYTES)], 0)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        probe.unlink(missing_ok=True)
+    return supports_o_direct(directory)
 
 
 # ---- output ---------------------------------------------------------------------------------

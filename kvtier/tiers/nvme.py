@@ -208,21 +208,7 @@ class NvmeTier:
             self._lock_fd = None
 
     def _probe_direct_io(self) -> bool:
-        if not hasattr(os, "O_DIRECT"):
-            return False
-        probe = self._tmp_dir / f"probe-{uuid.uuid4().hex}"
-        try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
-        except OSError:
-            return False
-        try:
-            os.pwritev(fd, [aligned_buffer(ALIGN_BYTES)], 0)
-            return True
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
-            probe.unlink(missing_ok=True)
+        return supports_o_direct(self._tmp_dir)
 
     def _recover(self, removed_tmp: int) -> RecoveryReport:
         newest: dict[tuple[str, bytes], RecoveredRecord] = {}
@@ -390,3 +376,22 @@ def _advance(iov: list[memoryview], done_bytes: int) -> None:
         iov.pop(0)
     if done_bytes:
         iov[0] = iov[0][done_bytes:]
+
+
+def supports_o_direct(directory: Path) -> bool:
+    """Whether files in `directory` accept an aligned O_DIRECT write (probed, then removed)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = directory / f".kvtier-probe-{uuid.uuid4().hex}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        os.pwritev(fd, [aligned_buffer(ALIGN_BYTES)], 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
