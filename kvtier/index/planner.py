@@ -1,0 +1,310 @@
+"""Fetch or recompute: the per-block plan for one prompt (pure function, no daemon needed).
+
+Model (DESIGN §4):
+  fetching block i from tier t costs        alpha_t + bytes_i / bandwidth_t
+  prefilling tokens [s, e) after [0, s) costs a*(e - s) + c*(e^2 - s^2)/2 + step_s
+A block is useful only if every block before it is present or recomputed first, so a plan
+is a split of the chain: blocks the engine already holds [0, E), then
+
+  none           recompute [E, g), fetch [g, k), recompute [k, N)
+                                                  total = C(E,g) + L(g,k) + C(k,N)
+  layerwise      the same, the fetch overlapped layer by layer with the tail's compute
+                                      total = C(E,g) + max(L(g,k), C(k,N)) + L/layers
+  bidirectional  recompute the front [E, g) while fetching [g, k), then the tail [k, N)
+                 layer by layer as its layers arrive (Cake's order)
+                                      total = max(C(E,g) + C(k,N), L(g,k) + C(k,N)/layers)
+
+where k ranges over every prefix of the cached run and g over E..k (recomputing the front
+pays where early positions are cheap and the tier is slow). The planner searches
+every k, and for each k the best g exactly (a prefix minimum, a range minimum on each side
+of where loading and computing balance, or the crossing of a rising and a falling cost),
+so under true parameters it equals the brute-force oracle (`oracle_total`, property-
+tested) at O(N log N); with estimated parameters it is only as good as the estimates.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+Overlap = Literal["none", "layerwise", "bidirectional"]
+OVERLAPS: tuple[Overlap, ...] = ("none", "layerwise", "bidirectional")
+
+
+@dataclass(frozen=True, slots=True)
+class TierCost:
+    """Measured cost of fetching from one tier to the engine: time = latency + bytes / bw."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float = 0.0
+
+    def fetch_s(self, size_bytes: int) -> float:
+        return self.latency_s + size_bytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCost:
+    """Prefill seconds for tokens [s, e) after [0, s): a*(e-s) + c*(e^2-s^2)/2 + step_s."""
+
+    a_s_per_token: float
+    c_s_per_token2: float
+    step_s: float = 0.0
+
+    def seconds(self, start_token: int, end_token: int) -> float:
+        if end_token <= start_token:
+            return 0.0
+        return (
+            self.a_s_per_token * (end_token - start_token)
+            + self.c_s_per_token2 * (end_token**2 - start_token**2) / 2
+            + self.step_s
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BlockPlan:
+    index: int
+    action: Literal["engine", "fetch", "recompute"]
+    tier: str | None
+    fetch_s: float | None  # estimated cost to fetch it (None: not cached)
+    recompute_s: float  # estimated cost to recompute it where it stands in the prompt
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The decision for one prompt. Blocks [0, engine) are held by the engine, then
+    `recompute_front_blocks` are recomputed, blocks up to `fetch_blocks` are fetched, and
+    the rest recomputed."""
+
+    overlap: Overlap
+    total_s: float
+    engine_blocks: int
+    recompute_front_blocks: int  # recomputed before (or, bidirectional, beside) the fetch
+    fetch_blocks: int  # end of the fetched run (block index; == start when none fetched)
+    recompute_all_s: float
+    fetch_all_s: float  # every cached block fetched, the rest recomputed (same overlap)
+    reason: str
+    _req: PlanRequest
+    _arrays: _Arrays
+
+    @property
+    def blocks(self) -> list[BlockPlan]:
+        """Per block: what to do, from which tier, and the estimated costs (built on demand)."""
+        arr, req = self._arrays, self._req
+        e = arr.engine
+        start = e + self.recompute_front_blocks
+        step = req.prefill.step_s
+        return [
+            BlockPlan(
+                index=i,
+                action="engine"
+                if i < e
+                else "fetch"
+                if start <= i < self.fetch_blocks
+                else "recompute",
+                tier=str(req.cached_tiers[i]) if e <= i < arr.cached_end else None,
+                fetch_s=arr.fetch_cost[i - e] if e <= i < arr.cached_end else None,
+                recompute_s=req.prefill.seconds(arr.tokens[i], arr.tokens[i + 1]) - step,
+            )
+            for i in range(arr.n)
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRequest:
+    """Everything the planner needs about one prompt."""
+
+    prompt_tokens: int
+    tokens_per_block: int
+    kv_bytes_per_token: int
+    cached_tiers: Sequence[str | None]  # per block from 0: the tier holding it, or None
+    tier_costs: dict[str, TierCost]
+    prefill: PrefillCost
+    engine_cached_blocks: int = 0
+    overlap: Overlap = "none"
+    layers: int = 32
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens <= 0 or self.tokens_per_block <= 0 or self.kv_bytes_per_token <= 0:
+            raise ValueError("prompt_tokens, tokens_per_block and kv_bytes_per_token must be > 0")
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"overlap must be one of {', '.join(OVERLAPS)}")
+        if self.layers <= 0:
+            raise ValueError("layers must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class _Arrays:
+    """Per-prompt cost arrays, indexed by block number (0..n)."""
+
+    engine: int
+    cached_end: int
+    n: int
+    tokens: list[int]
+    fetch_cost: list[float]  # for blocks engine..cached_end-1
+    loaded: list[float]  # loaded[i]: fetch [engine, i)  (constant below engine)
+    front: list[float]  # front[g]: recompute [engine, g)
+    tail: list[float]  # tail[k]: recompute [k, n)
+
+
+def _arrays(req: PlanRequest) -> _Arrays:
+    b = req.tokens_per_block
+    n = -(-req.prompt_tokens // b)
+    engine = min(req.engine_cached_blocks, n)
+    cached_end = engine  # end of the leading run of fetchable blocks after the engine's
+    while (
+        cached_end < n
+        and cached_end < len(req.cached_tiers)
+        and (req.cached_tiers[cached_end] in req.tier_costs)
+    ):
+        cached_end += 1
+    tokens = [min(i * b, req.prompt_tokens) for i in range(n + 1)]
+    fetch_cost = [
+        req.tier_costs[str(req.cached_tiers[i])].fetch_s(
+            (tokens[i + 1] - tokens[i]) * req.kv_bytes_per_token
+        )
+        for i in range(engine, cached_end)
+    ]
+    loaded = [0.0] * (engine + 1) + list(itertools.accumulate(fetch_cost))
+    loaded += [loaded[-1]] * (n + 1 - len(loaded))
+    a, half_c, step = req.prefill.a_s_per_token, req.prefill.c_s_per_token2 / 2, req.prefill.step_s
+
+    def span(s: int, e: int) -> float:
+        return a * (e - s) + half_c * (e * e - s * s) + step if e > s else 0.0
+
+    start, end = tokens[engine], req.prompt_tokens
+    front = [span(start, t) for t in tokens]
+    tail = [span(t, end) for t in tokens]
+    return _Arrays(engine, cached_end, n, tokens, fetch_cost, loaded, front, tail)
+
+
+def split_cost(req: PlanRequest, arr: _Arrays, g: int, k: int) -> float:
+    """Total time of: recompute [E, g), fetch [g, k), recompute [k, n) (E <= g <= k)."""
+    load = arr.loaded[k] - arr.loaded[g]
+    if req.overlap == "none":
+        return arr.front[g] + load + arr.tail[k]
+    if req.overlap == "layerwise":
+        return arr.front[g] + max(load, arr.tail[k]) + load / req.layers
+    return max(arr.front[g] + arr.tail[k], load + arr.tail[k] / req.layers)
+
+
+class _RangeMin:
+    """Argmin of values[lo..hi] in O(1) after an O(n log n) sparse-table build."""
+
+    def __init__(self, values: list[float]) -> None:
+        self.values = values
+        table = [list(range(len(values)))]
+        width = 1
+        while 2 * width <= len(values):
+            prev = table[-1]
+            table.append(
+                [
+                    a if values[a] <= values[c] else c
+                    for a, c in zip(prev, prev[width:], strict=False)
+                ]
+            )
+            width *= 2
+        self.table = table
+
+    def argmin(self, lo: int, hi: int) -> int:
+        level = (hi - lo + 1).bit_length() - 1
+        a, c = self.table[level][lo], self.table[level][hi - (1 << level) + 1]
+        return a if self.values[a] <= self.values[c] else c
+
+
+def plan(req: PlanRequest) -> Plan:
+    """The cheapest split of the chain under `req`'s costs (matches the brute-force oracle)."""
+    arr = _arrays(req)
+    e, n = arr.engine, arr.n
+    loaded, front, tail = arr.loaded, arr.front, arr.tail
+    inv = 1 / req.layers
+    best_total, best_g, best_k = split_cost(req, arr, e, e), e, e
+    ks = range(e + 1, arr.cached_end + 1)
+    if req.overlap == "none":
+        # cost = (front[g] - loaded[g]) + loaded[k] + tail[k]: best g is a prefix minimum.
+        g_best = e
+        for k in ks:
+            if front[k] - loaded[k] < front[g_best] - loaded[g_best]:
+                g_best = k
+            total = front[g_best] + loaded[k] - loaded[g_best] + tail[k]
+            if total < best_total:
+                best_total, best_g, best_k = total, g_best, k
+    elif req.overlap == "bidirectional":
+        # max(front[g] + tail[k], load(g, k) + tail[k]/layers): the first rises with g, the
+        # second falls, so the best g is where front[g] + loaded[g] crosses a k-threshold.
+        rising = [f + ld for f, ld in zip(front, loaded, strict=True)]
+        for k in ks:
+            cross = bisect.bisect_left(rising, loaded[k] - tail[k] * (1 - inv), e, k + 1)
+            for g in (cross - 1, cross):
+                if e <= g <= k:
+                    total = max(front[g] + tail[k], loaded[k] - loaded[g] + tail[k] * inv)
+                    if total < best_total:
+                        best_total, best_g, best_k = total, g, k
+    else:
+        # layerwise: where load(g, k) >= tail[k] (g up to `split`) the cost is
+        # front[g] - (1 + 1/layers) loaded[g] + const, beyond it front[g] - loaded[g]/layers
+        # + const: one range minimum on each side.
+        over = _RangeMin([f - (1 + inv) * ld for f, ld in zip(front, loaded, strict=True)])
+        under = _RangeMin([f - ld * inv for f, ld in zip(front, loaded, strict=True)])
+        for k in ks:
+            split = bisect.bisect_right(loaded, loaded[k] - tail[k], e, k + 1) - 1
+            for g in (
+                over.argmin(e, split) if split >= e else -1,
+                under.argmin(max(e, split + 1), k) if split + 1 <= k else -1,
+            ):
+                if g >= e:
+                    load = loaded[k] - loaded[g]
+                    total = front[g] + (load if load > tail[k] else tail[k]) + load * inv
+                    if total < best_total:
+                        best_total, best_g, best_k = total, g, k
+    recompute_all = split_cost(req, arr, e, e)
+    fetch_all = split_cost(req, arr, e, arr.cached_end)
+    if best_k == best_g:  # nothing fetched: everything after the engine's is recomputed
+        best_g = best_k = e
+    return Plan(
+        overlap=req.overlap,
+        total_s=best_total,
+        engine_blocks=e,
+        recompute_front_blocks=best_g - e,
+        fetch_blocks=best_k,
+        recompute_all_s=recompute_all,
+        fetch_all_s=fetch_all,
+        reason=_reason(e, best_g, best_k, arr.cached_end, n, best_total, recompute_all, fetch_all),
+        _req=req,
+        _arrays=arr,
+    )
+
+
+def oracle_total(req: PlanRequest) -> float:
+    """The best total by brute force over every split (g, k): what `plan` must equal."""
+    arr = _arrays(req)
+    return min(
+        split_cost(req, arr, g, k)
+        for k in range(arr.engine, arr.cached_end + 1)
+        for g in range(arr.engine, k + 1)
+    )
+
+
+def _reason(
+    engine: int,
+    g: int,
+    k: int,
+    cached_end: int,
+    n: int,
+    total: float,
+    recompute_all: float,
+    fetch_all: float,
+) -> str:
+    if k == g:
+        return (
+            f"recompute all {n - engine} blocks: {recompute_all * 1e3:.1f} ms beats "
+            f"fetching the {cached_end - engine} cached ones ({fetch_all * 1e3:.1f} ms)"
+        )
+    front = f"recompute {g - engine} front blocks while " if g > engine else ""
+    return (
+        f"{front}fetch blocks {g}..{k - 1} of {cached_end - engine} cached, recompute "
+        f"{n - k}: {total * 1e3:.1f} ms vs fetch-all {fetch_all * 1e3:.1f} ms, "
+        f"recompute-all {recompute_all * 1e3:.1f} ms"
+    )

@@ -1,0 +1,159 @@
+"""The planner against the brute-force oracle, the worked cases, and its shape."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.index.planner import (
+    OVERLAPS,
+    PlanRequest,
+    PrefillCost,
+    TierCost,
+    oracle_total,
+    plan,
+)
+
+LLAMA3_8B = PrefillCost(a_s_per_token=40.4e-6, c_s_per_token2=1.0e-9)
+NVME_X1 = TierCost(bandwidth_bytes_per_s=7e9, latency_s=100e-6)
+DRAM = TierCost(bandwidth_bytes_per_s=50e9, latency_s=10e-6)
+
+
+def request(**kw: object) -> PlanRequest:
+    base: dict[str, object] = dict(
+        prompt_tokens=32768,
+        tokens_per_block=512,
+        kv_bytes_per_token=128 << 10,
+        cached_tiers=["nvme"] * 56,
+        tier_costs={"nvme": NVME_X1, "dram": DRAM},
+        prefill=LLAMA3_8B,
+    )
+    base.update(kw)
+    return PlanRequest(**base)  # type: ignore[arg-type]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prompt=st.integers(1, 20_000),
+    block=st.sampled_from([16, 64, 256, 512]),
+    kv=st.sampled_from([56 << 10, 128 << 10, 320 << 10]),
+    head=st.integers(0, 60),
+    tail=st.integers(0, 60),
+    gap=st.booleans(),
+    engine=st.integers(0, 10),
+    overlap=st.sampled_from(OVERLAPS),
+    a=st.floats(1e-6, 1e-4),
+    c=st.floats(1e-11, 1e-8),
+    step=st.floats(0, 0.01),
+    bw=st.floats(1e8, 1e11),
+    lat=st.floats(0, 1e-3),
+    layers=st.integers(1, 96),
+)
+def test_plan_equals_the_oracle(
+    prompt: int,
+    block: int,
+    kv: int,
+    head: int,
+    tail: int,
+    gap: bool,
+    engine: int,
+    overlap: str,
+    a: float,
+    c: float,
+    step: float,
+    bw: float,
+    lat: float,
+    layers: int,
+) -> None:
+    tiers = ["dram"] * head + ["nvme"] * tail + ([None, "dram"] if gap else [])
+    req = PlanRequest(
+        prompt_tokens=prompt,
+        tokens_per_block=block,
+        kv_bytes_per_token=kv,
+        cached_tiers=tiers,
+        tier_costs={"dram": TierCost(bw * 8, lat / 10), "nvme": TierCost(bw, lat)},
+        prefill=PrefillCost(a, c, step),
+        engine_cached_blocks=engine,
+        overlap=overlap,
+        layers=layers,
+    )  # type: ignore[arg-type]
+    result = plan(req)
+    assert math.isclose(result.total_s, oracle_total(req), rel_tol=1e-9, abs_tol=1e-15)
+    assert result.total_s <= min(result.recompute_all_s, result.fetch_all_s) * (1 + 1e-12)
+    blocks = result.blocks
+    assert len(blocks) == -(-prompt // block)
+    # Shape: engine-held, then recompute, then one contiguous fetched run, then recompute;
+    # never a fetch of an uncached block.
+    actions = "".join(b.action[0] for b in blocks)
+    assert actions.lstrip("e").replace("r", " ").split().__len__() <= 1
+    assert all(b.tier is not None for b in blocks if b.action == "fetch")
+
+
+def test_worked_case_8b_32k_prompt_28k_cached_on_one_nvme() -> None:
+    # Issue figures (bf16, 40 % of peak): fetch-all ~854 ms, best overlapped ~494 ms,
+    # recompute-all ~1867 ms.
+    none = plan(request())
+    assert none.fetch_all_s == pytest.approx(0.854, rel=0.05)
+    assert none.recompute_all_s == pytest.approx(1.867, rel=0.02)
+    layerwise = plan(request(overlap="layerwise"))
+    assert layerwise.total_s == pytest.approx(0.494, rel=0.05)
+    assert layerwise.fetch_blocks < 56  # the best split is not fetch-all
+    assert plan(request(overlap="bidirectional")).total_s <= layerwise.total_s
+
+
+def test_dram_over_pcie_always_fetches_everything() -> None:
+    for overlap in OVERLAPS:
+        result = plan(request(cached_tiers=["dram"] * 56, overlap=overlap))
+        assert result.fetch_blocks == 56 and result.recompute_front_blocks == 0
+
+
+def test_slow_network_recomputes_the_front() -> None:
+    # 70B (TP8: 320 KiB/token) over 25 GbE: recompute roughly the first 85k positions.
+    eth25 = TierCost(25e9 / 8, 50e-6)
+    # Per GPU of 8, at 40 % of 989 TFLOP/s: a = 2 * 70e9 / 8 / 395.6e12; attention
+    # c = 4 * 80 layers * 8192 d_model / 8 / 395.6e12.
+    prefill_70b = PrefillCost(a_s_per_token=44.2e-6, c_s_per_token2=8.3e-10)
+    req = request(
+        prompt_tokens=128 * 1024,
+        kv_bytes_per_token=320 << 10,
+        cached_tiers=["net"] * 256,
+        tier_costs={"net": eth25},
+        prefill=prefill_70b,
+    )
+    result = plan(req)
+    front_tokens = result.recompute_front_blocks * 512
+    assert 60_000 < front_tokens < 110_000, front_tokens
+    assert result.total_s < result.fetch_all_s / 1.1
+
+
+def test_nothing_cached_or_all_held_by_the_engine() -> None:
+    assert plan(request(cached_tiers=[])).total_s == plan(request()).recompute_all_s
+    held = plan(request(engine_cached_blocks=64))
+    assert held.total_s == 0.0 and all(b.action == "engine" for b in held.blocks)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [dict(prompt_tokens=0), dict(tokens_per_block=0), dict(overlap="sideways"), dict(layers=0)],
+)
+def test_bad_requests_are_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        request(**bad)
+
+
+def test_a_256_block_plan_is_cheap() -> None:
+    # The benchmark (BENCHMARKS.md) measures it; here only a loose guard against blow-ups.
+    req = request(
+        prompt_tokens=256 * 16,
+        tokens_per_block=16,
+        cached_tiers=["dram"] * 128 + ["nvme"] * 128,
+        overlap="layerwise",
+    )
+    started = time.perf_counter()
+    for _ in range(20):
+        plan(req)
+    assert (time.perf_counter() - started) / 20 < 0.05
