@@ -185,6 +185,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from kvtier.index import whatif
+
+    try:
+        return whatif.run(args)
+    except ValueError as err:
+        print(f"kvtier plan: {err}", file=sys.stderr)
+        return EXIT_ERROR
+
+
 def cmd_token(args: argparse.Namespace) -> int:
     """A new bearer token for a tenant, and the config line that admits it."""
     import secrets
@@ -222,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-listen", help="Prometheus endpoint host:port")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)
+
+    plan = sub.add_parser("plan", help="fetch-or-recompute plan (--what-if: no daemon)")
+    from kvtier.index.whatif import add_arguments as plan_arguments
+
+    plan_arguments(plan)
+    plan.set_defaults(func=cmd_plan)
 
     token = sub.add_parser("token", help="make a bearer token for a tenant")
     token.add_argument("tenant")

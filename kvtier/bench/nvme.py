@@ -37,6 +37,7 @@ from typing import Any
 import xxhash
 
 import kvtier
+from kvtier.index.profiles import MODELS as PROFILES
 from kvtier.movers.io import aligned_buffer
 from kvtier.sizes import human_size, parse_size
 from kvtier.tiers.allocator import round_up
@@ -63,14 +64,7 @@ PERCENTILES = (
     99.95,
     99.99,
 )
-# KV bytes per token, bf16 (K and V, all layers); per GPU for tensor-parallel profiles.
-MODELS: dict[str, int] = {
-    "llama3-8b": 128 << 10,
-    "llama3-70b-tp8": 320 << 10,
-    "llama3-70b": 2560 << 10,
-    "qwen2.5-7b": 56 << 10,
-    "mistral-7b": 128 << 10,
-}
+MODELS: dict[str, int] = {name: m.kv_bytes_per_token for name, m in PROFILES.items()}
 
 
 class BenchError(Exception):

@@ -74,15 +74,15 @@ class BlockPlan:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """The decision for one prompt. Blocks [0, engine) are held by the engine, then
-    `recompute_front_blocks` are recomputed, blocks up to `fetch_blocks` are fetched, and
-    the rest recomputed."""
+    """The decision for one prompt: blocks [0, engine_blocks) are held by the engine,
+    [engine_blocks, fetch_start) are recomputed (the front), [fetch_start, fetch_end) are
+    fetched, and [fetch_end, n) recomputed. No fetch: fetch_start == fetch_end."""
 
     overlap: Overlap
     total_s: float
     engine_blocks: int
-    recompute_front_blocks: int  # recomputed before (or, bidirectional, beside) the fetch
-    fetch_blocks: int  # end of the fetched run (block index; == start when none fetched)
+    fetch_start: int
+    fetch_end: int
     recompute_all_s: float
     fetch_all_s: float  # every cached block fetched, the rest recomputed (same overlap)
     reason: str
@@ -90,11 +90,20 @@ class Plan:
     _arrays: _Arrays
 
     @property
+    def fetch_blocks(self) -> int:
+        """How many blocks to fetch."""
+        return self.fetch_end - self.fetch_start
+
+    @property
+    def recompute_front_blocks(self) -> int:
+        """Blocks recomputed before (bidirectional: beside) the fetched run."""
+        return self.fetch_start - self.engine_blocks
+
+    @property
     def blocks(self) -> list[BlockPlan]:
         """Per block: what to do, from which tier, and the estimated costs (built on demand)."""
         arr, req = self._arrays, self._req
         e = arr.engine
-        start = e + self.recompute_front_blocks
         step = req.prefill.step_s
         return [
             BlockPlan(
@@ -102,7 +111,7 @@ class Plan:
                 action="engine"
                 if i < e
                 else "fetch"
-                if start <= i < self.fetch_blocks
+                if self.fetch_start <= i < self.fetch_end
                 else "recompute",
                 tier=str(req.cached_tiers[i]) if e <= i < arr.cached_end else None,
                 fetch_s=arr.fetch_cost[i - e] if e <= i < arr.cached_end else None,
@@ -267,11 +276,13 @@ def plan(req: PlanRequest) -> Plan:
         overlap=req.overlap,
         total_s=best_total,
         engine_blocks=e,
-        recompute_front_blocks=best_g - e,
-        fetch_blocks=best_k,
+        fetch_start=best_g,
+        fetch_end=best_k,
         recompute_all_s=recompute_all,
         fetch_all_s=fetch_all,
-        reason=_reason(e, best_g, best_k, arr.cached_end, n, best_total, recompute_all, fetch_all),
+        reason=_reason(
+            req.overlap, e, best_g, best_k, arr.cached_end, n, best_total, recompute_all, fetch_all
+        ),
         _req=req,
         _arrays=arr,
     )
@@ -288,6 +299,7 @@ def oracle_total(req: PlanRequest) -> float:
 
 
 def _reason(
+    overlap: Overlap,
     engine: int,
     g: int,
     k: int,
@@ -302,9 +314,10 @@ def _reason(
             f"recompute all {n - engine} blocks: {recompute_all * 1e3:.1f} ms beats "
             f"fetching the {cached_end - engine} cached ones ({fetch_all * 1e3:.1f} ms)"
         )
-    front = f"recompute {g - engine} front blocks while " if g > engine else ""
+    joiner = "while fetching" if overlap == "bidirectional" else "then fetch"
+    front = f"recompute {g - engine} front blocks {joiner} " if g > engine else "fetch "
     return (
-        f"{front}fetch blocks {g}..{k - 1} of {cached_end - engine} cached, recompute "
+        f"{front}blocks {g}..{k - 1} of {cached_end - engine} cached, recompute the last "
         f"{n - k}: {total * 1e3:.1f} ms vs fetch-all {fetch_all * 1e3:.1f} ms, "
         f"recompute-all {recompute_all * 1e3:.1f} ms"
     )

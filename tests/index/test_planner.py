@@ -157,3 +157,74 @@ def test_a_256_block_plan_is_cheap() -> None:
     for _ in range(20):
         plan(req)
     assert (time.perf_counter() - started) / 20 < 0.05
+
+
+def test_what_if_cli_answers_the_worked_case_in_documented_json() -> None:
+    import json
+    import subprocess
+    import sys
+
+    base = [
+        sys.executable,
+        "-m",
+        "kvtier",
+        "plan",
+        "--what-if",
+        "--kv-bytes-per-token",
+        str(128 << 10),
+        "--prefill-a",
+        "40.4e-6",
+        "--prefill-c",
+        "1.0e-9",
+        "--tokens-per-block",
+        "512",
+        "--prompt-tokens",
+        "32768",
+        "--cached",
+        "nvme=56",
+        "--bandwidth",
+        "nvme=7GB/s",
+        "--latency",
+        "nvme=100e-6",
+        "--json",
+    ]
+    docs = {}
+    for overlap in OVERLAPS:
+        out = subprocess.run(
+            [*base, "--overlap", overlap], capture_output=True, text=True, timeout=60, check=True
+        )
+        docs[overlap] = json.loads(out.stdout)
+    none, layerwise = docs["none"], docs["layerwise"]
+    for doc in docs.values():
+        assert {"total_s", "fetch_blocks", "recompute_all_s", "fetch_all_s", "blocks"} <= set(doc)
+        assert len(doc["blocks"]) == 64
+        assert {b["action"] for b in doc["blocks"]} <= {"fetch", "recompute", "engine"}
+        assert all(b["tier"] == "nvme" for b in doc["blocks"] if b["action"] == "fetch")
+    assert none["fetch_all_s"] == pytest.approx(0.854, rel=0.05)
+    assert none["recompute_all_s"] == pytest.approx(1.867, rel=0.02)
+    assert layerwise["total_s"] == pytest.approx(0.494, rel=0.05)
+    assert docs["bidirectional"]["total_s"] <= layerwise["total_s"]
+    mixed = subprocess.run(
+        [
+            *base[:-7],
+            "--cached",
+            "dram=8",
+            "--cached",
+            "nvme=48",
+            "--bandwidth",
+            "nvme=7e9",
+            "--bandwidth",
+            "dram=50e9",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    blocks = json.loads(mixed.stdout)["blocks"]
+    assert [b["tier"] for b in blocks[:9]] == ["dram"] * 8 + ["nvme"]
+    bad = subprocess.run(
+        [*base[:-5], "--cached", "nvme=4", "--json"], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2 and "--bandwidth" in bad.stderr
