@@ -214,6 +214,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvtier.bench.daemon import main as bench_daemon
 
         return bench_daemon(args.rest)
+    if args.kind == "planner":
+        from kvtier.bench.planner import main as bench_planner
+
+        return bench_planner(args.rest)
     from kvtier.bench.nvme import main as bench_nvme
 
     return bench_nvme(args.rest)
@@ -245,9 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     token.set_defaults(func=cmd_token)
 
     bench = sub.add_parser(
-        "bench", help="benchmarks: kvtier bench daemon|nvme --help", add_help=False
+        "bench", help="benchmarks: kvtier bench daemon|nvme|planner --help", add_help=False
     )
-    bench.add_argument("kind", choices=["daemon", "nvme"])
+    bench.add_argument("kind", choices=["daemon", "nvme", "planner"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
 

@@ -16,8 +16,9 @@ is a split of the chain: blocks the engine already holds [0, E), then
 
 where k ranges over every prefix of the cached run and g over E..k (recomputing the front
 pays where early positions are cheap and the tier is slow). The planner searches
-every k, and for each k the best g exactly (a prefix minimum, a range minimum on each side
-of where loading and computing balance, or the crossing of a rising and a falling cost),
+every k, and for each k the best g exactly (a prefix minimum; a prefix minimum and a
+sliding-window minimum on either side of where loading and computing balance; or the
+crossing of a rising and a falling cost),
 so under true parameters it equals the brute-force oracle (`oracle_total`, property-
 tested) at O(N log N); with estimated parameters it is only as good as the estimates.
 """
@@ -25,6 +26,7 @@ tested) at O(N log N); with estimated parameters it is only as good as the estim
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -199,30 +201,6 @@ def split_cost(req: PlanRequest, arr: _Arrays, g: int, k: int) -> float:
     return max(arr.front[g] + arr.tail[k], load + arr.tail[k] / req.layers)
 
 
-class _RangeMin:
-    """Argmin of values[lo..hi] in O(1) after an O(n log n) sparse-table build."""
-
-    def __init__(self, values: list[float]) -> None:
-        self.values = values
-        table = [list(range(len(values)))]
-        width = 1
-        while 2 * width <= len(values):
-            prev = table[-1]
-            table.append(
-                [
-                    a if values[a] <= values[c] else c
-                    for a, c in zip(prev, prev[width:], strict=False)
-                ]
-            )
-            width *= 2
-        self.table = table
-
-    def argmin(self, lo: int, hi: int) -> int:
-        level = (hi - lo + 1).bit_length() - 1
-        a, c = self.table[level][lo], self.table[level][hi - (1 << level) + 1]
-        return a if self.values[a] <= self.values[c] else c
-
-
 def plan(req: PlanRequest) -> Plan:
     """The cheapest split of the chain under `req`'s costs (matches the brute-force oracle)."""
     arr = _arrays(req)
@@ -253,16 +231,28 @@ def plan(req: PlanRequest) -> Plan:
                         best_total, best_g, best_k = total, g, k
     else:
         # layerwise: where load(g, k) >= tail[k] (g up to `split`) the cost is
-        # front[g] - (1 + 1/layers) loaded[g] + const, beyond it front[g] - loaded[g]/layers
-        # + const: one range minimum on each side.
-        over = _RangeMin([f - (1 + inv) * ld for f, ld in zip(front, loaded, strict=True)])
-        under = _RangeMin([f - ld * inv for f, ld in zip(front, loaded, strict=True)])
+        # front[g] - (1 + 1/layers) loaded[g] + const: a prefix minimum. Beyond it,
+        # front[g] - loaded[g]/layers + const over the window (split, k], whose ends only
+        # move right as k grows: a monotonic deque.
+        over = [f - (1 + inv) * ld for f, ld in zip(front, loaded, strict=True)]
+        under = [f - ld * inv for f, ld in zip(front, loaded, strict=True)]
+        prefix_best, best_so_far = [], e
+        for g in range(len(over)):
+            if g >= e and over[g] < over[best_so_far]:
+                best_so_far = g
+            prefix_best.append(best_so_far)
+        window: collections.deque[int] = collections.deque()
+        added = e  # next g to push into the window
         for k in ks:
             split = bisect.bisect_right(loaded, loaded[k] - tail[k], e, k + 1) - 1
-            for g in (
-                over.argmin(e, split) if split >= e else -1,
-                under.argmin(max(e, split + 1), k) if split + 1 <= k else -1,
-            ):
+            while added <= k:
+                while window and under[window[-1]] >= under[added]:
+                    window.pop()
+                window.append(added)
+                added += 1
+            while window and window[0] <= split:
+                window.popleft()
+            for g in (prefix_best[split] if split >= e else -1, window[0] if window else -1):
                 if g >= e:
                     load = loaded[k] - loaded[g]
                     total = front[g] + (load if load > tail[k] else tail[k]) + load * inv
@@ -321,3 +311,11 @@ def _reason(
         f"{n - k}: {total * 1e3:.1f} ms vs fetch-all {fetch_all * 1e3:.1f} ms, "
         f"recompute-all {recompute_all * 1e3:.1f} ms"
     )
+
+
+def cost_of(req: PlanRequest, fetch_start: int, fetch_end: int) -> float:
+    """The total, under `req`'s costs, of a given split (e.g. one planned from estimates)."""
+    arr = _arrays(req)
+    g = min(max(fetch_start, arr.engine), arr.cached_end)
+    k = min(max(fetch_end, g), arr.cached_end)
+    return split_cost(req, arr, g, k)

@@ -228,3 +228,23 @@ def test_what_if_cli_answers_the_worked_case_in_documented_json() -> None:
         [*base[:-5], "--cached", "nvme=4", "--json"], capture_output=True, text=True, timeout=60
     )
     assert bad.returncode == 2 and "--bandwidth" in bad.stderr
+
+
+def test_evaluation_grid_holds_the_issue_bounds() -> None:
+    from kvtier.bench.planner import evaluate, regimes
+
+    assert len(regimes()) == 576
+    report = evaluate(error=0.3, samples=2)
+    assert report["max_planner_vs_best_naive"] <= 1.02
+    assert report["max_planner_vs_oracle"] <= 1.01
+    assert report["choices_worse_than_worse_naive"] == 0
+    # Where fetch-all is wrong (one NVMe drive, long prompts), the planner beats it widely.
+    slow = [
+        r
+        for r in report["rows"]
+        if r["tier"] == "25gbe"
+        and r["prompt_tokens"] == 131072
+        and r["cached_blocks"] == 256
+        and r["model"] == "llama3-70b-tp8"
+    ]
+    assert slow and max(r["gain_vs_fetch_all"] for r in slow) > 1.1
