@@ -47,7 +47,6 @@ class Session:
     session_id: int
     nonce: bytes
     tenant: str
-    connected: bool = False
     ended: bool = False
 
 
@@ -156,7 +155,6 @@ class ArenaSocket:
             if session is None:
                 logger.warning("arena socket: refused a connection with an unknown nonce")
                 return
-            session.connected = True
             arena_fd, arena_bytes = self._arena_for(session.tenant)
             socket.send_fds(conn, [REPLY.pack(session.session_id, arena_bytes)], [arena_fd])
             await self._serve_requests(conn, session.session_id)
