@@ -101,6 +101,30 @@ class NvmeConfig(_Section):
     )
 
 
+class PlannerConfig(_Section):
+    default_model: str = Field(
+        "llama3-8b",
+        description="prefill profile for namespaces whose first segment names no known model",
+    )
+    dram_bandwidth_bytes_per_s: float = Field(
+        10e9, gt=0, description="seed for DRAM -> engine transfer bandwidth (bytes/s)"
+    )
+    dram_latency_s: float = Field(20e-6, ge=0, description="seed for DRAM -> engine latency")
+    nvme_bandwidth_bytes_per_s: float = Field(
+        2e9, gt=0, description="seed for NVMe -> engine bandwidth, refined from real reads"
+    )
+    nvme_latency_s: float = Field(200e-6, ge=0, description="seed for NVMe -> engine latency")
+
+    @field_validator("default_model")
+    @classmethod
+    def _known_model(cls, name: str) -> str:
+        from kvtier.index.profiles import MODELS
+
+        if name not in MODELS:
+            raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
+        return name
+
+
 class AuthConfig(_Section):
     tokens: dict[str, str] = Field(
         default_factory=dict,
@@ -138,6 +162,7 @@ class Config(_Section):
     dram: DramConfig = Field(default_factory=lambda: DramConfig())
     nvme: NvmeConfig = Field(default_factory=lambda: NvmeConfig())
     log: LogConfig = Field(default_factory=lambda: LogConfig())
+    planner: PlannerConfig = Field(default_factory=lambda: PlannerConfig())
     auth: AuthConfig = Field(default_factory=lambda: AuthConfig())
     tenants: dict[str, TenantConfig] = Field(
         default_factory=dict,

@@ -880,3 +880,160 @@ class ReleaseResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReleaseResponse: _TypeAlias = ReleaseResponse  # noqa: Y015
+
+@_typing.final
+class PlanRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    TOKENS_PER_BLOCK_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    ENGINE_CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    OVERLAP_FIELD_NUMBER: _builtins.int
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    tokens_per_block: _builtins.int
+    prompt_tokens: _builtins.int
+    """0: len(keys) * tokens_per_block"""
+    engine_cached_blocks: _builtins.int
+    """leading blocks the engine already holds"""
+    overlap: _builtins.str
+    """"none" (default), "layerwise", "bidirectional" """
+    kv_bytes_per_token: _builtins.int
+    """0: from the stored blocks, else the model profile"""
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """the prompt's chain, block 0 first"""
+
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        tokens_per_block: _builtins.int = ...,
+        prompt_tokens: _builtins.int = ...,
+        engine_cached_blocks: _builtins.int = ...,
+        overlap: _builtins.str = ...,
+        kv_bytes_per_token: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_cached_blocks", b"engine_cached_blocks", "keys", b"keys", "kv_bytes_per_token", b"kv_bytes_per_token", "namespace", b"namespace", "overlap", b"overlap", "prompt_tokens", b"prompt_tokens", "tokens_per_block", b"tokens_per_block"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanRequest: _TypeAlias = PlanRequest  # noqa: Y015
+
+@_typing.final
+class PlanResponse(_message.Message):
+    """Per-block figures are parallel packed arrays (one entry per block of the prompt):
+    blocks [0, engine_blocks) are held by the engine, [fetch_start, fetch_end) are fetched,
+    the others recomputed.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOTAL_S_FIELD_NUMBER: _builtins.int
+    RECOMPUTE_ALL_S_FIELD_NUMBER: _builtins.int
+    FETCH_ALL_S_FIELD_NUMBER: _builtins.int
+    ENGINE_BLOCKS_FIELD_NUMBER: _builtins.int
+    FETCH_START_FIELD_NUMBER: _builtins.int
+    FETCH_END_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    TIERS_FIELD_NUMBER: _builtins.int
+    FETCH_S_FIELD_NUMBER: _builtins.int
+    RECOMPUTE_S_FIELD_NUMBER: _builtins.int
+    total_s: _builtins.float
+    recompute_all_s: _builtins.float
+    fetch_all_s: _builtins.float
+    engine_blocks: _builtins.int
+    fetch_start: _builtins.int
+    fetch_end: _builtins.int
+    reason: _builtins.str
+    @_builtins.property
+    def tiers(self) -> _containers.RepeatedScalarFieldContainer[Global___Tier.ValueType]:
+        """where each cached block lives (UNSPECIFIED: not cached)"""
+
+    @_builtins.property
+    def fetch_s(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """estimated fetch time (0 when not cached)"""
+
+    @_builtins.property
+    def recompute_s(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """estimated recompute time at its position"""
+
+    def __init__(
+        self,
+        *,
+        total_s: _builtins.float = ...,
+        recompute_all_s: _builtins.float = ...,
+        fetch_all_s: _builtins.float = ...,
+        engine_blocks: _builtins.int = ...,
+        fetch_start: _builtins.int = ...,
+        fetch_end: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        tiers: _abc.Iterable[Global___Tier.ValueType] | None = ...,
+        fetch_s: _abc.Iterable[_builtins.float] | None = ...,
+        recompute_s: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_blocks", b"engine_blocks", "fetch_all_s", b"fetch_all_s", "fetch_end", b"fetch_end", "fetch_s", b"fetch_s", "fetch_start", b"fetch_start", "reason", b"reason", "recompute_all_s", b"recompute_all_s", "recompute_s", b"recompute_s", "tiers", b"tiers", "total_s", b"total_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanResponse: _TypeAlias = PlanResponse  # noqa: Y015
+
+@_typing.final
+class ReportPrefillRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    START_TOKEN_FIELD_NUMBER: _builtins.int
+    END_TOKEN_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    start_token: _builtins.int
+    end_token: _builtins.int
+    seconds: _builtins.float
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        start_token: _builtins.int = ...,
+        end_token: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_token", b"end_token", "namespace", b"namespace", "seconds", b"seconds", "start_token", b"start_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportPrefillRequest: _TypeAlias = ReportPrefillRequest  # noqa: Y015
+
+@_typing.final
+class ReportPrefillResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    A_S_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    C_S_PER_TOKEN2_FIELD_NUMBER: _builtins.int
+    STEP_S_FIELD_NUMBER: _builtins.int
+    a_s_per_token: _builtins.float
+    c_s_per_token2: _builtins.float
+    step_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        a_s_per_token: _builtins.float = ...,
+        c_s_per_token2: _builtins.float = ...,
+        step_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["a_s_per_token", b"a_s_per_token", "c_s_per_token2", b"c_s_per_token2", "step_s", b"step_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportPrefillResponse: _TypeAlias = ReportPrefillResponse  # noqa: Y015

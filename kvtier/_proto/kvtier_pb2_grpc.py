@@ -70,6 +70,16 @@ class KVTierStub:
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Plan = channel.unary_unary(
+                '/kvtier.v1.KVTier/Plan',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.PlanRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.PlanResponse.FromString,
+                _registered_method=True)
+        self.ReportPrefill = channel.unary_unary(
+                '/kvtier.v1.KVTier/ReportPrefill',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.ReportPrefillRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ReportPrefillResponse.FromString,
+                _registered_method=True)
         self.Attach = channel.unary_unary(
                 '/kvtier.v1.KVTier/Attach',
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.AttachRequest.SerializeToString,
@@ -148,6 +158,22 @@ class KVTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Plan(self, request, context):
+        """Fetch or recompute, per block of an ordered chain, from measured tier costs and the
+        model's prefill profile (see kvtier/index/planner.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportPrefill(self, request, context):
+        """An engine reports how long a prefill of tokens [start, end) took; the daemon's prefill
+        estimate for that namespace's model learns from it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Attach(self, request, context):
         """---- zero-copy path for clients on the same node (UNIX socket targets only) ----
         Open a session: returns where to fetch the shared arena's file descriptor (over
@@ -222,6 +248,16 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.StatsRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_kvtier__pb2.StatsResponse.SerializeToString,
+            ),
+            'Plan': grpc.unary_unary_rpc_method_handler(
+                    servicer.Plan,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.PlanRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.PlanResponse.SerializeToString,
+            ),
+            'ReportPrefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportPrefill,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ReportPrefillRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.ReportPrefillResponse.SerializeToString,
             ),
             'Attach': grpc.unary_unary_rpc_method_handler(
                     servicer.Attach,
@@ -438,6 +474,60 @@ class KVTier:
             '/kvtier.v1.KVTier/Stats',
             kvtier_dot_v1_dot_kvtier__pb2.StatsRequest.SerializeToString,
             kvtier_dot_v1_dot_kvtier__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Plan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/Plan',
+            kvtier_dot_v1_dot_kvtier__pb2.PlanRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.PlanResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportPrefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/ReportPrefill',
+            kvtier_dot_v1_dot_kvtier__pb2.ReportPrefillRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.ReportPrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -53,6 +53,14 @@ class KVTierStub:
     """Keys held in a namespace (or all namespaces), streamed."""
     Delete: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.DeleteRequest, _kvtier_pb2.DeleteResponse]
     Stats: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.StatsRequest, _kvtier_pb2.StatsResponse]
+    Plan: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.PlanRequest, _kvtier_pb2.PlanResponse]
+    """Fetch or recompute, per block of an ordered chain, from measured tier costs and the
+    model's prefill profile (see kvtier/index/planner.py).
+    """
+    ReportPrefill: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.ReportPrefillRequest, _kvtier_pb2.ReportPrefillResponse]
+    """An engine reports how long a prefill of tokens [start, end) took; the daemon's prefill
+    estimate for that namespace's model learns from it.
+    """
     Attach: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.AttachRequest, _kvtier_pb2.AttachResponse]
     """---- zero-copy path for clients on the same node (UNIX socket targets only) ----
     Open a session: returns where to fetch the shared arena's file descriptor (over
@@ -85,6 +93,14 @@ class KVTierAsyncStub(KVTierStub):
     """Keys held in a namespace (or all namespaces), streamed."""
     Delete: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.DeleteRequest, _kvtier_pb2.DeleteResponse]  # type: ignore[assignment]
     Stats: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.StatsRequest, _kvtier_pb2.StatsResponse]  # type: ignore[assignment]
+    Plan: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.PlanRequest, _kvtier_pb2.PlanResponse]  # type: ignore[assignment]
+    """Fetch or recompute, per block of an ordered chain, from measured tier costs and the
+    model's prefill profile (see kvtier/index/planner.py).
+    """
+    ReportPrefill: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.ReportPrefillRequest, _kvtier_pb2.ReportPrefillResponse]  # type: ignore[assignment]
+    """An engine reports how long a prefill of tokens [start, end) took; the daemon's prefill
+    estimate for that namespace's model learns from it.
+    """
     Attach: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.AttachRequest, _kvtier_pb2.AttachResponse]  # type: ignore[assignment]
     """---- zero-copy path for clients on the same node (UNIX socket targets only) ----
     Open a session: returns where to fetch the shared arena's file descriptor (over
@@ -156,6 +172,26 @@ class KVTierServicer(metaclass=_abc_1.ABCMeta):
         request: _kvtier_pb2.StatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvtier_pb2.StatsResponse, _abc.Awaitable[_kvtier_pb2.StatsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Plan(
+        self,
+        request: _kvtier_pb2.PlanRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvtier_pb2.PlanResponse, _abc.Awaitable[_kvtier_pb2.PlanResponse]]:
+        """Fetch or recompute, per block of an ordered chain, from measured tier costs and the
+        model's prefill profile (see kvtier/index/planner.py).
+        """
+
+    @_abc_1.abstractmethod
+    def ReportPrefill(
+        self,
+        request: _kvtier_pb2.ReportPrefillRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvtier_pb2.ReportPrefillResponse, _abc.Awaitable[_kvtier_pb2.ReportPrefillResponse]]:
+        """An engine reports how long a prefill of tokens [start, end) took; the daemon's prefill
+        estimate for that namespace's model learns from it.
+        """
 
     @_abc_1.abstractmethod
     def Attach(

@@ -164,6 +164,34 @@ def time_plans(repeat: int = 300) -> dict[str, float]:
     return out
 
 
+def time_plan_rpc(repeat: int = 300) -> dict[str, float]:
+    """p50 seconds of the Plan RPC over UDS for a 256-block chain (half of it cached)."""
+    import tempfile
+    from pathlib import Path
+
+    import kvtier
+    from kvtier.bench.daemon import daemon
+
+    out: dict[str, float] = {}
+    with (
+        tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp,
+        daemon(Path(tmp), "uds", 64 << 20) as target,
+        kvtier.Client(target) as client,
+    ):
+        client.wait_ready()
+        chain = kvtier.chain_keys("llama3-8b/bench", [[i] for i in range(256)])
+        for i in range(0, 256, 2):
+            client.put("llama3-8b/bench", chain[i], b"x" * 4096)
+        for overlap in OVERLAPS:
+            xs = []
+            for _ in range(repeat):
+                started = time.perf_counter()
+                client.plan("llama3-8b/bench", chain, 16, overlap=overlap)
+                xs.append(time.perf_counter() - started)
+            out[overlap] = statistics.median(xs)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="kvtier bench planner",
@@ -172,10 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--error", type=float, default=0.3, help="estimate error, e.g. 0.3")
     parser.add_argument("--samples", type=int, default=16, help="perturbed plans per regime")
+    parser.add_argument("--rpc", action="store_true", help="also time the Plan RPC over UDS")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     report = evaluate(args.error, args.samples)
     report["plan_p50_s_256_blocks"] = time_plans()
+    if args.rpc:
+        report["plan_rpc_p50_s_256_blocks"] = time_plan_rpc()
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -191,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     for overlap, seconds in report["plan_p50_s_256_blocks"].items():
         print(f"256-block plan, {overlap}: p50 {seconds * 1e6:.0f} µs")
+    for overlap, seconds in report.get("plan_rpc_p50_s_256_blocks", {}).items():
+        print(f"256-block Plan RPC over UDS, {overlap}: p50 {seconds * 1e6:.0f} µs")
     return 0
 
 

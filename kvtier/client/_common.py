@@ -21,6 +21,7 @@ from kvtier._wire import (
 )
 from kvtier.config import ENV_TOKEN, default_target
 from kvtier.errors import DataLoss, KVTierError, from_grpc_code
+from kvtier.index.planner import BlockPlan
 
 CHUNK_BYTES = 1 << 20
 MESSAGE_LIMIT_BYTES = 64 << 20
@@ -87,6 +88,80 @@ class BlockStat:
     xxh3_64: int
     tiers: list[str]
     generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlanResult:
+    """The daemon's fetch-or-recompute decision for a chain (see kvtier.index.planner):
+    blocks [0, engine_blocks) are held by the engine, [fetch_start, fetch_end) fetched,
+    the others recomputed."""
+
+    total_s: float
+    recompute_all_s: float
+    fetch_all_s: float
+    engine_blocks: int
+    fetch_start: int
+    fetch_end: int
+    reason: str
+    tiers: list[str | None]
+    fetch_s: list[float]
+    recompute_s: list[float]
+
+    @property
+    def fetch_blocks(self) -> int:
+        return self.fetch_end - self.fetch_start
+
+    @property
+    def blocks(self) -> list[BlockPlan]:
+        return [
+            BlockPlan(
+                index=i,
+                action="engine"
+                if i < self.engine_blocks
+                else "fetch"
+                if self.fetch_start <= i < self.fetch_end
+                else "recompute",
+                tier=tier,
+                fetch_s=self.fetch_s[i] if tier else None,
+                recompute_s=self.recompute_s[i],
+            )
+            for i, tier in enumerate(self.tiers)
+        ]
+
+
+def plan_request(
+    namespace: str,
+    keys: list[bytes],
+    tokens_per_block: int,
+    engine_cached_blocks: int,
+    overlap: str,
+    prompt_tokens: int | None,
+    kv_bytes_per_token: int | None,
+) -> pb.PlanRequest:
+    return pb.PlanRequest(
+        namespace=namespace,
+        keys=keys,
+        tokens_per_block=tokens_per_block,
+        prompt_tokens=prompt_tokens or 0,
+        engine_cached_blocks=engine_cached_blocks,
+        overlap=overlap,
+        kv_bytes_per_token=kv_bytes_per_token or 0,
+    )
+
+
+def plan_result(resp: pb.PlanResponse) -> PlanResult:
+    return PlanResult(
+        total_s=resp.total_s,
+        recompute_all_s=resp.recompute_all_s,
+        fetch_all_s=resp.fetch_all_s,
+        engine_blocks=resp.engine_blocks,
+        fetch_start=resp.fetch_start,
+        fetch_end=resp.fetch_end,
+        reason=resp.reason,
+        tiers=[PB_TO_TIER[t] for t in resp.tiers],
+        fetch_s=list(resp.fetch_s),
+        recompute_s=list(resp.recompute_s),
+    )
 
 
 def block_stat(info: pb.BlockInfo) -> BlockStat:

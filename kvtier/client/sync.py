@@ -18,11 +18,14 @@ from kvtier.client._common import (
     BlockStat,
     Buffer,
     GetAssembler,
+    PlanResult,
     as_key,
     auth_metadata,
     block_stat,
     make_calls,
     normalize_target,
+    plan_request,
+    plan_result,
     put_messages,
     stats_dict,
     translate,
@@ -42,6 +45,7 @@ from kvtier.errors import (
     Unavailable,
 )
 from kvtier.index.catalog import LookupResult
+from kvtier.index.planner import PrefillCost
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +170,51 @@ class Client:
         except grpc.RpcError as err:
             raise translate(err) from None
         return stats_dict(resp)
+
+    def plan(
+        self,
+        namespace: str,
+        keys: Sequence[bytes | str],
+        tokens_per_block: int,
+        engine_cached_blocks: int = 0,
+        overlap: str = "none",
+        prompt_tokens: int | None = None,
+        kv_bytes_per_token: int | None = None,
+    ) -> PlanResult:
+        """Per block of the chain: fetch (from which tier) or recompute, and the estimates."""
+        request = plan_request(
+            namespace,
+            [as_key(k) for k in keys],
+            tokens_per_block,
+            engine_cached_blocks,
+            overlap,
+            prompt_tokens,
+            kv_bytes_per_token,
+        )
+        try:
+            resp = self._stub.Plan(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise translate(err) from None
+        return plan_result(resp)
+
+    def report_prefill(
+        self, namespace: str, start_token: int, end_token: int, seconds: float
+    ) -> PrefillCost:
+        """Tell the daemon how long prefilling tokens [start, end) took; returns its estimate."""
+        try:
+            resp = self._stub.ReportPrefill(
+                pb.ReportPrefillRequest(
+                    namespace=namespace,
+                    start_token=start_token,
+                    end_token=end_token,
+                    seconds=seconds,
+                ),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as err:
+            raise translate(err) from None
+        return PrefillCost(resp.a_s_per_token, resp.c_s_per_token2, resp.step_s)
 
     # ---- zero-copy path (same node, UNIX socket) --------------------------------------------
     def put_from(

@@ -101,6 +101,24 @@ class Plan:
         """Blocks recomputed before (bidirectional: beside) the fetched run."""
         return self.fetch_start - self.engine_blocks
 
+    def block_costs(self) -> tuple[list[str | None], list[float], list[float]]:
+        """Per block: its tier (None: not cached), fetch seconds (0 if not cached) and
+        recompute seconds at its position — the figures `blocks` is made of, cheaply."""
+        arr, req = self._arrays, self._req
+        e, end = arr.engine, arr.cached_end
+        tiers: list[str | None] = [None] * arr.n
+        fetch = [0.0] * arr.n
+        for i in range(e, end):
+            tiers[i] = str(req.cached_tiers[i])
+            fetch[i] = arr.fetch_cost[i - e]
+        pre = req.prefill
+        a, half_c, toks = pre.a_s_per_token, pre.c_s_per_token2 / 2, arr.tokens
+        recompute = [
+            a * (toks[i + 1] - toks[i]) + half_c * (toks[i + 1] ** 2 - toks[i] ** 2)
+            for i in range(arr.n)
+        ]
+        return tiers, fetch, recompute
+
     @property
     def blocks(self) -> list[BlockPlan]:
         """Per block: what to do, from which tier, and the estimated costs (built on demand)."""

@@ -6,6 +6,7 @@ runs its body under `_status`, which aborts with the exception's code and messag
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -27,6 +28,7 @@ from kvtier.errors import (
     Unimplemented,
 )
 from kvtier.index.catalog import BlockId, Entry, TierName
+from kvtier.index.planner import OVERLAPS
 from kvtier.keys import DEFAULT_TENANT, check_key, check_namespace, hash_token, namespace_id
 from kvtier.server.arena_socket import ArenaSocket
 from kvtier.server.store import LeasedSlot, Store
@@ -249,6 +251,65 @@ class KVTierService:
             leases=s.leases,
             promotions=s.promotions,
         )
+
+    # ---- deciding ---------------------------------------------------------------------------
+    async def Plan(self, request: pb.PlanRequest, context: Ctx) -> pb.PlanResponse:
+        async with _status(context):
+            ns_id = self._ns_id(self._tenant(context), request.namespace)
+            keys = [check_key(k, self._limits.max_key_bytes) for k in request.keys]
+            overlap = request.overlap or "none"
+            if overlap not in OVERLAPS:
+                raise InvalidArgument(f"overlap must be one of {', '.join(OVERLAPS)}")
+            tpb = request.tokens_per_block
+            if tpb <= 0:
+                raise InvalidArgument("tokens_per_block must be > 0")
+            prompt = request.prompt_tokens or len(keys) * tpb
+            if prompt <= 0 or -(-prompt // tpb) < len(keys):
+                raise InvalidArgument(
+                    f"prompt_tokens={prompt} cannot hold {len(keys)} blocks of {tpb} tokens"
+                )
+            result = self._store.plan(
+                ns_id,
+                keys,
+                tpb,
+                prompt,
+                request.engine_cached_blocks,
+                overlap,
+                request.kv_bytes_per_token,
+            )
+            tiers, fetch_s, recompute_s = result.block_costs()
+            return pb.PlanResponse(
+                total_s=result.total_s,
+                recompute_all_s=result.recompute_all_s,
+                fetch_all_s=result.fetch_all_s,
+                engine_blocks=result.engine_blocks,
+                fetch_start=result.fetch_start,
+                fetch_end=result.fetch_end,
+                reason=result.reason,
+                tiers=[TIER_NAME_TO_PB[t] for t in tiers],
+                fetch_s=fetch_s,
+                recompute_s=recompute_s,
+            )
+        raise AssertionError("unreachable")
+
+    async def ReportPrefill(
+        self, request: pb.ReportPrefillRequest, context: Ctx
+    ) -> pb.ReportPrefillResponse:
+        async with _status(context):
+            ns_id = self._ns_id(self._tenant(context), request.namespace)
+            if request.end_token <= request.start_token:
+                raise InvalidArgument("end_token must be greater than start_token")
+            if not math.isfinite(request.seconds) or request.seconds <= 0:
+                raise InvalidArgument("seconds must be a positive number")
+            estimator = self._store.prefill_estimator(ns_id)
+            estimator.observe(request.start_token, request.end_token, request.seconds)
+            fit = estimator.estimate()
+            return pb.ReportPrefillResponse(
+                a_s_per_token=fit.a_s_per_token,
+                c_s_per_token2=fit.c_s_per_token2,
+                step_s=fit.step_s,
+            )
+        raise AssertionError("unreachable")
 
     # ---- zero-copy path -------------------------------------------------------------------
     def _session_tenant(self, session_id: int) -> str:

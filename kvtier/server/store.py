@@ -39,6 +39,10 @@ from kvtier.errors import (
     ResourceExhausted,
 )
 from kvtier.index.catalog import BlockId, Catalog, Entry, LookupResult, TierName
+from kvtier.index.estimators import PathEstimator, PrefillEstimator
+from kvtier.index.planner import Overlap, Plan, PlanRequest, PrefillCost, TierCost
+from kvtier.index.planner import plan as make_plan
+from kvtier.index.profiles import MODELS
 from kvtier.keys import tenant_of
 from kvtier.movers.io import IoPool
 from kvtier.sizes import human_size
@@ -224,6 +228,18 @@ class Store:
         self._leases: dict[int, _Lease] = {}
         self._next_lease_id = 1
         self._promotions: dict[Entry, asyncio.Future[bool]] = {}
+        planner_cfg = self.config.planner
+        # Measured costs the planner reads. DRAM -> engine copies happen in the client
+        # (zero-copy) or in gRPC, out of the daemon's sight: that path keeps its seed.
+        self.paths: dict[str, PathEstimator] = {
+            "dram": PathEstimator(
+                TierCost(planner_cfg.dram_bandwidth_bytes_per_s, planner_cfg.dram_latency_s)
+            ),
+            "nvme": PathEstimator(
+                TierCost(planner_cfg.nvme_bandwidth_bytes_per_s, planner_cfg.nvme_latency_s)
+            ),
+        }
+        self._prefill: dict[str, PrefillEstimator] = {}
         self._expiry_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -385,8 +401,10 @@ class Store:
             return BlockReader(self, entry, TierName.DRAM, view)
         assert self.nvme is not None and entry.nvme_record_bytes
         header = self._record_header(entry)
+        started_s = time.perf_counter()
         try:
             buf, offset = await self.io.run(self.nvme.read, header)
+            self.paths["nvme"].observe(header.record_bytes, time.perf_counter() - started_s)
         except (CorruptRecord, OSError) as err:
             self._on_bad_record(entry, header, err)
             self._unpin(entry)
@@ -445,6 +463,59 @@ class Store:
             leases=len(self._leases),
             promotions=c.promotions,
         )
+
+    # ---- deciding: fetch or recompute ------------------------------------------------------
+    def prefill_estimator(self, ns_id: str) -> PrefillEstimator:
+        """The prefill estimate of a namespace's model (its first path segment)."""
+        model = ns_id.partition("|")[2].split("/", 1)[0]
+        if model not in MODELS:
+            model = self.config.planner.default_model
+        key = f"{tenant_of(ns_id)}|{model}"
+        if key not in self._prefill:
+            profile = MODELS[model]
+            self._prefill[key] = PrefillEstimator(
+                PrefillCost(profile.a_s_per_token, profile.c_s_per_token2)
+            )
+        return self._prefill[key]
+
+    def plan(
+        self,
+        ns_id: str,
+        keys: list[bytes],
+        tokens_per_block: int,
+        prompt_tokens: int,
+        engine_cached_blocks: int,
+        overlap: Overlap,
+        kv_bytes_per_token: int,
+    ) -> Plan:
+        tiers = self.catalog.lookup(ns_id, keys).tiers
+        if not kv_bytes_per_token:
+            first = next(
+                (
+                    self.catalog.get((ns_id, k))
+                    for k, t in zip(keys, tiers, strict=True)
+                    if t is not None
+                ),
+                None,
+            )
+            model = ns_id.partition("|")[2].split("/", 1)[0]
+            profile = MODELS.get(model, MODELS[self.config.planner.default_model])
+            kv_bytes_per_token = (
+                max(1, first.size_bytes // tokens_per_block)
+                if first
+                else profile.kv_bytes_per_token
+            )
+        request = PlanRequest(
+            prompt_tokens=prompt_tokens or len(keys) * tokens_per_block,
+            tokens_per_block=tokens_per_block,
+            kv_bytes_per_token=kv_bytes_per_token,
+            cached_tiers=tiers,
+            tier_costs={name: est.estimate() for name, est in self.paths.items()},
+            prefill=self.prefill_estimator(ns_id).estimate(),
+            engine_cached_blocks=engine_cached_blocks,
+            overlap=overlap,
+        )
+        return make_plan(request)
 
     # ---- leases: the zero-copy path -----------------------------------------------------
     async def reserve(
@@ -592,8 +663,10 @@ class Store:
         arena = self.arena_of(entry.block_id)
         extent = await self._reserve_dram(arena, entry.size_bytes)
         view = arena.view(extent)
+        started_s = time.perf_counter()
         try:
             await self.io.run(self.nvme.read_into, header, view)
+            self.paths["nvme"].observe(header.record_bytes, time.perf_counter() - started_s)
         except (CorruptRecord, OSError) as err:
             arena.free(extent)
             self._signal_space()

@@ -1,0 +1,69 @@
+"""The Plan and ReportPrefill RPCs of a real daemon."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import pytest
+
+import kvtier
+from tests.conftest import DaemonProcess, block_bytes
+
+StartDaemon = Callable[..., DaemonProcess]
+NS = "llama3-8b/bf16-b16"
+TPB = 16  # tokens per block; 2 MiB blocks = 128 KiB per token
+
+
+def test_plan_follows_where_blocks_live_and_what_engines_report(
+    start_daemon: StartDaemon,
+) -> None:
+    daemon = start_daemon(dram="64MiB", nvme="256MiB")
+    chain = kvtier.chain_keys(NS, [[i] * TPB for i in range(24)])
+    with daemon.client() as client:
+        for i in range(20):  # 20 of 24 blocks cached (DRAM, the oldest spill to NVMe)
+            client.put_from(NS, chain[i], block_bytes(i, TPB * (128 << 10)))
+        tiers = client.lookup(NS, chain).tiers
+        assert tiers[:20].count(None) == 0 and tiers[20:] == [None] * 4
+        result = client.plan(NS, chain, TPB)
+        assert len(result.blocks) == 24
+        assert result.total_s <= min(result.recompute_all_s, result.fetch_all_s) + 1e-12
+        assert all(b.action == "recompute" for b in result.blocks[20:])
+        for b, tier in zip(result.blocks, tiers, strict=True):
+            if b.action == "fetch":
+                assert b.tier == tier and b.fetch_s and b.fetch_s > 0
+        # The engine holds the first 4 blocks: they are neither fetched nor recomputed.
+        held = client.plan(NS, chain, TPB, engine_cached_blocks=4, overlap="layerwise")
+        assert [b.action for b in held.blocks[:4]] == ["engine"] * 4
+        assert held.fetch_start >= 4
+        # An engine that prefills absurdly fast: recomputing everything becomes the plan.
+        for start in range(0, 16 * 512, 512):
+            for length in (512, 2048):
+                estimate = client.report_prefill(NS, start, start + length, 1e-9 * length)
+        assert estimate.a_s_per_token < 1e-6
+        fast = client.plan(NS, chain, TPB)
+        assert fast.fetch_blocks == 0 and "recompute all" in fast.reason
+        # Another model's namespace keeps its own profile.
+        assert client.plan("mistral-7b/x", chain, TPB).recompute_all_s > fast.recompute_all_s
+        for bad in ({"tokens_per_block": 0}, {"overlap": "sideways"}, {"prompt_tokens": 16}):
+            kwargs = {"tokens_per_block": TPB, **bad}
+            with pytest.raises(kvtier.InvalidArgument):
+                client.plan(NS, chain, **kwargs)  # type: ignore[arg-type]
+        with pytest.raises(kvtier.InvalidArgument):
+            client.report_prefill(NS, 100, 50, 0.1)
+
+
+def test_plan_rpc_latency_for_a_256_block_chain(start_daemon: StartDaemon) -> None:
+    daemon = start_daemon(dram="16MiB", nvme="64MiB")
+    chain = kvtier.chain_keys(NS, [[i] for i in range(256)])
+    with daemon.client() as client:
+        for i in range(0, 256, 2):
+            client.put(NS, chain[i], b"x" * 4096)
+        samples = []
+        for _ in range(60):
+            started = time.perf_counter()
+            client.plan(NS, chain, 16, overlap="bidirectional")
+            samples.append(time.perf_counter() - started)
+    # A loose guard; BENCHMARKS.md has the measured p50.
+    assert statistics.median(samples) < 0.05
