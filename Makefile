@@ -4,18 +4,25 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+RUNTIME := $(VENV)/.installed
 STAMP := $(VENV)/.installed-dev
 
 .PHONY: serve test check lint typecheck proto proto-check bench clean
 
-$(STAMP): pyproject.toml
+# The daemon needs only the runtime dependencies; tests and tools add the dev extra
+# (which includes the CPU build of torch, pinned, for the tensor tests).
+$(RUNTIME): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e .
+	touch $(RUNTIME)
+
+$(STAMP): $(RUNTIME)
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
 ## serve: run the daemon with the embedded default configuration (pass flags in ARGS=...)
-serve: $(STAMP)
+serve: $(RUNTIME)
 	$(BIN)/kvtier serve $(ARGS)
 
 ## test: the whole test suite (real daemons on real sockets; about 3 minutes on 2 cores)
