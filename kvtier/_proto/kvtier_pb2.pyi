@@ -490,6 +490,10 @@ class StatsResponse(_message.Message):
     NVME_DIRECT_IO_FIELD_NUMBER: _builtins.int
     LEASES_FIELD_NUMBER: _builtins.int
     PROMOTIONS_FIELD_NUMBER: _builtins.int
+    RECOMPUTE_AVOIDED_S_FIELD_NUMBER: _builtins.int
+    FETCH_REGRET_S_FIELD_NUMBER: _builtins.int
+    PLANNED_FETCH_BLOCKS_FIELD_NUMBER: _builtins.int
+    PLANNED_RECOMPUTE_BLOCKS_FIELD_NUMBER: _builtins.int
     hits: _builtins.int
     misses: _builtins.int
     puts: _builtins.int
@@ -503,6 +507,12 @@ class StatsResponse(_message.Message):
     """zero-copy leases held now"""
     promotions: _builtins.int
     """blocks copied NVMe -> DRAM for a leased get"""
+    recompute_avoided_s: _builtins.float
+    """Prefill seconds avoided by fetches that a Plan asked for (estimates at plan time)."""
+    fetch_regret_s: _builtins.float
+    """Seconds lost where such a fetch took longer than recomputing was estimated to."""
+    planned_fetch_blocks: _builtins.int
+    planned_recompute_blocks: _builtins.int
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierStats]: ...
     def __init__(
@@ -520,10 +530,14 @@ class StatsResponse(_message.Message):
         nvme_direct_io: _builtins.bool = ...,
         leases: _builtins.int = ...,
         promotions: _builtins.int = ...,
+        recompute_avoided_s: _builtins.float = ...,
+        fetch_regret_s: _builtins.float = ...,
+        planned_fetch_blocks: _builtins.int = ...,
+        planned_recompute_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum_failures", b"checksum_failures", "demotions", b"demotions", "dropped_blocks", b"dropped_blocks", "hits", b"hits", "leases", b"leases", "misses", b"misses", "nvme_direct_io", b"nvme_direct_io", "promotions", b"promotions", "puts", b"puts", "tiers", b"tiers", "uptime_s", b"uptime_s", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum_failures", b"checksum_failures", "demotions", b"demotions", "dropped_blocks", b"dropped_blocks", "fetch_regret_s", b"fetch_regret_s", "hits", b"hits", "leases", b"leases", "misses", b"misses", "nvme_direct_io", b"nvme_direct_io", "planned_fetch_blocks", b"planned_fetch_blocks", "planned_recompute_blocks", b"planned_recompute_blocks", "promotions", b"promotions", "puts", b"puts", "recompute_avoided_s", b"recompute_avoided_s", "tiers", b"tiers", "uptime_s", b"uptime_s", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

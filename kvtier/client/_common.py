@@ -241,6 +241,10 @@ def stats_dict(resp: pb.StatsResponse) -> dict[str, Any]:
         "nvme_direct_io": resp.nvme_direct_io,
         "leases": resp.leases,
         "promotions": resp.promotions,
+        "recompute_avoided_s": resp.recompute_avoided_s,
+        "fetch_regret_s": resp.fetch_regret_s,
+        "planned_fetch_blocks": resp.planned_fetch_blocks,
+        "planned_recompute_blocks": resp.planned_recompute_blocks,
         "tiers": {
             t.name: {
                 "used_bytes": t.used_bytes,

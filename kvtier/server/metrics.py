@@ -43,3 +43,23 @@ class StoreCollector(Collector):
         yield CounterMetricFamily(
             "kvtier_dropped_blocks", "Blocks evicted from every tier", value=s.dropped_blocks
         )
+        yield GaugeMetricFamily("kvtier_leases", "Zero-copy leases held now", value=s.leases)
+        yield CounterMetricFamily(
+            "kvtier_promotions", "Blocks copied NVMe -> DRAM for leased gets", value=s.promotions
+        )
+        yield CounterMetricFamily(
+            "kvtier_recompute_avoided_seconds",
+            "Prefill seconds avoided by fetches a plan asked for (estimate)",
+            value=s.recompute_avoided_s,
+        )
+        yield CounterMetricFamily(
+            "kvtier_fetch_regret_seconds",
+            "Seconds lost where a planned fetch took longer than recomputing would have",
+            value=s.fetch_regret_s,
+        )
+        decisions = CounterMetricFamily(
+            "kvtier_plan_blocks", "Blocks planned, by decision", labels=["decision"]
+        )
+        decisions.add_metric(["fetch"], s.planned_fetch_blocks)
+        decisions.add_metric(["recompute"], s.planned_recompute_blocks)
+        yield decisions

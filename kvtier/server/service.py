@@ -250,6 +250,10 @@ class KVTierService:
             nvme_direct_io=s.nvme_direct_io,
             leases=s.leases,
             promotions=s.promotions,
+            recompute_avoided_s=s.recompute_avoided_s,
+            fetch_regret_s=s.fetch_regret_s,
+            planned_fetch_blocks=s.planned_fetch_blocks,
+            planned_recompute_blocks=s.planned_recompute_blocks,
         )
 
     # ---- deciding ---------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import mmap
 import time
+from collections import OrderedDict
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,7 @@ from kvtier.tiers.dram import DramTier
 from kvtier.tiers.nvme import NvmeTier, RecordHeader, header_size_for
 
 logger = logging.getLogger(__name__)
+PLANNED_BLOCKS_KEPT = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +86,10 @@ class StoreStats:
     nvme_direct_io: bool
     leases: int
     promotions: int
+    recompute_avoided_s: float
+    fetch_regret_s: float
+    planned_fetch_blocks: int
+    planned_recompute_blocks: int
 
 
 @dataclass(slots=True)
@@ -96,6 +102,10 @@ class _Counters:
     promotions: int = 0
     checksum_failures: int = 0
     dropped_blocks: int = 0
+    recompute_avoided_s: float = 0.0
+    fetch_regret_s: float = 0.0
+    planned_fetch_blocks: int = 0
+    planned_recompute_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +250,9 @@ class Store:
             ),
         }
         self._prefill: dict[str, PrefillEstimator] = {}
+        # Blocks a plan told an engine to fetch -> the prefill seconds that fetch replaces;
+        # settled when the block is served (bounded: plans nobody follows age out).
+        self._planned: OrderedDict[BlockId, float] = OrderedDict()
         self._expiry_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -396,7 +409,7 @@ class Store:
         self.catalog.touch(entry)
         self.catalog.pin(entry)
         if entry.dram_extent is not None:
-            self._counters.hits["dram"] += 1
+            self._served(block_id, TierName.DRAM, entry.size_bytes, None)
             view = self.arena_of(block_id).view(entry.dram_extent)[: entry.size_bytes]
             return BlockReader(self, entry, TierName.DRAM, view)
         assert self.nvme is not None and entry.nvme_record_bytes
@@ -404,13 +417,14 @@ class Store:
         started_s = time.perf_counter()
         try:
             buf, offset = await self.io.run(self.nvme.read, header)
-            self.paths["nvme"].observe(header.record_bytes, time.perf_counter() - started_s)
         except (CorruptRecord, OSError) as err:
             self._on_bad_record(entry, header, err)
             self._unpin(entry)
             self._counters.misses += 1
             return None
-        self._counters.hits["nvme"] += 1
+        read_s = time.perf_counter() - started_s
+        self.paths["nvme"].observe(header.record_bytes, read_s)
+        self._served(block_id, TierName.NVME, header.record_bytes, read_s)
         view = memoryview(buf)[offset : offset + entry.size_bytes]
         return BlockReader(self, entry, TierName.NVME, view, backing=buf)
 
@@ -462,6 +476,10 @@ class Store:
             nvme_direct_io=bool(self.nvme and self.nvme.direct_io),
             leases=len(self._leases),
             promotions=c.promotions,
+            recompute_avoided_s=c.recompute_avoided_s,
+            fetch_regret_s=c.fetch_regret_s,
+            planned_fetch_blocks=c.planned_fetch_blocks,
+            planned_recompute_blocks=c.planned_recompute_blocks,
         )
 
     # ---- deciding: fetch or recompute ------------------------------------------------------
@@ -515,7 +533,35 @@ class Store:
             engine_cached_blocks=engine_cached_blocks,
             overlap=overlap,
         )
-        return make_plan(request)
+        result = make_plan(request)
+        _tiers, _fetch, recompute = result.block_costs()
+        for i in range(result.fetch_start, min(result.fetch_end, len(keys))):
+            self._planned[(ns_id, keys[i])] = recompute[i]
+            self._planned.move_to_end((ns_id, keys[i]))
+        while len(self._planned) > PLANNED_BLOCKS_KEPT:
+            self._planned.popitem(last=False)
+        self._counters.planned_fetch_blocks += result.fetch_blocks
+        self._counters.planned_recompute_blocks += (
+            len(recompute) - result.engine_blocks - result.fetch_blocks
+        )
+        return result
+
+    def _served(
+        self, block_id: BlockId, tier: TierName, size_bytes: int, measured_s: float | None
+    ) -> None:
+        """Count a hit; if a plan asked for this fetch, settle what it saved or cost."""
+        self._counters.hits[tier.value] += 1
+        recompute_s = self._planned.pop(block_id, None)
+        if recompute_s is None:
+            return
+        fetch_s = (
+            measured_s
+            if measured_s is not None
+            else self.paths[tier.value].estimate().fetch_s(size_bytes)
+        )
+        self._counters.recompute_avoided_s += recompute_s
+        if fetch_s > recompute_s:
+            self._counters.fetch_regret_s += fetch_s - recompute_s
 
     # ---- leases: the zero-copy path -----------------------------------------------------
     async def reserve(
@@ -585,7 +631,7 @@ class Store:
                     slots.append(None)
                     continue
                 assert entry.dram_extent is not None and tier is not None
-                self._counters.hits[tier.value] += 1
+                self._served(block_id, tier, entry.size_bytes, None)
                 slots.append(
                     LeasedSlot(entry.dram_extent.offset, entry.size_bytes, entry.xxh3_64, tier)
                 )

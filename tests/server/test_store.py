@@ -225,3 +225,18 @@ async def test_a_block_read_while_it_is_being_demoted_keeps_its_memory(
     assert await get(store, demoting.block_id[1]) == block_bytes(seed, 1 << 20)
     assert store.arena("default").used_bytes <= store.arena("default").capacity_bytes
     await store.close()
+
+
+async def test_a_planned_fetch_slower_than_recompute_is_regret(tmp_path: Path) -> None:
+    store = Store(make_config(tmp_path, 2 << 20, 64 << 20))
+    await store.start()
+    for i in range(4):
+        await put(store, f"g{i}".encode(), block_bytes(i, 1 << 20))
+    assert store.lookup(NS, [b"g0"]).tiers == ["nvme"]
+    result = store.plan(NS, [b"g0"], 16, 16, 0, "none", 0)
+    assert result.fetch_blocks in (0, 1)
+    store._planned[(NS, b"g0")] = 1e-9  # as if the plan had expected a near-free recompute
+    assert await get(store, b"g0") == block_bytes(0, 1 << 20)
+    stats = store.stats()
+    assert stats.fetch_regret_s > 0 and stats.recompute_avoided_s == pytest.approx(1e-9)
+    await store.close()
