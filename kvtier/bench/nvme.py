@@ -187,7 +187,7 @@ class Runner:
                 f"{human_size(need)} ({args.numjobs} job(s) of --size), only "
                 f"{human_size(free)} is free; lower --size or --numjobs"
             )
-        if args.direct and not _supports_o_direct(args.directory):
+        if args.direct and not supports_o_direct(args.directory):
             raise BenchError(
                 f"the filesystem of {args.directory} does not support O_DIRECT; "
                 "use --direct=0 (buffered I/O) or another directory"
@@ -379,10 +379,6 @@ NS_ID = "bench|kv"
 
 def _key(index: int) -> bytes:
     return index.to_bytes(8, "little") * 4
-
-
-def _supports_o_direct(directory: Path) -> bool:
-    return supports_o_direct(directory)
 
 
 # ---- output ---------------------------------------------------------------------------------

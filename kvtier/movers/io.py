@@ -21,14 +21,10 @@ class IoPool:
     def __init__(self, threads: int, name: str = "kvtier-io") -> None:
         self.threads = threads
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
-        self.completed = 0
 
     async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
-        finally:
-            self.completed += 1
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=False)

@@ -347,7 +347,7 @@ class Store:
         tenant = tenant_of(block_id[0])
         self._reserving[tenant] += 1
         try:
-            extent = await self._reserve_dram(arena, size_bytes)
+            extent = await self._reserve_dram(tenant, size_bytes)
         finally:
             self._reserving[tenant] -= 1
         return PutWriter(block_id, size_bytes, overwrite, extent, arena.view(extent))
@@ -707,7 +707,7 @@ class Store:
         assert self.nvme is not None and entry.nvme_record_bytes
         header = self._record_header(entry)
         arena = self.arena_of(entry.block_id)
-        extent = await self._reserve_dram(arena, entry.size_bytes)
+        extent = await self._reserve_dram(tenant_of(entry.block_id[0]), entry.size_bytes)
         view = arena.view(extent)
         started_s = time.perf_counter()
         try:
@@ -725,20 +725,21 @@ class Store:
         return True
 
     # ---- making room --------------------------------------------------------------------
-    async def _reserve_dram(self, arena: DramTier, size_bytes: int) -> Extent:
+    async def _reserve_dram(self, tenant: str, size_bytes: int) -> Extent:
+        arena = self.arena(tenant)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.limits.reserve_wait_s
         while True:
             extent = arena.allocate(size_bytes)
             if extent is not None:
                 return extent
-            victims = self._pick_dram_victims(arena, size_bytes)
+            victims = self._pick_dram_victims(tenant, size_bytes)
             if victims:
                 await asyncio.gather(*(self._evict_from_dram(v) for v in victims))
                 continue
             # Everything left is being written or read; wait (bounded) for some to finish.
             remaining = deadline - loop.time()
-            if remaining > 0 and self._busy_in_dram(arena):
+            if remaining > 0 and self._busy_in_dram(tenant):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._space_freed.wait(), remaining)
                 continue
@@ -747,10 +748,12 @@ class Store:
                 "or read; retry later"
             )
 
-    def _busy_in_dram(self, arena: DramTier) -> bool:
+    def _busy_in_dram(self, tenant: str) -> bool:
         # Reservations in progress and pinned blocks free space when they finish.
-        tenant = self._tenant_of_arena(arena)
-        if arena.used_bytes > self._catalogued_bytes(tenant) or self._reserving[tenant] > 1:
+        if (
+            self.arena(tenant).used_bytes > self._catalogued_bytes(tenant)
+            or self._reserving[tenant] > 1
+        ):
             return True
         return any(e.pins or e.demoting for e in self._dram_entries(tenant))
 
@@ -766,12 +769,9 @@ class Store:
             if e.dram_extent is not None
         )
 
-    def _tenant_of_arena(self, arena: DramTier) -> str:
-        return next(t for t, a in self.arenas.items() if a is arena)
-
-    def _pick_dram_victims(self, arena: DramTier, size_bytes: int) -> list[Entry]:
+    def _pick_dram_victims(self, tenant: str, size_bytes: int) -> list[Entry]:
+        arena = self.arena(tenant)
         shortfall = size_bytes - (arena.capacity_bytes - arena.used_bytes)
-        tenant = self._tenant_of_arena(arena)
         victims: list[Entry] = []
         freed = 0
         for entry in self.catalog.dram_victims():

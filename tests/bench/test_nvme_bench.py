@@ -162,7 +162,7 @@ def test_refusals_say_what_to_change(
     assert out.returncode == 2 and "not a directory" in out.stderr
     out = bench("--directory", str(tmp_path), "--bs", "1000", "--size", "1M", check=False)
     assert out.returncode == 2 and "multiple of 4096" in out.stderr
-    monkeypatch.setattr(nvme, "_supports_o_direct", lambda directory: False)
+    monkeypatch.setattr(nvme, "supports_o_direct", lambda directory: False)
     assert nvme.main(["--directory", str(tmp_path), "--size", "1M", "--bs", "64K"]) == 2
     assert "--direct=0" in capsys.readouterr().err
     assert (
