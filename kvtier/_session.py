@@ -3,7 +3,8 @@
 A same-node client that attached the shared arena already holds a connected UNIX socket
 to the daemon. On this machine a gRPC unary round trip costs ~0.6 ms even for an empty
 message, which would dominate moving a 256 KiB block at memory speed, so the zero-copy
-control messages (the proto's Reserve/Commit/Acquire/Release messages, unchanged) travel on
+control messages (the proto's Reserve/Commit/Acquire/Release messages, unchanged) and
+the planner's (Plan, ReportPrefill) travel on
 that socket with a 5-byte frame header. The same calls stay available over gRPC.
 
     request:  u32 payload length | u8 op     | serialized request message
@@ -30,6 +31,8 @@ class Op(IntEnum):
     COMMIT = 2
     ACQUIRE = 3
     RELEASE = 4  # no response
+    PLAN = 5
+    REPORT_PREFILL = 6
 
 
 REQUEST_TYPES: dict[Op, type[Message]] = {
@@ -37,6 +40,8 @@ REQUEST_TYPES: dict[Op, type[Message]] = {
     Op.COMMIT: pb.CommitRequest,
     Op.ACQUIRE: pb.AcquireRequest,
     Op.RELEASE: pb.ReleaseRequest,
+    Op.PLAN: pb.PlanRequest,
+    Op.REPORT_PREFILL: pb.ReportPrefillRequest,
 }
 
 

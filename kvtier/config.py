@@ -114,6 +114,13 @@ class PlannerConfig(_Section):
         2e9, gt=0, description="seed for NVMe -> engine bandwidth, refined from real reads"
     )
     nvme_latency_s: float = Field(200e-6, ge=0, description="seed for NVMe -> engine latency")
+    calibration_s: float = Field(
+        0.5,
+        ge=0,
+        le=30,
+        description="at start, time DRAM copies and NVMe record reads for at most this long "
+        "to seed the estimates above from this machine (0: use the seeds as given)",
+    )
 
     @field_validator("default_model")
     @classmethod

@@ -859,7 +859,15 @@ class ReleaseRequest(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     LEASE_IDS_FIELD_NUMBER: _builtins.int
+    FETCH_SECONDS_FIELD_NUMBER: _builtins.int
+    FETCH_BYTES_FIELD_NUMBER: _builtins.int
     session_id: _builtins.int
+    fetch_seconds: _builtins.float
+    """Optional measurement of the fetch the (single) lease served, as the engine saw it:
+    seconds from sending Acquire to the last byte copied out of the arena, and the bytes
+    copied. The daemon fits its DRAM -> engine path estimate from these (0: no report).
+    """
+    fetch_bytes: _builtins.int
     @_builtins.property
     def lease_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -867,10 +875,12 @@ class ReleaseRequest(_message.Message):
         *,
         session_id: _builtins.int = ...,
         lease_ids: _abc.Iterable[_builtins.int] | None = ...,
+        fetch_seconds: _builtins.float = ...,
+        fetch_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ids", b"lease_ids", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fetch_bytes", b"fetch_bytes", "fetch_seconds", b"fetch_seconds", "lease_ids", b"lease_ids", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

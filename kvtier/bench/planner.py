@@ -19,11 +19,14 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from kvtier.index.planner import (
     OVERLAPS,
+    Overlap,
     PlanRequest,
     PrefillCost,
     TierCost,
@@ -164,15 +167,18 @@ def time_plans(repeat: int = 300) -> dict[str, float]:
     return out
 
 
-def time_plan_rpc(repeat: int = 300) -> dict[str, float]:
-    """p50 seconds of the Plan RPC over UDS for a 256-block chain (half of it cached)."""
+def time_plan_rpc(repeat: int = 300) -> dict[str, dict[str, float]]:
+    """p50 seconds of a Plan for a 256-block chain (half of it cached) from a client on the
+    same node: through `Client.plan` (the attached session's socket) and as a plain gRPC
+    call over the UDS (what a client without the zero-copy session pays)."""
     import tempfile
     from pathlib import Path
 
     import kvtier
     from kvtier.bench.daemon import daemon
+    from kvtier.client._common import plan_request
 
-    out: dict[str, float] = {}
+    out: dict[str, dict[str, float]] = {"session": {}, "grpc": {}}
     with (
         tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp,
         daemon(Path(tmp), "uds", 64 << 20) as target,
@@ -183,12 +189,22 @@ def time_plan_rpc(repeat: int = 300) -> dict[str, float]:
         for i in range(0, 256, 2):
             client.put("llama3-8b/bench", chain[i], b"x" * 4096)
         for overlap in OVERLAPS:
-            xs = []
-            for _ in range(repeat):
-                started = time.perf_counter()
-                client.plan("llama3-8b/bench", chain, 16, overlap=overlap)
-                xs.append(time.perf_counter() - started)
-            out[overlap] = statistics.median(xs)
+            request = plan_request("llama3-8b/bench", chain, 16, 0, overlap, None, None)
+
+            def via_session(o: Overlap = overlap) -> object:
+                return client.plan("llama3-8b/bench", chain, 16, overlap=o)
+
+            def via_grpc(r: Any = request) -> object:
+                return client._stub.Plan(r, timeout=10)
+
+            calls: dict[str, Callable[[], object]] = {"session": via_session, "grpc": via_grpc}
+            for path, call in calls.items():
+                xs = []
+                for _ in range(repeat):
+                    started = time.perf_counter()
+                    call()
+                    xs.append(time.perf_counter() - started)
+                out[path][overlap] = statistics.median(xs)
     return out
 
 
@@ -201,12 +217,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--error", type=float, default=0.3, help="estimate error, e.g. 0.3")
     parser.add_argument("--samples", type=int, default=16, help="perturbed plans per regime")
     parser.add_argument("--rpc", action="store_true", help="also time the Plan RPC over UDS")
+    parser.add_argument(
+        "--real-tiers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also fetch N blocks from a daemon's DRAM tier and N from its NVMe tier, "
+        "comparing each with the fetch time its plan predicted",
+    )
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="where the --real-tiers daemon keeps its NVMe tier"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     report = evaluate(args.error, args.samples)
     report["plan_p50_s_256_blocks"] = time_plans()
     if args.rpc:
         report["plan_rpc_p50_s_256_blocks"] = time_plan_rpc()
+    if args.real_tiers:
+        from kvtier.bench.real_tiers import check_real_tiers
+
+        report["real_tiers"] = check_real_tiers(args.real_tiers, args.dir)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -222,8 +253,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     for overlap, seconds in report["plan_p50_s_256_blocks"].items():
         print(f"256-block plan, {overlap}: p50 {seconds * 1e6:.0f} µs")
-    for overlap, seconds in report.get("plan_rpc_p50_s_256_blocks", {}).items():
-        print(f"256-block Plan RPC over UDS, {overlap}: p50 {seconds * 1e6:.0f} µs")
+    for tier, figures in (
+        (t, report["real_tiers"][t]) for t in ("dram", "nvme") if "real_tiers" in report
+    ):
+        print(
+            f"{tier} tier, {report['real_tiers']['fetches_per_tier']} fetches: predicted vs "
+            f"measured median abs error {figures['median_abs_error']:.1%} (second half "
+            f"{figures['median_abs_error_second_half']:.1%}, p90 {figures['p90_abs_error']:.1%});"
+            f" medians {figures['median_predicted_s'] * 1e3:.2f} ms predicted, "
+            f"{figures['median_measured_s'] * 1e3:.2f} ms measured"
+        )
+    for path, by_overlap in report.get("plan_rpc_p50_s_256_blocks", {}).items():
+        for overlap, seconds in by_overlap.items():
+            print(f"256-block Plan from a client ({path}), {overlap}: p50 {seconds * 1e6:.0f} µs")
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any
@@ -37,6 +38,7 @@ from kvtier.client.zerocopy import (
     copy_bytes,
     copy_out,
     fill_slots,
+    release_request,
     reserve_request,
 )
 from kvtier.errors import InvalidArgument, KVTierError, Unavailable
@@ -181,29 +183,39 @@ class AsyncClient:
             prompt_tokens,
             kv_bytes_per_token,
         )
+        arena = await self._shared_arena()
         try:
-            resp = await self._stub.Plan(request, timeout=self.timeout_s, metadata=self._metadata)
+            if arena is not None:  # the session socket: a fraction of gRPC's round trip
+                resp = await arena.call(Op.PLAN, request, pb.PlanResponse)
+            else:
+                resp = await self._stub.Plan(
+                    request, timeout=self.timeout_s, metadata=self._metadata
+                )
         except grpc.RpcError as err:
             raise translate(err) from None
+        except OSError as err:
+            raise self._lost_session(err) from None
         return plan_result(resp)
 
     async def report_prefill(
         self, namespace: str, start_token: int, end_token: int, seconds: float
     ) -> PrefillCost:
         """Tell the daemon how long prefilling tokens [start, end) took; returns its estimate."""
+        request = pb.ReportPrefillRequest(
+            namespace=namespace, start_token=start_token, end_token=end_token, seconds=seconds
+        )
+        arena = await self._shared_arena()
         try:
-            resp = await self._stub.ReportPrefill(
-                pb.ReportPrefillRequest(
-                    namespace=namespace,
-                    start_token=start_token,
-                    end_token=end_token,
-                    seconds=seconds,
-                ),
-                timeout=self.timeout_s,
-                metadata=self._metadata,
-            )
+            if arena is not None:
+                resp = await arena.call(Op.REPORT_PREFILL, request, pb.ReportPrefillResponse)
+            else:
+                resp = await self._stub.ReportPrefill(
+                    request, timeout=self.timeout_s, metadata=self._metadata
+                )
         except grpc.RpcError as err:
             raise translate(err) from None
+        except OSError as err:
+            raise self._lost_session(err) from None
         return PrefillCost(resp.a_s_per_token, resp.c_s_per_token2, resp.step_s)
 
     # ---- zero-copy path (same node, UNIX socket) --------------------------------------------
@@ -270,19 +282,19 @@ class AsyncClient:
                 copy_bytes(await self.get(namespace, k), v)
                 for k, v in zip(keys, views, strict=True)
             ]
+        request = pb.AcquireRequest(namespace=namespace, keys=[as_key(k) for k in keys])
+        started_s = time.perf_counter()
         try:
-            resp = await arena.call(
-                Op.ACQUIRE,
-                pb.AcquireRequest(namespace=namespace, keys=[as_key(k) for k in keys]),
-                pb.AcquireResponse,
-            )
+            resp = await arena.call(Op.ACQUIRE, request, pb.AcquireResponse)
         except OSError as err:
             raise self._lost_session(err) from None
+        copied: builtins.list[int | None] = []
         try:
-            return copy_out(arena, resp.blocks, views, verify)
+            copied = copy_out(arena, resp.blocks, views, verify)
+            return copied
         finally:
             if resp.lease_id:
-                await arena.send(Op.RELEASE, pb.ReleaseRequest(lease_ids=[resp.lease_id]))
+                await arena.send(Op.RELEASE, release_request(resp.lease_id, started_s, copied))
 
     def _lost_session(self, err: OSError) -> KVTierError:
         if self._arena is not None:

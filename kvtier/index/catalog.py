@@ -60,6 +60,9 @@ class Entry:
         return tiers[0] if tiers else None
 
 
+_DRAM, _NVME = TierName.DRAM.value, TierName.NVME.value
+
+
 @dataclass(frozen=True, slots=True)
 class LookupResult:
     """How much of an ordered chain of keys is cached, and where each key lives."""
@@ -200,14 +203,18 @@ class Catalog:
         ]
 
     def lookup(self, ns_id: str, keys: list[bytes]) -> LookupResult:
+        # On the Plan path for every prompt (hundreds of keys): no per-key allocations.
+        entries = self._entries
         tiers: list[str | None] = []
-        prefix = 0
         for key in keys:
-            entry = self._entries.get((ns_id, key))
-            tier = entry.fastest_tier if entry is not None else None
-            tiers.append(tier.value if tier is not None else None)
-            if tier is not None and prefix == len(tiers) - 1:
-                prefix += 1
+            entry = entries.get((ns_id, key))
+            if entry is None:
+                tiers.append(None)
+            elif entry.dram_extent is not None:
+                tiers.append(_DRAM)
+            else:
+                tiers.append(_NVME if entry.nvme_record_bytes else None)
+        prefix = tiers.index(None) if None in tiers else len(tiers)
         return LookupResult(prefix_blocks=prefix, tiers=tiers)
 
     def entries(self, ns_id: str | None = None, ns_prefix: str | None = None) -> Iterator[Entry]:

@@ -36,6 +36,10 @@ Overlap = Literal["none", "layerwise", "bidirectional"]
 OVERLAPS: tuple[Overlap, ...] = ("none", "layerwise", "bidirectional")
 
 
+# Per block of a plan: its tier (None: not cached), fetch seconds, recompute seconds.
+BlockCosts = tuple[list[str | None], list[float], list[float]]
+
+
 @dataclass(frozen=True, slots=True)
 class TierCost:
     """Measured cost of fetching from one tier to the engine: time = latency + bytes / bw."""
@@ -45,6 +49,14 @@ class TierCost:
 
     def fetch_s(self, size_bytes: int) -> float:
         return self.latency_s + size_bytes / self.bandwidth_bytes_per_s
+
+    def then(self, after: TierCost) -> TierCost:
+        """This transfer followed by `after` (e.g. NVMe -> DRAM, then DRAM -> engine)."""
+        return TierCost(
+            bandwidth_bytes_per_s=1
+            / (1 / self.bandwidth_bytes_per_s + 1 / after.bandwidth_bytes_per_s),
+            latency_s=self.latency_s + after.latency_s,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +113,7 @@ class Plan:
         """Blocks recomputed before (bidirectional: beside) the fetched run."""
         return self.fetch_start - self.engine_blocks
 
-    def block_costs(self) -> tuple[list[str | None], list[float], list[float]]:
+    def block_costs(self) -> BlockCosts:
         """Per block: its tier (None: not cached), fetch seconds (0 if not cached) and
         recompute seconds at its position — the figures `blocks` is made of, cheaply."""
         arr, req = self._arrays, self._req

@@ -118,6 +118,7 @@ class Daemon:
             raise ConfigError(
                 f"nvme.path: cannot use {cfg.nvme.path}: {err.strerror or err}"
             ) from None
+        await store.calibrate()
         server = grpc.aio.server(
             options=grpc_options(cfg), maximum_concurrent_rpcs=cfg.server.max_concurrent_rpcs
         )

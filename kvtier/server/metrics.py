@@ -63,3 +63,34 @@ class StoreCollector(Collector):
         decisions.add_metric(["fetch"], s.planned_fetch_blocks)
         decisions.add_metric(["recompute"], s.planned_recompute_blocks)
         yield decisions
+        yield from self._estimates()
+
+    def _estimates(self) -> Iterator[Metric]:
+        paths, prefill = self._store.estimates()
+        bandwidth = GaugeMetricFamily(
+            "kvtier_path_bandwidth_bytes_per_second",
+            "Estimated bandwidth of a fetch path (dram: arena -> engine, nvme: record -> arena)",
+            labels=["path"],
+        )
+        latency = GaugeMetricFamily(
+            "kvtier_path_latency_seconds", "Estimated fixed cost of one fetch", labels=["path"]
+        )
+        for name, cost in paths.items():
+            bandwidth.add_metric([name], cost.bandwidth_bytes_per_s)
+            latency.add_metric([name], cost.latency_s)
+        yield from (bandwidth, latency)
+        a = GaugeMetricFamily(
+            "kvtier_prefill_seconds_per_token",
+            "Estimated linear prefill cost a (seconds per token)",
+            labels=["tenant", "model"],
+        )
+        c = GaugeMetricFamily(
+            "kvtier_prefill_attention_seconds_per_token2",
+            "Estimated attention prefill cost c (seconds per token squared)",
+            labels=["tenant", "model"],
+        )
+        for key, fit in prefill.items():
+            tenant, _, model = key.partition("|")
+            a.add_metric([tenant, model], fit.a_s_per_token)
+            c.add_metric([tenant, model], fit.c_s_per_token2)
+        yield from (a, c)

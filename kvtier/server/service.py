@@ -259,61 +259,68 @@ class KVTierService:
     # ---- deciding ---------------------------------------------------------------------------
     async def Plan(self, request: pb.PlanRequest, context: Ctx) -> pb.PlanResponse:
         async with _status(context):
-            ns_id = self._ns_id(self._tenant(context), request.namespace)
-            keys = [check_key(k, self._limits.max_key_bytes) for k in request.keys]
-            overlap = request.overlap or "none"
-            if overlap not in OVERLAPS:
-                raise InvalidArgument(f"overlap must be one of {', '.join(OVERLAPS)}")
-            tpb = request.tokens_per_block
-            if tpb <= 0:
-                raise InvalidArgument("tokens_per_block must be > 0")
-            prompt = request.prompt_tokens or len(keys) * tpb
-            if prompt <= 0 or -(-prompt // tpb) < len(keys):
-                raise InvalidArgument(
-                    f"prompt_tokens={prompt} cannot hold {len(keys)} blocks of {tpb} tokens"
-                )
-            result = self._store.plan(
-                ns_id,
-                keys,
-                tpb,
-                prompt,
-                request.engine_cached_blocks,
-                overlap,
-                request.kv_bytes_per_token,
-            )
-            tiers, fetch_s, recompute_s = result.block_costs()
-            return pb.PlanResponse(
-                total_s=result.total_s,
-                recompute_all_s=result.recompute_all_s,
-                fetch_all_s=result.fetch_all_s,
-                engine_blocks=result.engine_blocks,
-                fetch_start=result.fetch_start,
-                fetch_end=result.fetch_end,
-                reason=result.reason,
-                tiers=[TIER_NAME_TO_PB[t] for t in tiers],
-                fetch_s=fetch_s,
-                recompute_s=recompute_s,
-            )
+            return await self._plan(0, self._tenant(context), request)
         raise AssertionError("unreachable")
 
     async def ReportPrefill(
         self, request: pb.ReportPrefillRequest, context: Ctx
     ) -> pb.ReportPrefillResponse:
         async with _status(context):
-            ns_id = self._ns_id(self._tenant(context), request.namespace)
-            if request.end_token <= request.start_token:
-                raise InvalidArgument("end_token must be greater than start_token")
-            if not math.isfinite(request.seconds) or request.seconds <= 0:
-                raise InvalidArgument("seconds must be a positive number")
-            estimator = self._store.prefill_estimator(ns_id)
-            estimator.observe(request.start_token, request.end_token, request.seconds)
-            fit = estimator.estimate()
-            return pb.ReportPrefillResponse(
-                a_s_per_token=fit.a_s_per_token,
-                c_s_per_token2=fit.c_s_per_token2,
-                step_s=fit.step_s,
-            )
+            return await self._report_prefill(0, self._tenant(context), request)
         raise AssertionError("unreachable")
+
+    async def _plan(self, session_id: int, tenant: str, request: pb.PlanRequest) -> pb.PlanResponse:
+        ns_id = self._ns_id(tenant, request.namespace)
+        keys = [check_key(k, self._limits.max_key_bytes) for k in request.keys]
+        overlap = request.overlap or "none"
+        if overlap not in OVERLAPS:
+            raise InvalidArgument(f"overlap must be one of {', '.join(OVERLAPS)}")
+        tpb = request.tokens_per_block
+        if tpb <= 0:
+            raise InvalidArgument("tokens_per_block must be > 0")
+        prompt = request.prompt_tokens or len(keys) * tpb
+        if prompt <= 0 or -(-prompt // tpb) < len(keys):
+            raise InvalidArgument(
+                f"prompt_tokens={prompt} cannot hold {len(keys)} blocks of {tpb} tokens"
+            )
+        result, (tiers, fetch_s, recompute_s) = self._store.plan(
+            ns_id,
+            keys,
+            tpb,
+            prompt,
+            request.engine_cached_blocks,
+            overlap,
+            request.kv_bytes_per_token,
+        )
+        return pb.PlanResponse(
+            total_s=result.total_s,
+            recompute_all_s=result.recompute_all_s,
+            fetch_all_s=result.fetch_all_s,
+            engine_blocks=result.engine_blocks,
+            fetch_start=result.fetch_start,
+            fetch_end=result.fetch_end,
+            reason=result.reason,
+            tiers=[TIER_NAME_TO_PB[t] for t in tiers],
+            fetch_s=fetch_s,
+            recompute_s=recompute_s,
+        )
+
+    async def _report_prefill(
+        self, session_id: int, tenant: str, request: pb.ReportPrefillRequest
+    ) -> pb.ReportPrefillResponse:
+        ns_id = self._ns_id(tenant, request.namespace)
+        if request.end_token <= request.start_token:
+            raise InvalidArgument("end_token must be greater than start_token")
+        if not math.isfinite(request.seconds) or request.seconds <= 0:
+            raise InvalidArgument("seconds must be a positive number")
+        estimator = self._store.prefill_estimator(ns_id)
+        estimator.observe(request.start_token, request.end_token, request.seconds)
+        fit = estimator.estimate()
+        return pb.ReportPrefillResponse(
+            a_s_per_token=fit.a_s_per_token,
+            c_s_per_token2=fit.c_s_per_token2,
+            step_s=fit.step_s,
+        )
 
     # ---- zero-copy path -------------------------------------------------------------------
     def _session_tenant(self, session_id: int) -> str:
@@ -395,7 +402,10 @@ class KVTierService:
     async def _release(
         self, session_id: int, tenant: str, request: pb.ReleaseRequest
     ) -> pb.ReleaseResponse:
-        return pb.ReleaseResponse(released=self._store.release(session_id, list(request.lease_ids)))
+        released = self._store.release(
+            session_id, list(request.lease_ids), request.fetch_seconds, request.fetch_bytes
+        )
+        return pb.ReleaseResponse(released=released)
 
     async def session_call(self, session_id: int, op: int, payload: bytes) -> tuple[int, bytes]:
         """A framed request from an attached session's socket (see kvtier._session)."""
@@ -408,6 +418,8 @@ class KVTierService:
                 Op.COMMIT: self._commit,
                 Op.ACQUIRE: self._acquire,
                 Op.RELEASE: self._release,
+                Op.PLAN: self._plan,
+                Op.REPORT_PREFILL: self._report_prefill,
             }
             handler = handlers[kind]
             response = await handler(session_id, tenant, request)

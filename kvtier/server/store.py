@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import mmap
 import time
 from collections import OrderedDict
@@ -41,10 +42,11 @@ from kvtier.errors import (
 )
 from kvtier.index.catalog import BlockId, Catalog, Entry, LookupResult, TierName
 from kvtier.index.estimators import PathEstimator, PrefillEstimator
-from kvtier.index.planner import Overlap, Plan, PlanRequest, PrefillCost, TierCost
+from kvtier.index.planner import BlockCosts, Overlap, Plan, PlanRequest, PrefillCost, TierCost
 from kvtier.index.planner import plan as make_plan
 from kvtier.index.profiles import MODELS
 from kvtier.keys import tenant_of
+from kvtier.movers.calibrate import CALIBRATION_NS_ID, calibrate
 from kvtier.movers.io import IoPool
 from kvtier.sizes import human_size
 from kvtier.tiers.allocator import Extent
@@ -131,6 +133,7 @@ class _Lease:
     expires_s: float
     pinned: list[Entry] = field(default_factory=list)
     writers: list[PutWriter] = field(default_factory=list)
+    promote_s: float = 0.0  # spent reading NVMe-only blocks into the arena for this lease
 
 
 class PutWriter:
@@ -239,8 +242,9 @@ class Store:
         self._next_lease_id = 1
         self._promotions: dict[Entry, asyncio.Future[bool]] = {}
         planner_cfg = self.config.planner
-        # Measured costs the planner reads. DRAM -> engine copies happen in the client
-        # (zero-copy) or in gRPC, out of the daemon's sight: that path keeps its seed.
+        # Measured costs the planner reads: "dram" is arena -> engine (fitted from the
+        # fetch times zero-copy clients report on release), "nvme" is the verified read of
+        # a record into the arena (timed here); an NVMe block reaches the engine by both.
         self.paths: dict[str, PathEstimator] = {
             "dram": PathEstimator(
                 TierCost(planner_cfg.dram_bandwidth_bytes_per_s, planner_cfg.dram_latency_s)
@@ -262,6 +266,10 @@ class Store:
             return
         report = await self.io.run(self.nvme.open)
         records = sorted(report.records, key=lambda r: r.header.generation)
+        leftovers = [r for r in records if r.header.ns_id == CALIBRATION_NS_ID]
+        for rec in leftovers:  # a crash during the last start's calibration
+            await self.io.run(self.nvme.remove, rec.header)
+        records = [r for r in records if r.header.ns_id != CALIBRATION_NS_ID]
         for rec in records:
             h = rec.header
             self.catalog.add(
@@ -287,6 +295,40 @@ class Store:
             report.removed_temporary,
             "on" if self.nvme.direct_io else "off",
         )
+
+    async def calibrate(self) -> None:
+        """Seed the path estimators from timed transfers on this machine (bounded)."""
+        budget_s = self.config.planner.calibration_s
+        if budget_s <= 0:
+            return
+        observations = await self.io.run(calibrate, self.nvme, budget_s)
+        seed_latency_s = self.config.planner.dram_latency_s
+        for obs in observations:
+            # An in-process copy has no request round trip; the engine's fetch does.
+            extra_s = seed_latency_s if obs.path == "dram" else 0.0
+            self.paths[obs.path].observe(obs.size_bytes, obs.seconds + extra_s)
+        logger.info(
+            "calibrated fetch paths: %s",
+            ", ".join(
+                f"{name} {human_size(int(cost.bandwidth_bytes_per_s))}/s + "
+                f"{cost.latency_s * 1e6:.0f} µs"
+                for name, cost in ((n, e.estimate()) for n, e in self.paths.items())
+            ),
+        )
+
+    def estimates(self) -> tuple[dict[str, TierCost], dict[str, PrefillCost]]:
+        """What the planner believes now: per path, and per "tenant|model" prefill."""
+        return (
+            {name: est.estimate() for name, est in self.paths.items()},
+            {key: est.estimate() for key, est in self._prefill.items()},
+        )
+
+    def path_cost(self, tier: str) -> TierCost:
+        """Estimated cost of bringing a block from `tier` into an engine's buffer."""
+        to_engine = self.paths["dram"].estimate()
+        if tier == TierName.DRAM.value:
+            return to_engine
+        return self.paths[tier].estimate().then(to_engine)
 
     async def flush(self) -> int:
         """Write every DRAM-only block to NVMe (most recent first); returns how many."""
@@ -505,7 +547,8 @@ class Store:
         engine_cached_blocks: int,
         overlap: Overlap,
         kv_bytes_per_token: int,
-    ) -> Plan:
+    ) -> tuple[Plan, BlockCosts]:
+        """The plan for a chain, with its per-block tiers, fetch and recompute seconds."""
         tiers = self.catalog.lookup(ns_id, keys).tiers
         if not kv_bytes_per_token:
             first = next(
@@ -528,13 +571,14 @@ class Store:
             tokens_per_block=tokens_per_block,
             kv_bytes_per_token=kv_bytes_per_token,
             cached_tiers=tiers,
-            tier_costs={name: est.estimate() for name, est in self.paths.items()},
+            tier_costs={name: self.path_cost(name) for name in self.paths},
             prefill=self.prefill_estimator(ns_id).estimate(),
             engine_cached_blocks=engine_cached_blocks,
             overlap=overlap,
         )
         result = make_plan(request)
-        _tiers, _fetch, recompute = result.block_costs()
+        costs = result.block_costs()
+        recompute = costs[2]
         for i in range(result.fetch_start, min(result.fetch_end, len(keys))):
             self._planned[(ns_id, keys[i])] = recompute[i]
             self._planned.move_to_end((ns_id, keys[i]))
@@ -544,7 +588,7 @@ class Store:
         self._counters.planned_recompute_blocks += (
             len(recompute) - result.engine_blocks - result.fetch_blocks
         )
-        return result
+        return result, costs
 
     def _served(
         self, block_id: BlockId, tier: TierName, size_bytes: int, measured_s: float | None
@@ -555,9 +599,7 @@ class Store:
         if recompute_s is None:
             return
         fetch_s = (
-            measured_s
-            if measured_s is not None
-            else self.paths[tier.value].estimate().fetch_s(size_bytes)
+            measured_s if measured_s is not None else self.path_cost(tier.value).fetch_s(size_bytes)
         )
         self._counters.recompute_avoided_s += recompute_s
         if fetch_s > recompute_s:
@@ -613,6 +655,7 @@ class Store:
         """Pin blocks in DRAM (promoting NVMe-only ones) under one lease; None for a miss."""
         pinned: list[Entry] = []
         slots: list[LeasedSlot | None] = []
+        promote_s = 0.0
         try:
             for block_id in block_ids:
                 entry = self.catalog.get(block_id)
@@ -624,7 +667,13 @@ class Store:
                 self.catalog.pin(entry)
                 pinned.append(entry)
                 tier = entry.fastest_tier
-                if entry.dram_extent is None and not await self._promote(entry):
+                if entry.dram_extent is None:
+                    started_s = time.perf_counter()
+                    promoted = await self._promote(entry)
+                    promote_s += time.perf_counter() - started_s
+                else:
+                    promoted = True
+                if not promoted:
                     pinned.pop()
                     self._unpin(entry)
                     self._counters.misses += 1
@@ -643,9 +692,21 @@ class Store:
             return 0, slots
         lease = self._new_lease(session_id)
         lease.pinned = pinned
+        lease.promote_s = promote_s
         return lease.lease_id, slots
 
-    def release(self, session_id: int, lease_ids: list[int]) -> int:
+    def release(
+        self,
+        session_id: int,
+        lease_ids: list[int],
+        fetch_s: float = 0.0,
+        fetch_bytes: int = 0,
+    ) -> int:
+        """End leases; a client's measured fetch of a single lease refines the DRAM path."""
+        if len(lease_ids) == 1 and fetch_bytes > 0 and math.isfinite(fetch_s) and fetch_s > 0:
+            lease = self._leases.get(lease_ids[0])
+            if lease is not None and lease.session_id == session_id and lease.pinned:
+                self._observe_engine_fetch(lease, fetch_s, fetch_bytes)
         released = 0
         for lease_id in lease_ids:
             lease = self._leases.get(lease_id)
@@ -653,6 +714,17 @@ class Store:
                 self._end_lease(lease_id)
                 released += 1
         return released
+
+    def _observe_engine_fetch(self, lease: _Lease, fetch_s: float, fetch_bytes: int) -> None:
+        # Per block, as the planner costs them: the request's round trip is shared by the
+        # lease's blocks. Time spent promoting from NVMe is that path's, measured already.
+        if fetch_bytes > sum(e.size_bytes for e in lease.pinned):
+            return  # not what this lease served: ignore rather than skew the fit
+        copy_s = fetch_s - lease.promote_s
+        if copy_s <= 0:
+            return
+        blocks = len(lease.pinned)
+        self.paths["dram"].observe(fetch_bytes // blocks, copy_s / blocks)
 
     def release_session(self, session_id: int) -> int:
         """The client went away: end every lease it held."""

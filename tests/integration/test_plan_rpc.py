@@ -105,3 +105,62 @@ def test_planned_fetches_settle_into_avoided_and_regret_metrics(
     assert "kvtier_recompute_avoided_seconds_total" in text
     assert 'kvtier_plan_blocks_total{decision="fetch"} 6.0' in text
     assert "kvtier_leases 0.0" in text and "kvtier_promotions_total 0.0" in text
+    for path in ("dram", "nvme"):
+        assert f'kvtier_path_bandwidth_bytes_per_second{{path="{path}"}}' in text
+        assert f'kvtier_path_latency_seconds{{path="{path}"}}' in text
+    assert 'kvtier_prefill_seconds_per_token{model="llama3-8b",tenant="default"}' in text
+
+
+def test_fetches_reported_by_clients_teach_the_dram_path(start_daemon: StartDaemon) -> None:
+    # Seeds off by three orders of magnitude and no calibration: only the fetch times the
+    # client reports on release can bring the prediction near what a fetch really costs.
+    daemon = start_daemon(
+        dram="128MiB",
+        nvme="256MiB",
+        env={
+            "KVTIER_PLANNER__CALIBRATION_S": "0",
+            "KVTIER_PLANNER__DRAM_BANDWIDTH_BYTES_PER_S": "1e13",
+            "KVTIER_PLANNER__DRAM_LATENCY_S": "0",
+        },
+    )
+    sizes = [256 << 10, 1 << 20, 4 << 20]
+    with daemon.client() as client:
+        keys = [f"k{i}".encode() for i in range(len(sizes))]
+        for key, size in zip(keys, sizes, strict=True):
+            client.put_from(NS, key, block_bytes(size, size))
+        seeded = client.plan(NS, [keys[1]], TPB).fetch_s[0]
+        sink = bytearray(max(sizes))
+        measured: dict[int, list[float]] = {size: [] for size in sizes}
+        for _ in range(15):
+            for key, size in zip(keys, sizes, strict=True):
+                started = time.perf_counter()
+                assert client.get_into(NS, key, sink) == size
+                measured[size].append(time.perf_counter() - started)
+        for key, size in zip(keys, sizes, strict=True):
+            predicted = client.plan(NS, [key], TPB).fetch_s[0]
+            actual = statistics.median(measured[size])
+            assert actual / 3 < predicted < actual * 3, (size, predicted, actual)
+        assert seeded < statistics.median(measured[1 << 20]) / 100
+
+
+def test_plan_over_the_session_socket_equals_plan_over_grpc(start_daemon: StartDaemon) -> None:
+    from kvtier.client._common import plan_request
+
+    daemon = start_daemon(dram="64MiB", nvme="256MiB")
+    chain = kvtier.chain_keys(NS, [[i] * TPB for i in range(12)])
+    with daemon.client() as client:
+        for i in range(8):
+            client.put(NS, chain[i], block_bytes(i, TPB * (128 << 10)))
+        via_session = client.plan(NS, chain, TPB, engine_cached_blocks=2, overlap="layerwise")
+        assert client._arena is not None  # it went over the attached session
+        raw = client._stub.Plan(plan_request(NS, chain, TPB, 2, "layerwise", None, None))
+        assert (raw.fetch_start, raw.fetch_end) == (via_session.fetch_start, via_session.fetch_end)
+        assert raw.total_s == pytest.approx(via_session.total_s)
+        assert list(raw.fetch_s) == pytest.approx(via_session.fetch_s)
+        # Errors keep their codes on the session path too.
+        with pytest.raises(kvtier.InvalidArgument, match="overlap"):
+            client.plan(NS, chain, TPB, overlap="sideways")
+        with pytest.raises(kvtier.InvalidArgument, match="end_token"):
+            client.report_prefill(NS, 100, 50, 0.1)
+        fit = client.report_prefill(NS, 0, 512, 0.05)
+        assert fit.a_s_per_token > 0

@@ -233,10 +233,41 @@ async def test_a_planned_fetch_slower_than_recompute_is_regret(tmp_path: Path) -
     for i in range(4):
         await put(store, f"g{i}".encode(), block_bytes(i, 1 << 20))
     assert store.lookup(NS, [b"g0"]).tiers == ["nvme"]
-    result = store.plan(NS, [b"g0"], 16, 16, 0, "none", 0)
+    result, _costs = store.plan(NS, [b"g0"], 16, 16, 0, "none", 0)
     assert result.fetch_blocks in (0, 1)
     store._planned[(NS, b"g0")] = 1e-9  # as if the plan had expected a near-free recompute
     assert await get(store, b"g0") == block_bytes(0, 1 << 20)
     stats = store.stats()
     assert stats.fetch_regret_s > 0 and stats.recompute_avoided_s == pytest.approx(1e-9)
+    await store.close()
+
+
+async def test_fetch_reports_fit_the_dram_path_and_bad_reports_are_ignored(
+    tmp_path: Path,
+) -> None:
+    store = Store(make_config(tmp_path, 8 << 20, 64 << 20))
+    await store.start()
+    sizes = {b"a": 1 << 20, b"b": 256 << 10}
+    for key, size in sizes.items():
+        await put(store, key, block_bytes(size, size))
+    seed = store.paths["dram"].estimate()
+
+    async def fetch(key: bytes, seconds: float, reported_bytes: int) -> None:
+        lease_id, slots = await store.acquire(7, [(NS, key)])
+        assert slots[0] is not None
+        assert store.release(7, [lease_id], seconds, reported_bytes) == 1
+
+    for key, size in sizes.items():
+        for _ in range(10):
+            await fetch(key, float("nan"), size)
+            await fetch(key, -1.0, size)
+            await fetch(key, 1e-3, 2 * size)  # more bytes than the lease served
+    assert store.paths["dram"].estimate() == seed
+    latency_s, bandwidth = 50e-6, 5e9
+    for _ in range(10):
+        for key, size in sizes.items():
+            await fetch(key, latency_s + size / bandwidth, size)
+    fitted = store.paths["dram"].estimate()
+    assert fitted.latency_s == pytest.approx(latency_s, rel=1e-3)
+    assert fitted.bandwidth_bytes_per_s == pytest.approx(bandwidth, rel=1e-3)
     await store.close()

@@ -1,0 +1,115 @@
+"""A short, bounded calibration at start-up that seeds the planner's path estimators.
+
+Until engines have fetched enough blocks for the online fit to take over, the planner
+needs figures for *this* machine rather than the configured guesses: a drive may give a
+tenth of a datasheet's bandwidth to 1 MiB O_DIRECT reads behind a file system, and DRAM
+copies in Python run at a fraction of `memcpy`'s peak. So the daemon times the real code
+paths on a few block sizes: the NVMe tier's own record write + verified `read_into` (the
+promotion path), and a copy between two page-aligned buffers (what a zero-copy client
+does out of the arena). Each observation is the median of a few repeats, and only a
+handful are made per path, so the first real transfers outweigh them quickly.
+
+Blocking: run it on the I/O pool. It stops at `budget_s` whatever it has.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import xxhash
+
+from kvtier.movers.io import aligned_buffer
+from kvtier.tiers.nvme import NvmeTier, RecordHeader, header_size_for
+
+# A namespace id no tenant can have ("tenant|namespace" always has a '|'), so a record
+# left by a crash mid-calibration is recognised and removed at the next start.
+CALIBRATION_NS_ID = "kvtier-calibration"
+SIZES_BYTES = (256 << 10, 1 << 20, 4 << 20)
+REPEATS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    path: str  # "dram" or "nvme"
+    size_bytes: int
+    seconds: float
+
+
+def calibrate(
+    nvme: NvmeTier | None, budget_s: float, observations_per_path: int = 8
+) -> list[Observation]:
+    """Timed transfers on the DRAM copy path and (if given) the NVMe tier, within budget_s."""
+    deadline_s = time.perf_counter() + budget_s
+    out = _dram(deadline_s, observations_per_path)
+    if nvme is not None:
+        out += _nvme(nvme, deadline_s, observations_per_path)
+    return out
+
+
+def _sizes(count: int) -> list[int]:
+    return [SIZES_BYTES[i % len(SIZES_BYTES)] for i in range(count)]
+
+
+def _dram(deadline_s: float, count: int) -> list[Observation]:
+    largest = max(SIZES_BYTES)
+    src, dst = aligned_buffer(largest), aligned_buffer(largest)
+    src.write(os.urandom(largest))  # touch every page: first-touch faults are not copies
+    dst.write(bytes(largest))
+    s, d = memoryview(src), memoryview(dst)
+    out: list[Observation] = []
+    try:
+        for size in _sizes(count):
+            if time.perf_counter() >= deadline_s:
+                break
+            times = []
+            for _ in range(REPEATS):
+                started = time.perf_counter()
+                d[:size] = s[:size]
+                times.append(time.perf_counter() - started)
+            out.append(Observation("dram", size, statistics.median(times)))
+    finally:
+        s.release()
+        d.release()
+        src.close()
+        dst.close()
+    return out
+
+
+def _nvme(nvme: NvmeTier, deadline_s: float, count: int) -> list[Observation]:
+    out: list[Observation] = []
+    largest = max(SIZES_BYTES)
+    payload = aligned_buffer(largest)
+    payload.write(os.urandom(largest))
+    dest = aligned_buffer(largest)
+    written: list[RecordHeader] = []
+    try:
+        for generation, size in enumerate(_sizes(count), start=1):
+            if time.perf_counter() >= deadline_s:
+                break
+            key = f"{size}".encode()
+            header = RecordHeader(
+                ns_id=CALIBRATION_NS_ID,
+                key=key,
+                generation=generation,
+                payload_bytes=size,
+                xxh3_64=xxhash.xxh3_64_intdigest(memoryview(payload)[:size]),
+                header_bytes=header_size_for(CALIBRATION_NS_ID, key),
+            )
+            written.append(header)
+            nvme.write(header, [memoryview(payload)[:size]])
+            times = []
+            for _ in range(REPEATS):
+                with memoryview(dest) as view:
+                    started = time.perf_counter()
+                    nvme.read_into(header, view[:size])
+                    times.append(time.perf_counter() - started)
+            out.append(Observation("nvme", header.record_bytes, statistics.median(times)))
+    finally:
+        for header in written:
+            nvme.remove(header)
+        payload.close()
+        dest.close()
+    return out
