@@ -52,8 +52,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvtier.config import load_config
     from kvtier.server.daemon import serve
 
-    config = load_config(args.config, _serve_flags(args))
-    return serve(config, args.config)
+    flags = _serve_flags(args)
+    config = load_config(args.config, flags)
+    return serve(config, args.config, flags)
 
 
 def cmd_config(args: argparse.Namespace) -> int:

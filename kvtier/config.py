@@ -3,7 +3,7 @@
 Every field has a type, a constraint, a default and a one-line doc (the doc is what
 `kvtier config default` prints). Unknown keys are errors that name the key and where it
 came from. Paths left empty are resolved at start from systemd's directories
-(`$RUNTIME_DIRECTORY`, `$STATE_DIRECTORY`) or the per-user XDG ones.
+(`$RUNTIME_DIRECTORY`, `$CACHE_DIRECTORY`, `$STATE_DIRECTORY`) or the per-user XDG ones.
 """
 
 from __future__ import annotations
@@ -58,6 +58,12 @@ class ServerConfig(_Section):
     stop_timeout_s: float = Field(
         20.0, gt=0, description="SIGTERM: longest wait for in-flight calls and the NVMe flush"
     )
+    io_stall_s: float = Field(
+        30.0,
+        gt=0,
+        description="a disk I/O still running after this long means a stuck worker: the "
+        "systemd watchdog ping stops, so systemd restarts kvtier",
+    )
 
 
 class LimitsConfig(_Section):
@@ -85,7 +91,11 @@ class DramConfig(_Section):
 
 class NvmeConfig(_Section):
     enabled: bool = Field(True, description="keep a persistent tier on disk")
-    path: str = Field("", description="directory of record files; empty = <state dir>/nvme")
+    path: str = Field(
+        "",
+        description="directory of record files; empty = $CACHE_DIRECTORY/nvme under systemd, "
+        "else <state dir>/nvme",
+    )
     capacity_bytes: ByteSize = Field(
         8 << 30, ge=1 << 20, description="most bytes the NVMe tier may hold on disk"
     )
@@ -200,7 +210,7 @@ class Config(_Section):
         if not out.server.listen:
             out.server.listen = f"unix://{runtime_dir() / 'kvtier.sock'}"
         if not out.nvme.path:
-            out.nvme.path = str(state_dir() / "nvme")
+            out.nvme.path = str(nvme_dir())
         return out
 
 
@@ -219,6 +229,15 @@ def state_dir() -> Path:
         return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
     xdg = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(xdg) / "kvtier"
+
+
+def nvme_dir() -> Path:
+    """The NVMe tier's default directory. Blocks are a cache (an engine can always recompute
+    them), so under systemd they live in CacheDirectory: `systemctl clean --what=cache`
+    empties the tier, and a plain restart or upgrade keeps it."""
+    if os.environ.get("CACHE_DIRECTORY"):
+        return Path(os.environ["CACHE_DIRECTORY"].split(":")[0]) / "nvme"
+    return state_dir() / "nvme"
 
 
 def default_target() -> str:

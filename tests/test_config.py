@@ -83,6 +83,9 @@ def test_paths_resolve_from_systemd_then_xdg(monkeypatch: pytest.MonkeyPatch) ->
     resolved = Config().resolved()
     assert resolved.server.listen == "unix:///run/kvtier/kvtier.sock"
     assert resolved.nvme.path == "/var/lib/kvtier/nvme"
+    # Blocks are a cache: under systemd's CacheDirectory when the unit gives one.
+    monkeypatch.setenv("CACHE_DIRECTORY", "/var/cache/kvtier")
+    assert Config().resolved().nvme.path == "/var/cache/kvtier/nvme"
     monkeypatch.delenv("RUNTIME_DIRECTORY")
     monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
     assert Config().resolved().server.listen == "unix:///run/user/1000/kvtier/kvtier.sock"

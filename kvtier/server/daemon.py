@@ -1,4 +1,10 @@
-"""`kvtier serve`: start the tiers, serve gRPC, drain on SIGTERM, reload on SIGHUP."""
+"""`kvtier serve`: start the tiers, serve gRPC, drain on SIGTERM, reload on SIGHUP.
+
+Under systemd (Type=notify) it reports readiness only once every tier is up and health is
+SERVING, keeps STATUS= current, pings the watchdog only while the I/O workers make
+progress, asks for more start-up time while a large arena is faulted in, and says
+STOPPING=1 on SIGTERM (see kvtier/server/sdnotify.py and systemd/).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,6 +29,8 @@ from kvtier.config import Config, load_config
 from kvtier.errors import ConfigError
 from kvtier.server.arena_socket import ArenaSocket
 from kvtier.server.metrics import StoreCollector
+from kvtier.server.reload import plan_reload
+from kvtier.server.sdnotify import Notifier
 from kvtier.server.service import SERVICE_NAME, KVTierService, add_to_server
 from kvtier.server.store import Store
 from kvtier.sizes import human_size
@@ -92,12 +101,27 @@ def _unix_path(listen: str) -> Path | None:
     return None
 
 
+# Faulting in an arena runs at a few GB/s; ask systemd for time at a pessimistic 1 GiB/s.
+PREFAULT_BYTES_PER_S = 1 << 30
+STATUS_EVERY_S = 10.0
+
+
 class Daemon:
-    def __init__(self, config: Config, config_path: Path | None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        config_path: Path | None,
+        flags: dict[str, Any] | None = None,
+        notifier: Notifier | None = None,
+    ) -> None:
         self.config = config.resolved()
         self.config_path = config_path
+        self.flags = flags or {}
+        self.notifier = notifier or Notifier.from_env()
         self.draining = False
         self._stop = asyncio.Event()
+        self._store: Store | None = None
+        self._service: KVTierService | None = None
 
     async def run(self) -> int:
         cfg = self.config
@@ -105,6 +129,10 @@ class Daemon:
         sock_path = _unix_path(listen)
         if sock_path is not None:
             _prepare_unix_socket(sock_path)  # before touching the NVMe tier another may own
+        arena_bytes = sum(cfg.tenant_arenas().values())
+        if cfg.dram.prefault:
+            self.notifier.extend_timeout(60 + arena_bytes / PREFAULT_BYTES_PER_S)
+        self.notifier.send(STATUS=f"allocating {human_size(arena_bytes)} of DRAM")
         try:
             store = Store(cfg)
         except OSError as err:
@@ -112,12 +140,18 @@ class Daemon:
                 f"dram.capacity_bytes: cannot map a {human_size(cfg.dram.capacity_bytes)} "
                 f"arena: {err.strerror or err}"
             ) from None
+        self._store = store
+        # Recovery reads every record header: its time grows with the tier, unknown here.
+        self.notifier.extend_timeout(300)
+        self.notifier.send(STATUS="recovering the NVMe tier")
         try:
             await store.start()
         except OSError as err:
             raise ConfigError(
                 f"nvme.path: cannot use {cfg.nvme.path}: {err.strerror or err}"
             ) from None
+        self.notifier.extend_timeout(60 + cfg.planner.calibration_s)
+        self.notifier.send(STATUS="calibrating fetch paths")
         await store.calibrate()
         server = grpc.aio.server(
             options=grpc_options(cfg), maximum_concurrent_rpcs=cfg.server.max_concurrent_rpcs
@@ -131,6 +165,7 @@ class Daemon:
             )
             await arena.start()
         service = KVTierService(store, cfg, lambda: self.draining, arena)
+        self._service = service
         if arena is not None:
             arena.set_handler(service.session_call)
         add_to_server(service, server)
@@ -184,8 +219,12 @@ class Daemon:
             f"(dram {human_size(sum(a.capacity_bytes for a in store.arenas.values()))}, {nvme})",
             flush=True,
         )
+        self.notifier.send(READY=1, STATUS=status_line(store))
+        heartbeat = asyncio.ensure_future(self._heartbeat(store))
         await self._stop.wait()
         logger.info("stopping: draining in-flight calls")
+        self.notifier.send(STOPPING=1, STATUS="stopping: draining in-flight calls")
+        heartbeat.cancel()
         self.draining = True
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=cfg.server.stop_timeout_s / 2)
@@ -197,6 +236,7 @@ class Daemon:
                 logger.info("flushed %d DRAM-only blocks to NVMe", written)
             except TimeoutError:
                 logger.warning("NVMe flush did not finish in time; some DRAM blocks are lost")
+        self.notifier.send(STATUS="stopping: syncing the NVMe tier")
         await store.close()
         if sock_path is not None:
             with contextlib.suppress(FileNotFoundError):
@@ -204,21 +244,90 @@ class Daemon:
         logger.info("stopped")
         return 0
 
+    async def _heartbeat(self, store: Store) -> None:
+        """STATUS= now and then; WATCHDOG=1 at half the watchdog timeout, but only while no
+        I/O has been stuck for longer than server.io_stall_s: this loop running proves the
+        event loop is alive, the I/O pool's job ages prove the disk workers are."""
+        interval_s = self.notifier.watchdog_interval_s or STATUS_EVERY_S
+        since_status_s = 0.0
+        withheld = False
+        while True:
+            await asyncio.sleep(interval_s)
+            since_status_s += interval_s
+            if self.notifier.watchdog_interval_s:
+                stuck = store.io.longest_running()
+                if stuck is not None and stuck[0] > self.config.server.io_stall_s:
+                    if not withheld:
+                        logger.error(
+                            "an I/O worker has been stuck for %.0f s in %s: withholding the "
+                            "watchdog ping so that systemd restarts kvtier",
+                            stuck[0],
+                            stuck[1],
+                        )
+                        self.notifier.send(STATUS=f"I/O stuck for {stuck[0]:.0f} s in {stuck[1]}")
+                    withheld = True
+                    continue
+                if withheld:
+                    logger.warning("I/O workers are making progress again")
+                withheld = False
+                self.notifier.send(WATCHDOG=1)
+            if since_status_s >= STATUS_EVERY_S:
+                since_status_s = 0.0
+                self.notifier.send(STATUS=status_line(store))
+
     def _reload(self) -> None:
+        self.notifier.send(RELOADING=1, STATUS="reloading the configuration")
         try:
-            fresh = load_config(self.config_path)
+            self._apply_reload()
+        finally:
+            self.notifier.send(READY=1, STATUS=status_line(self._store) if self._store else "")
+
+    def _apply_reload(self) -> None:
+        try:
+            fresh = load_config(self.config_path, self.flags).resolved()
         except ConfigError as err:
             logger.error("reload refused, keeping the running configuration: %s", err)
             return
-        setup_logging(fresh.log.level)
-        logger.info("reloaded: log.level=%s; other settings need a restart", fresh.log.level)
+        arenas = set(self._store.arenas) if self._store else set()
+        result = plan_reload(self.config, fresh, arenas)
+        self.config = result.config
+        setup_logging(result.config.log.level)
+        if self._store is not None:
+            self._store.config = self._store.config.model_copy(
+                update={"limits": result.config.limits, "planner": result.config.planner}
+            )
+        if self._service is not None:
+            self._service.reconfigure(result.config)
+        logger.info(
+            "reloaded %s%s",
+            ", ".join(result.reloaded) if result.reloaded else "nothing (no reloadable change)",
+            f"; needs a restart to take effect: {', '.join(result.needs_restart)}"
+            if result.needs_restart
+            else "",
+        )
 
 
-def serve(config: Config, config_path: Path | None) -> int:
+def status_line(store: Store) -> str:
+    """One line for `systemctl status`: tier usage, blocks, hit ratio, leases."""
+    s = store.stats()
+    tiers = ", ".join(
+        f"{t.name} {human_size(t.used_bytes)}/{human_size(t.capacity_bytes)}" for t in s.tiers
+    )
+    blocks = sum(t.blocks for t in s.tiers)
+    looked = s.hits + s.misses
+    ratio = f"{s.hits / looked:.1%}" if looked else "n/a"
+    return f"serving: {tiers}; {blocks} blocks; hit ratio {ratio}; {s.leases} leases"
+
+
+def serve(config: Config, config_path: Path | None, flags: dict[str, Any] | None = None) -> int:
     setup_logging(config.log.level)
     tune_malloc()
+    notifier = Notifier.from_env()
     try:
-        return asyncio.run(Daemon(config, config_path).run())
+        return asyncio.run(Daemon(config, config_path, flags, notifier).run())
     except ConfigError as err:
         print(f"kvtier: {err}", file=sys.stderr)
+        notifier.send(STATUS=f"failed: {err}", ERRNO=22)  # EINVAL: a configuration error
         return 2
+    finally:
+        notifier.close()

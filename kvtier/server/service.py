@@ -69,6 +69,12 @@ class KVTierService:
         self._arena = arena
         self._tokens = dict(config.auth.tokens)
 
+    def reconfigure(self, config: Config) -> None:
+        """Apply settings a reload may change while calls are in flight (each call reads
+        them once, so it sees either the old or the new ones, never a mix)."""
+        self._limits = config.limits
+        self._tokens = dict(config.auth.tokens)
+
     # ---- helpers ------------------------------------------------------------------------
     def _tenant(self, context: Ctx) -> str:
         """The caller's tenant, from its bearer token (never from a request field)."""
