@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.installed
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: serve test check lint typecheck proto proto-check bench clean
+.PHONY: serve test check lint typecheck proto proto-check systemd-check bench clean
 
 # The daemon needs only the runtime dependencies; tests and tools add the dev extra
 # (which includes the CPU build of torch, pinned, for the tensor tests).
@@ -29,8 +29,8 @@ serve: $(RUNTIME)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-## check: everything CI runs: generated code, lint, types, tests
-check: proto-check lint typecheck test
+## check: everything CI runs: generated code, lint, types, the systemd unit, tests
+check: proto-check lint typecheck systemd-check test
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check kvtier tests scripts
@@ -49,6 +49,10 @@ proto-check: proto
 	  (echo "kvtier/_proto is stale: run 'make proto' and commit" >&2; exit 1)
 	test -z "$$(git status --porcelain -- kvtier/_proto)" || \
 	  (echo "kvtier/_proto has untracked generated files" >&2; exit 1)
+
+## systemd-check: systemd-analyze verify (any output fails) and security exposure <= 3.0
+systemd-check: $(RUNTIME)
+	PYTHON=$(BIN)/python scripts/check_systemd.sh
 
 ## bench: put/get throughput and latency (zero-copy, batched, gRPC) vs memcpy and Redis
 bench: $(STAMP)

@@ -70,10 +70,12 @@ def tune_malloc() -> None:
 
 
 def setup_logging(level: str) -> None:
+    # Under systemd stderr goes to the journal, which stamps each line itself.
+    stamp = "" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s "
     logging.basicConfig(
         level=level.upper(),
         stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=stamp + "%(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger().setLevel(level.upper())
 
