@@ -210,6 +210,12 @@ def cmd_token(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    from kvtier.index.replay import main as replay_main
+
+    return replay_main(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.kind == "daemon":
         from kvtier.bench.daemon import main as bench_daemon
@@ -243,6 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_arguments(plan)
     plan.set_defaults(func=cmd_plan)
+
+    replay = sub.add_parser(
+        "replay", help="replay a request trace through the tiers' policy (no daemon)"
+    )
+    from kvtier.index.replay import add_arguments as replay_arguments
+
+    replay_arguments(replay)
+    replay.set_defaults(func=cmd_replay)
 
     token = sub.add_parser("token", help="make a bearer token for a tenant")
     token.add_argument("tenant")

@@ -1,0 +1,483 @@
+"""What to keep where: eviction order per tier, admission to NVMe, and lost-reuse ghosts.
+
+Pure bookkeeping (no I/O, no clock of its own), used by the daemon's store and by
+`kvtier replay` alike, so what the replay measures is what the daemon does.
+
+A `TierPolicy` orders one tier's blocks for eviction: `insert` when a block lands in the
+tier, `hit` when it is used there, `remove` when it leaves for any reason other than being
+chosen, and `victim(evictable)` to choose (and forget) the next block to evict, skipping
+blocks the caller cannot evict now (leased, being written). Three are selectable:
+
+* `lru` — least recently used first.
+* `s3fifo` — S3-FIFO (Yang et al., SOSP'23): a small probationary FIFO, a main FIFO with
+  one-bit-per-use second chances, and a ghost FIFO that sends returning blocks straight to
+  main. Scan-resistant, a strong simple baseline.
+* `kvtier` — eviction by value: a block's priority is
+  `L + freq × saving_s / size_bytes` (greedy-dual-size-frequency, Cao & Irani), where
+  `saving_s` is what one more use of the block saves by being in this tier rather than in
+  the tier it would fall to (recompute when it is the last), from the planner's cost
+  model at the block's position in its chain — a late block is worth more than an early
+  one because attention makes it dearer to recompute. `freq` counts uses, remembered
+  across evictions by a count-min sketch, and `L` rises to each evicted priority, so blocks
+  not used for a long time age out. A block is worth at least what the blocks extending
+  its chain are worth (without it they are useless), so its priority is raised to theirs:
+  leaves are evicted before their parents.
+
+`Admission` decides whether a block evicted from DRAM is written to NVMe:
+`write_back` always, `selective` only blocks used at least twice (a block seen once is
+the usual case in chat traffic and would burn drive endurance for nothing), and
+`write_through` writes at insert time. `Ghosts` remember recently dropped keys so that a
+later miss on one counts as reuse lost to eviction.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Literal
+
+import xxhash
+
+from kvtier.index.planner import PrefillCost, TierCost
+
+Key = Hashable
+POLICIES = ("lru", "s3fifo", "kvtier")
+PolicyName = Literal["lru", "s3fifo", "kvtier"]
+ADMISSIONS = ("write_back", "selective", "write_through")
+AdmissionMode = Literal["write_back", "selective", "write_through"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """What the policy knows of a block besides its key: its size and place in a chain."""
+
+    size_bytes: int
+    position: int = 0  # index of the block in its chain (0: first); unknown reads as 0
+    parent: Key | None = None
+    from_end: int = -1  # blocks after it in the chain it arrived with (-1: unknown)
+
+
+class TierPolicy(ABC):
+    """Eviction order of one tier."""
+
+    @abstractmethod
+    def insert(self, key: Key, info: BlockInfo) -> None: ...
+
+    @abstractmethod
+    def hit(self, key: Key) -> None: ...
+
+    @abstractmethod
+    def remove(self, key: Key) -> None: ...
+
+    @abstractmethod
+    def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
+        """The next block to evict (forgotten by the policy), or None if none may go."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+
+class LruPolicy(TierPolicy):
+    def __init__(self) -> None:
+        self._order: OrderedDict[Key, None] = OrderedDict()
+
+    def insert(self, key: Key, info: BlockInfo) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def hit(self, key: Key) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        self._order.pop(key, None)
+
+    def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
+        for key in self._order:
+            if evictable(key):
+                del self._order[key]
+                return key
+        return None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+class S3FifoPolicy(TierPolicy):
+    """S3-FIFO by bytes: small queue 10 % of the tier, main the rest, ghosts as many keys
+    as main holds."""
+
+    SMALL_FRACTION = 0.1
+    MAX_FREQ = 3
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self._capacity = capacity_bytes
+        self._small: OrderedDict[Key, None] = OrderedDict()  # oldest first
+        self._main: OrderedDict[Key, None] = OrderedDict()
+        self._ghost: OrderedDict[Key, None] = OrderedDict()
+        self._freq: dict[Key, int] = {}
+        self._size: dict[Key, int] = {}
+        self._small_bytes = 0
+
+    def insert(self, key: Key, info: BlockInfo) -> None:
+        if key in self._size:
+            self.hit(key)
+            return
+        self._size[key] = info.size_bytes
+        self._freq[key] = 0
+        if self._ghost.pop(key, "absent") is None:
+            self._main[key] = None
+        else:
+            self._small[key] = None
+            self._small_bytes += info.size_bytes
+
+    def hit(self, key: Key) -> None:
+        if key in self._freq:
+            self._freq[key] = min(self._freq[key] + 1, self.MAX_FREQ)
+
+    def remove(self, key: Key) -> None:
+        if key not in self._size:
+            return
+        if self._small.pop(key, "absent") is None:
+            self._small_bytes -= self._size[key]
+        self._main.pop(key, None)
+        del self._size[key], self._freq[key]
+
+    def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
+        # Bounded: every block is looked at a few times at most (freq only goes down).
+        for _ in range(4 * (len(self._size) + 1)):
+            use_small = self._small and (
+                self._small_bytes >= self.SMALL_FRACTION * self._capacity or not self._main
+            )
+            queue = self._small if use_small else self._main
+            if not queue:
+                return None
+            key = next(iter(queue))
+            if not evictable(key):
+                queue.move_to_end(key)  # in use: look again later
+                continue
+            if use_small:
+                del self._small[key]
+                self._small_bytes -= self._size[key]
+                if self._freq[key] > 0:
+                    self._freq[key] = 0
+                    self._main[key] = None  # used while on probation: promote
+                    continue
+                self._remember_ghost(key)
+            else:
+                if self._freq[key] > 0:
+                    self._freq[key] -= 1
+                    self._main.move_to_end(key)  # a second chance
+                    continue
+                del self._main[key]
+            del self._size[key], self._freq[key]
+            return key
+        return None
+
+    def _remember_ghost(self, key: Key) -> None:
+        self._ghost[key] = None
+        while len(self._ghost) > max(len(self._main), 1):
+            self._ghost.popitem(last=False)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._size
+
+    def __len__(self) -> int:
+        return len(self._size)
+
+
+class FrequencySketch:
+    """Count-min sketch of uses (4 rows, 4-bit-ish saturating counters kept as ints),
+    halved every `reset_after` increments so old popularity fades (TinyLFU's aging)."""
+
+    ROWS = 4
+
+    def __init__(self, width: int = 1 << 16, reset_after: int | None = None) -> None:
+        self._width = width
+        self._rows = [[0] * width for _ in range(self.ROWS)]
+        self._reset_after = reset_after or 10 * width
+        self._added = 0
+
+    def _slots(self, key: Key) -> list[int]:
+        digest = xxhash.xxh3_128_intdigest(repr(key).encode())
+        return [(digest >> (32 * i)) % self._width for i in range(self.ROWS)]
+
+    def add(self, key: Key) -> None:
+        for row, slot in zip(self._rows, self._slots(key), strict=True):
+            if row[slot] < 15:
+                row[slot] += 1
+        self._added += 1
+        if self._added >= self._reset_after:
+            self._added = 0
+            for row in self._rows:
+                for i, count in enumerate(row):
+                    row[i] = count >> 1
+
+    def count(self, key: Key) -> int:
+        return min(row[slot] for row, slot in zip(self._rows, self._slots(key), strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class ValueModel:
+    """Seconds one use of a block saves, by where it is kept: the planner's cost model."""
+
+    tokens_per_block: int
+    kv_bytes_per_token: int
+    prefill: PrefillCost
+    tier_costs: dict[str, TierCost]
+
+    def recompute_s(self, position: int) -> float:
+        start = position * self.tokens_per_block
+        return self.prefill.seconds(start, start + self.tokens_per_block) - self.prefill.step_s
+
+    def fetch_s(self, tier: str, size_bytes: int) -> float:
+        return self.tier_costs[tier].fetch_s(size_bytes)
+
+    def saving_s(self, tier: str, fallback: str | None, info: BlockInfo) -> float:
+        """Seconds per use saved by keeping the block in `tier` rather than `fallback`
+        (None: recompute). Never negative: a block dearer to fetch than to recompute is
+        worth nothing (the planner would not fetch it)."""
+        recompute = self.recompute_s(info.position)
+        here = min(recompute, self.fetch_s(tier, info.size_bytes))
+        there = (
+            recompute
+            if fallback is None
+            else min(recompute, self.fetch_s(fallback, info.size_bytes))
+        )
+        return max(there - here, 0.0)
+
+
+class ReuseEstimator:
+    """P(a block is used again) by what is known of it: uses so far and, for a block that
+    arrived near the end of its chain (a prompt's tail rarely recurs: the next turn extends
+    it into a new block), how near. Learned online: each time a block is placed or used,
+    its bucket counts a placement; a later use counts a reuse for the bucket it was in."""
+
+    def __init__(self) -> None:
+        self._placed: dict[tuple[int, int], int] = {}
+        self._reused: dict[tuple[int, int], int] = {}
+        self._last: dict[Key, tuple[int, int]] = {}
+
+    @staticmethod
+    def bucket(uses: int, info: BlockInfo) -> tuple[int, int]:
+        return min(uses, 3), min(info.from_end, 3) if info.from_end >= 0 else -1
+
+    def observe(self, key: Key, uses: int, info: BlockInfo) -> float:
+        """Record a placement or use of `key`; returns P(reuse) for its bucket now."""
+        previous = self._last.get(key)
+        if previous is not None:
+            self._reused[previous] = self._reused.get(previous, 0) + 1
+        bucket = self.bucket(uses, info)
+        self._last[key] = bucket
+        self._placed[bucket] = self._placed.get(bucket, 0) + 1
+        return self.probability(bucket)
+
+    def probability(self, bucket: tuple[int, int]) -> float:
+        return (self._reused.get(bucket, 0) + 1) / (self._placed.get(bucket, 0) + 2)
+
+    def p_reuse(self, key: Key, uses: int, info: BlockInfo) -> float:
+        """P(reuse) of a block: its last bucket if it was seen, else the one it would be in."""
+        bucket = self._last.get(key)
+        return self.probability(bucket if bucket is not None else self.bucket(uses, info))
+
+    def forget(self, key: Key) -> None:
+        self._last.pop(key, None)
+
+
+class ValuePolicy(TierPolicy):
+    """Greedy-dual-size-frequency on the planner's savings, leaves before parents."""
+
+    def __init__(
+        self,
+        tier: str,
+        fallback: str | None,
+        model: ValueModel,
+        sketch: FrequencySketch,
+        reuse: ReuseEstimator,
+    ) -> None:
+        self._tier = tier
+        self._fallback = fallback
+        self._model = model
+        self._sketch = sketch
+        self._reuse = reuse
+        self._inflation = 0.0  # L: rises to each evicted priority
+        self._priority: dict[Key, float] = {}
+        self._info: dict[Key, BlockInfo] = {}
+        self._children: dict[Key, set[Key]] = {}  # cached children in this tier
+        self._heap: list[tuple[float, int, int, Key]] = []  # (priority, -position, seq, key)
+        self._seq = itertools.count()
+
+    def _own_priority(self, key: Key) -> float:
+        info = self._info[key]
+        saving = self._model.saving_s(self._tier, self._fallback, info)
+        uses = max(self._sketch.count(key), 1)
+        p_reuse = self._reuse.p_reuse(key, uses, info)
+        return self._inflation + p_reuse * uses * saving / max(info.size_bytes, 1)
+
+    def _set(self, key: Key, priority: float) -> None:
+        self._priority[key] = priority
+        heapq.heappush(self._heap, (priority, -self._info[key].position, next(self._seq), key))
+        # A parent is worth at least its children: raise the chain above this block.
+        parent = self._info[key].parent
+        while parent is not None and parent in self._priority:
+            if self._priority[parent] >= priority:
+                break
+            self._priority[parent] = priority
+            info = self._info[parent]
+            heapq.heappush(self._heap, (priority, -info.position, next(self._seq), parent))
+            parent = info.parent
+
+    def insert(self, key: Key, info: BlockInfo) -> None:
+        if key in self._info:
+            self.hit(key)
+            return
+        self._info[key] = info
+        if info.parent is not None:
+            self._children.setdefault(info.parent, set()).add(key)
+        # Arriving after blocks that extend it (e.g. promoted later): worth as much as they.
+        floor = max((self._priority[c] for c in self._children.get(key, ())), default=0.0)
+        self._set(key, max(self._own_priority(key), floor))
+
+    def hit(self, key: Key) -> None:
+        if key in self._info:
+            self._set(key, max(self._own_priority(key), self._priority[key]))
+
+    def remove(self, key: Key) -> None:
+        info = self._info.pop(key, None)
+        if info is None:
+            return
+        del self._priority[key]  # its heap items are now stale and skipped
+        siblings = self._children.get(info.parent) if info.parent is not None else None
+        if siblings is not None:
+            siblings.discard(key)
+            if not siblings:
+                del self._children[info.parent]
+
+    def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
+        deferred: list[tuple[float, int, int, Key]] = []
+        chosen: Key | None = None
+        while self._heap:
+            item = heapq.heappop(self._heap)
+            priority, _, _, key = item
+            if self._priority.get(key) != priority:
+                continue  # stale: the block was used again or left the tier
+            if self._children.get(key) or not evictable(key):
+                deferred.append(item)
+                continue
+            chosen = key
+            self._inflation = max(self._inflation, priority)
+            break
+        for item in deferred:
+            heapq.heappush(self._heap, item)
+        if chosen is not None:
+            self.remove(chosen)
+        if len(self._heap) > 4 * len(self._priority) + 1024:
+            self._compact()
+        return chosen
+
+    def _compact(self) -> None:
+        self._heap = [item for item in self._heap if self._priority.get(item[3]) == item[0]]
+        heapq.heapify(self._heap)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._info
+
+    def __len__(self) -> int:
+        return len(self._info)
+
+
+class Admission:
+    """Whether a block leaving DRAM is written to NVMe (or, write_through, at insert).
+
+    `selective` writes a block only if blocks like it (same uses-so-far and closeness to
+    the end of its chain) have been used again at least `min_p_reuse` of the time: a
+    prompt's last block, which the next turn extends into a new one, is rarely worth the
+    drive's endurance."""
+
+    def __init__(
+        self,
+        mode: AdmissionMode,
+        sketch: FrequencySketch,
+        reuse: ReuseEstimator,
+        min_p_reuse: float = 0.1,
+    ) -> None:
+        self.mode = mode
+        self._sketch = sketch
+        self._reuse = reuse
+        self.min_p_reuse = min_p_reuse
+
+    def admit_on_evict(self, key: Key, info: BlockInfo) -> bool:
+        if self.mode == "selective":
+            uses = max(self._sketch.count(key), 1)
+            return self._reuse.p_reuse(key, uses, info) >= self.min_p_reuse
+        return self.mode == "write_back"
+
+    @property
+    def on_insert(self) -> bool:
+        return self.mode == "write_through"
+
+
+class Ghosts:
+    """Keys recently dropped from every tier (bounded FIFO): a miss on one is lost reuse."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._keys: OrderedDict[Key, None] = OrderedDict()
+
+    def add(self, key: Key) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self._capacity:
+            self._keys.popitem(last=False)
+
+    def take(self, key: Key) -> bool:
+        """True (and forgets it) if `key` was dropped recently."""
+        return self._keys.pop(key, "absent") is None
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+class Policies:
+    """Everything the tiers decide with, shared by the daemon's store and `kvtier replay`:
+    the use counts, the reuse estimate, admission, ghosts, and one eviction order per tier
+    (`new_tier` makes more, e.g. one DRAM order per tenant arena)."""
+
+    def __init__(
+        self,
+        name: str,
+        admission: AdmissionMode,
+        model: ValueModel,
+        ghost_capacity: int,
+        min_p_reuse: float = 0.1,
+    ) -> None:
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+        self.name = name
+        self.model = model
+        self.sketch = FrequencySketch()
+        self.reuse = ReuseEstimator()
+        self.admission = Admission(admission, self.sketch, self.reuse, min_p_reuse)
+        self.ghosts = Ghosts(ghost_capacity)
+
+    def accessed(self, key: Key, info: BlockInfo) -> None:
+        """A block was asked for (hit or miss): count the use, settle its last estimate."""
+        self.sketch.add(key)
+        self.reuse.observe(key, self.sketch.count(key), info)
+
+    def new_tier(self, tier: str, fallback: str | None, capacity_bytes: int) -> TierPolicy:
+        if self.name == "lru":
+            return LruPolicy()
+        if self.name == "s3fifo":
+            return S3FifoPolicy(capacity_bytes)
+        return ValuePolicy(tier, fallback, self.model, self.sketch, self.reuse)

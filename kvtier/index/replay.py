@@ -1,0 +1,553 @@
+"""`kvtier replay TRACE.jsonl`: a request trace through the real catalog, policy and planner.
+
+A simulated clock and no bytes: each request of a Mooncake-format trace (`timestamp` ms,
+`input_length`, `output_length`, `hash_ids` = chained ids of 512-token blocks) is
+1. looked up in the catalog: which of its blocks each tier holds (a miss on a recently
+   dropped block counts as lost reuse);
+2. planned: the planner decides, with the path costs and the model's prefill profile,
+   which cached blocks are worth fetching; `recompute-all − plan total` is the prefill
+   time the cache saved (a hit the planner would not fetch saves nothing);
+3. written back: every block of the prompt is now in the engine, so the ones kvtier lacks
+   are put into DRAM and NVMe-only ones promoted, evicting by the policy; blocks leaving
+   DRAM go to NVMe if admission lets them (bytes written counted), blocks leaving the
+   last tier become ghosts.
+
+Policies: `lru`, `s3fifo`, `kvtier` (kvtier/index/policy.py) and `oracle`: Belady with
+the future known (evict the block used again farthest in the future, among the farthest
+few the one saving least; admit to NVMe only blocks used again), the upper bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.index.catalog import Catalog, Entry, TierName
+from kvtier.index.planner import (
+    OVERLAPS,
+    Overlap,
+    PlanRequest,
+    PrefillCost,
+    TierCost,
+    plan,
+)
+from kvtier.index.policy import (
+    ADMISSIONS,
+    POLICIES,
+    AdmissionMode,
+    BlockInfo,
+    Key,
+    Policies,
+    TierPolicy,
+    ValueModel,
+)
+from kvtier.index.profiles import MODELS
+from kvtier.sizes import human_size, parse_size
+from kvtier.tiers.allocator import Extent
+
+NS = "replay|trace"
+NEVER = float("inf")
+ORACLE = "oracle"
+ORACLE_CANDIDATES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    timestamp_ms: float
+    input_tokens: int
+    output_tokens: int
+    hash_ids: list[int]
+
+
+def read_trace(path: Path) -> list[Request]:
+    requests = []
+    with path.open() as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                requests.append(
+                    Request(
+                        float(row["timestamp"]),
+                        int(row["input_length"]),
+                        int(row.get("output_length", 0)),
+                        [int(h) for h in row["hash_ids"]],
+                    )
+                )
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(
+                    f"{path}:{line_no}: not a trace record (needs timestamp, input_length, "
+                    f"hash_ids): {err}"
+                ) from None
+    return requests
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayConfig:
+    dram_blocks: int
+    nvme_blocks: int
+    policy: str = "kvtier"
+    admission: AdmissionMode = "selective"
+    tokens_per_block: int = 512
+    kv_bytes_per_token: int = MODELS["llama3-8b"].kv_bytes_per_token
+    prefill: PrefillCost = field(
+        default_factory=lambda: PrefillCost(
+            MODELS["llama3-8b"].a_s_per_token, MODELS["llama3-8b"].c_s_per_token2
+        )
+    )
+    dram: TierCost = field(default_factory=lambda: TierCost(50e9, 10e-6))
+    nvme: TierCost = field(default_factory=lambda: TierCost(7e9, 100e-6))
+    overlap: Overlap = "none"
+    gpu_hour_usd: float = 2.0
+    samples: int = 200  # points of the over-time series (for --plot)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.tokens_per_block * self.kv_bytes_per_token
+
+
+@dataclass(slots=True)
+class _TierFigures:
+    hits: int = 0
+    bytes_read: int = 0
+
+
+@dataclass(slots=True)
+class _Totals:
+    block_refs: int = 0
+    prefix_hits: int = 0
+    tokens_hit: int = 0
+    saved_s: float = 0.0
+    recompute_all_s: float = 0.0
+    regret_s: float = 0.0
+    lost_reuse: int = 0
+    nvme_bytes_written: int = 0
+    promotions: int = 0
+    tiers: dict[str, _TierFigures] = field(
+        default_factory=lambda: {"dram": _TierFigures(), "nvme": _TierFigures()}
+    )
+
+
+class _Future:
+    """For the oracle: the index of each block's next use after the current request."""
+
+    def __init__(self, requests: list[Request]) -> None:
+        self._uses: dict[int, list[int]] = {}
+        for index, request in enumerate(requests):
+            for block in request.hash_ids:
+                self._uses.setdefault(block, []).append(index)
+        self._cursor: dict[int, int] = {}
+        self.now = 0
+
+    def advance(self, index: int) -> None:
+        self.now = index
+
+    def next_use(self, block: int) -> float:
+        uses = self._uses.get(block, [])
+        i = self._cursor.get(block, 0)
+        while i < len(uses) and uses[i] <= self.now:
+            i += 1
+        self._cursor[block] = i
+        return uses[i] if i < len(uses) else NEVER
+
+
+class OraclePolicy(TierPolicy):
+    """Farthest next use first; among the farthest few, the one that saves least."""
+
+    def __init__(self, future: _Future, saving: Callable[[BlockInfo], float]) -> None:
+        self._future = future
+        self._saving = saving
+        self._next: dict[Key, float] = {}
+        self._info: dict[Key, BlockInfo] = {}
+        self._heap: list[tuple[float, Key]] = []  # (-next use, key)
+
+    def _push(self, key: Key) -> None:
+        assert isinstance(key, int)
+        nxt = self._future.next_use(key)
+        self._next[key] = nxt
+        heapq.heappush(self._heap, (-nxt, key))
+
+    def insert(self, key: Key, info: BlockInfo) -> None:
+        self._info[key] = info
+        self._push(key)
+
+    def hit(self, key: Key) -> None:
+        if key in self._info:
+            self._push(key)
+
+    def remove(self, key: Key) -> None:
+        self._info.pop(key, None)
+        self._next.pop(key, None)
+
+    def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
+        candidates: list[tuple[float, Key]] = []
+        while self._heap and len(candidates) < ORACLE_CANDIDATES:
+            neg_next, key = heapq.heappop(self._heap)
+            if self._next.get(key) != -neg_next:
+                continue
+            if not evictable(key):
+                candidates.append((neg_next, key))  # put back below
+                continue
+            if -neg_next == NEVER:
+                for item in candidates:
+                    heapq.heappush(self._heap, item)
+                self.remove(key)
+                return key
+            candidates.append((neg_next, key))
+        usable = [c for c in candidates if evictable(c[1])]
+        if not usable:
+            for item in candidates:
+                heapq.heappush(self._heap, item)
+            return None
+        now = self._future.now
+        chosen = min(usable, key=lambda c: self._saving(self._info[c[1]]) / (-c[0] - now))
+        for item in candidates:
+            if item is not chosen:
+                heapq.heappush(self._heap, item)
+        self.remove(chosen[1])
+        return chosen[1]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._info
+
+    def __len__(self) -> int:
+        return len(self._info)
+
+
+class Replay:
+    """The two tiers of one daemon, driven by a trace."""
+
+    def __init__(self, config: ReplayConfig, requests: list[Request]) -> None:
+        self.config = config
+        self.requests = requests
+        self.catalog = Catalog()
+        self.model = ValueModel(
+            config.tokens_per_block,
+            config.kv_bytes_per_token,
+            config.prefill,
+            {"dram": config.dram, "nvme": config.nvme},
+        )
+        bb = config.block_bytes
+        ghosts = max(config.dram_blocks + config.nvme_blocks, 1)
+        # The oracle decides with the future; the rest of its bookkeeping is kvtier's.
+        name = "kvtier" if config.policy == ORACLE else config.policy
+        self.policies = Policies(name, config.admission, self.model, ghosts)
+        self.future: _Future | None = None
+        if config.policy == ORACLE:
+            self.future = _Future(requests)
+            future = self.future
+            self.dram: TierPolicy = OraclePolicy(
+                future, lambda info: self.model.saving_s("dram", "nvme", info)
+            )
+            self.nvme: TierPolicy = OraclePolicy(
+                future, lambda info: self.model.saving_s("nvme", None, info)
+            )
+        else:
+            self.dram = self.policies.new_tier("dram", "nvme", config.dram_blocks * bb)
+            self.nvme = self.policies.new_tier("nvme", None, config.nvme_blocks * bb)
+        self.admission = self.policies.admission
+        self.ghosts = self.policies.ghosts
+        self.totals = _Totals()
+        self.series: list[dict[str, float]] = []
+        self._infos: dict[int, BlockInfo] = {}
+
+    # ---- residency --------------------------------------------------------------------
+    @staticmethod
+    def _bid(block: int) -> tuple[str, bytes]:
+        return NS, block.to_bytes(8, "little")
+
+    def _entry(self, block: int) -> Entry | None:
+        return self.catalog.get(self._bid(block))
+
+    def _nvme_admits(self, block: int) -> bool:
+        if self.future is not None:
+            return self.future.next_use(block) != NEVER
+        return self.admission.admit_on_evict(block, self._infos[block])
+
+    def _make_room_nvme(self) -> None:
+        while self.catalog.count(TierName.NVME) >= self.config.nvme_blocks:
+            victim = self.nvme.victim(lambda k: True)
+            if victim is None:
+                return
+            assert isinstance(victim, int)
+            entry = self._entry(victim)
+            assert entry is not None
+            self.catalog.drop_nvme(entry)
+            if not self.catalog.is_live(entry):
+                self.ghosts.add(victim)
+
+    def _write_nvme(self, block: int, entry: Entry) -> None:
+        if self.config.nvme_blocks <= 0:
+            return
+        self._make_room_nvme()
+        self.catalog.set_nvme(entry, self.config.block_bytes)
+        self.nvme.insert(block, self._infos[block])
+        self.totals.nvme_bytes_written += self.config.block_bytes
+
+    def _make_room_dram(self) -> bool:
+        while self.catalog.count(TierName.DRAM) >= self.config.dram_blocks:
+            victim = self.dram.victim(lambda k: True)
+            if victim is None:
+                return False
+            assert isinstance(victim, int)
+            entry = self._entry(victim)
+            assert entry is not None
+            if not entry.nvme_record_bytes and self._nvme_admits(victim):
+                self._write_nvme(victim, entry)
+            self.catalog.drop_dram(entry)
+            if not self.catalog.is_live(entry):
+                self.ghosts.add(victim)
+        return True
+
+    def _put_dram(self, block: int, entry: Entry | None) -> None:
+        if self.config.dram_blocks <= 0 or not self._make_room_dram():
+            return
+        extent = Extent(0, self.config.block_bytes)
+        if entry is None or not self.catalog.is_live(entry):
+            entry = Entry(self._bid(block), self.config.block_bytes, 0, 0, dram_extent=extent)
+            self.catalog.add(entry)
+            if self.admission.on_insert and self.future is None:
+                self._write_nvme(block, entry)
+        else:
+            self.catalog.set_dram(entry, extent)
+        self.dram.insert(block, self._infos[block])
+
+    # ---- one request ----------------------------------------------------------------
+    def step(self, index: int, request: Request) -> None:
+        cfg, t = self.config, self.totals
+        if self.future is not None:
+            self.future.advance(index)
+        chain = request.hash_ids
+        keys = [self._bid(b)[1] for b in chain]
+        tiers = self.catalog.lookup(NS, keys).tiers
+        t.block_refs += len(chain)
+        for block, tier in zip(chain, tiers, strict=True):
+            if tier is None and self.ghosts.take(block):
+                t.lost_reuse += 1
+        prompt_tokens = max(request.input_tokens, 1)
+        result = plan(
+            PlanRequest(
+                prompt_tokens=prompt_tokens,
+                tokens_per_block=cfg.tokens_per_block,
+                kv_bytes_per_token=cfg.kv_bytes_per_token,
+                cached_tiers=tiers,
+                tier_costs={"dram": cfg.dram, "nvme": cfg.nvme},
+                prefill=cfg.prefill,
+                overlap=cfg.overlap,
+            )
+        )
+        prefix = next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
+        t.prefix_hits += prefix
+        t.tokens_hit += min(prefix * cfg.tokens_per_block, prompt_tokens)
+        t.saved_s += result.recompute_all_s - result.total_s
+        t.recompute_all_s += result.recompute_all_s
+        block_tiers, fetch_s, recompute_s = result.block_costs()
+        for i in range(result.fetch_start, result.fetch_end):
+            tier = block_tiers[i]
+            assert tier is not None
+            figures = t.tiers[tier]
+            figures.hits += 1
+            figures.bytes_read += cfg.block_bytes
+            t.regret_s += max(fetch_s[i] - recompute_s[i], 0.0)
+        # The engine now holds the whole prompt: store what is missing, refresh the rest.
+        for i, block in enumerate(chain):
+            if block not in self._infos:
+                parent = chain[i - 1] if i else None
+                self._infos[block] = BlockInfo(cfg.block_bytes, i, parent, len(chain) - 1 - i)
+            self.policies.accessed(block, self._infos[block])
+            entry = self._entry(block)
+            if entry is None:
+                self._put_dram(block, None)
+                continue
+            if entry.dram_extent is not None:
+                self.dram.hit(block)
+            if entry.nvme_record_bytes:
+                self.nvme.hit(block)
+            if entry.dram_extent is None:
+                t.promotions += 1
+                self._put_dram(block, entry)
+
+    def run(self) -> dict[str, Any]:
+        every = max(len(self.requests) // max(self.config.samples, 1), 1)
+        for index, request in enumerate(self.requests):
+            self.step(index, request)
+            if index % every == 0 or index == len(self.requests) - 1:
+                t = self.totals
+                self.series.append(
+                    {
+                        "t_s": request.timestamp_ms / 1e3,
+                        "block_hit_ratio": t.prefix_hits / max(t.block_refs, 1),
+                        "dram_blocks": self.catalog.count(TierName.DRAM),
+                        "nvme_blocks": self.catalog.count(TierName.NVME),
+                    }
+                )
+        return self.report()
+
+    def report(self) -> dict[str, Any]:
+        cfg, t = self.config, self.totals
+        gpu_hours = t.saved_s / 3600
+        return {
+            "policy": cfg.policy,
+            "admission": "oracle" if cfg.policy == ORACLE else cfg.admission,
+            "requests": len(self.requests),
+            "block_refs": t.block_refs,
+            "dram_blocks": cfg.dram_blocks,
+            "nvme_blocks": cfg.nvme_blocks,
+            "block_bytes": cfg.block_bytes,
+            "block_hit_ratio": t.prefix_hits / max(t.block_refs, 1),
+            "tokens_hit": t.tokens_hit,
+            "prefill_seconds_saved": t.saved_s,
+            "prefill_seconds_without_cache": t.recompute_all_s,
+            "fetch_regret_seconds": t.regret_s,
+            "lost_reuse": t.lost_reuse,
+            "nvme_bytes_written": t.nvme_bytes_written,
+            "promotions": t.promotions,
+            "gpu_hours_saved": gpu_hours,
+            "usd_saved": gpu_hours * cfg.gpu_hour_usd,
+            "tiers": {
+                name: {
+                    "hits": f.hits,
+                    "hit_ratio": f.hits / max(t.block_refs, 1),
+                    "bytes_read": f.bytes_read,
+                    "capacity_blocks": cfg.dram_blocks if name == "dram" else cfg.nvme_blocks,
+                }
+                for name, f in t.tiers.items()
+            },
+        }
+
+
+def replay(
+    config: ReplayConfig, requests: list[Request]
+) -> tuple[dict[str, Any], list[dict[str, float]]]:
+    sim = Replay(config, requests)
+    report = sim.run()
+    return report, sim.series
+
+
+# ---- command line ---------------------------------------------------------------------------
+def _blocks(text: str, block_bytes: int) -> int:
+    """A capacity as a block count ('5000') or a size ('320GiB')."""
+    if text.strip().isdigit():
+        return int(text)
+    return parse_size(text) // block_bytes
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "trace", type=Path, help="Mooncake-format JSONL (timestamp, input_length, hash_ids)"
+    )
+    p.add_argument("--dram-capacity", default="5000", help="blocks (5000) or a size (320GiB)")
+    p.add_argument("--nvme-capacity", default="", help="blocks or a size; default 4x DRAM")
+    p.add_argument(
+        "--policy",
+        action="append",
+        choices=[*POLICIES, ORACLE, "all"],
+        help="repeatable; default all: lru, s3fifo, kvtier and the oracle",
+    )
+    p.add_argument("--admission", choices=ADMISSIONS, default="selective")
+    p.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
+    p.add_argument("--kv-bytes-per-token", type=int, help="overrides the model's")
+    p.add_argument("--tokens-per-block", type=int, default=512)
+    p.add_argument("--dram-bandwidth", default="50GB/s", help="DRAM -> engine, bytes/s")
+    p.add_argument("--nvme-bandwidth", default="7GB/s", help="NVMe -> engine, bytes/s")
+    p.add_argument("--dram-latency", type=float, default=10e-6, help="seconds per fetch")
+    p.add_argument("--nvme-latency", type=float, default=100e-6, help="seconds per fetch")
+    p.add_argument("--overlap", choices=OVERLAPS, default="none")
+    p.add_argument("--gpu-hour-cost", type=float, default=2.0, help="USD per GPU-hour")
+    p.add_argument("--json", action="store_true", help="one JSON object (a list for several)")
+    p.add_argument("--plot", type=Path, help="PNG: hit ratio and tier occupancy over time")
+
+
+def configs(args: argparse.Namespace) -> Iterator[ReplayConfig]:
+    from kvtier.index.whatif import parse_rate
+
+    profile = MODELS[args.model]
+    kv = args.kv_bytes_per_token or profile.kv_bytes_per_token
+    block_bytes = args.tokens_per_block * kv
+    dram = _blocks(args.dram_capacity, block_bytes)
+    nvme = _blocks(args.nvme_capacity, block_bytes) if args.nvme_capacity else 4 * dram
+    names: Iterable[str] = args.policy or ["all"]
+    if "all" in names:
+        names = [*POLICIES, ORACLE]
+    for name in dict.fromkeys(names):
+        yield ReplayConfig(
+            dram_blocks=dram,
+            nvme_blocks=nvme,
+            policy=name,
+            admission=args.admission,
+            tokens_per_block=args.tokens_per_block,
+            kv_bytes_per_token=kv,
+            prefill=PrefillCost(profile.a_s_per_token, profile.c_s_per_token2),
+            dram=TierCost(parse_rate(args.dram_bandwidth), args.dram_latency),
+            nvme=TierCost(parse_rate(args.nvme_bandwidth), args.nvme_latency),
+            overlap=args.overlap,
+            gpu_hour_usd=args.gpu_hour_cost,
+        )
+
+
+def plot(path: Path, runs: list[tuple[dict[str, Any], list[dict[str, float]]]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for report, series in runs:
+        xs = [p["t_s"] for p in series]
+        top.plot(xs, [p["block_hit_ratio"] for p in series], label=report["policy"])
+        bottom.plot(xs, [p["dram_blocks"] for p in series], label=f"{report['policy']} DRAM")
+        bottom.plot(
+            xs, [p["nvme_blocks"] for p in series], linestyle="--", label=f"{report['policy']} NVMe"
+        )
+    first = runs[0][0]
+    top.set_ylabel("cumulative block hit ratio")
+    top.set_title(
+        f"replay: DRAM {first['dram_blocks']} blocks, NVMe {first['nvme_blocks']} blocks "
+        f"({human_size(first['block_bytes'])} each)"
+    )
+    top.legend()
+    bottom.set_ylabel("blocks held")
+    bottom.set_xlabel("trace time (s)")
+    bottom.legend(fontsize="small", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        requests = read_trace(args.trace)
+    except (OSError, ValueError) as err:
+        print(f"kvtier replay: {err}", file=sys.stderr)
+        return 2
+    runs = [replay(cfg, requests) for cfg in configs(args)]
+    if args.plot:
+        plot(args.plot, runs)
+    reports = [r for r, _ in runs]
+    if args.json:
+        print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
+        return 0
+    print(
+        f"{len(requests)} requests, {reports[0]['block_refs']} block references; DRAM "
+        f"{reports[0]['dram_blocks']} blocks, NVMe {reports[0]['nvme_blocks']} blocks of "
+        f"{human_size(reports[0]['block_bytes'])}"
+    )
+    header = (
+        f"{'policy':<8} {'hit ratio':>9} {'dram hits':>10} {'nvme hits':>10} "
+        f"{'saved (s)':>10} {'regret (s)':>10} {'lost reuse':>10} {'NVMe written':>13} {'USD':>8}"
+    )
+    print(header)
+    for r in reports:
+        print(
+            f"{r['policy']:<8} {r['block_hit_ratio']:>9.1%} {r['tiers']['dram']['hits']:>10} "
+            f"{r['tiers']['nvme']['hits']:>10} {r['prefill_seconds_saved']:>10.1f} "
+            f"{r['fetch_regret_seconds']:>10.2f} {r['lost_reuse']:>10} "
+            f"{human_size(r['nvme_bytes_written']):>13} {r['usd_saved']:>8.2f}"
+        )
+    return 0
