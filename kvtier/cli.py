@@ -183,6 +183,15 @@ def cmd_stats(args: argparse.Namespace) -> int:
         f"  puts: {stats['puts']}, demotions: {stats['demotions']}, "
         f"dropped: {stats['dropped_blocks']}, checksum failures: {stats['checksum_failures']}"
     )
+    print(
+        f"  policy {stats['policy']}: lost reuse {stats['lost_reuse']}, NVMe admissions "
+        f"{stats['nvme_admitted']} written / {stats['nvme_not_admitted']} skipped, "
+        f"promotions {stats['promotions']}"
+    )
+    print(
+        f"  prefill avoided {stats['recompute_avoided_s']:.2f} s, fetch regret "
+        f"{stats['fetch_regret_s']:.2f} s"
+    )
     return 0
 
 

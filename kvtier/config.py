@@ -142,6 +142,25 @@ class PlannerConfig(_Section):
         return name
 
 
+class PolicyConfig(_Section):
+    name: Literal["kvtier", "lru", "s3fifo"] = Field(
+        "kvtier",
+        description="eviction order: kvtier (by value: reuse x prefill saved per byte, "
+        "leaves first), lru, or s3fifo",
+    )
+    admission: Literal["write_back", "selective", "write_through"] = Field(
+        "write_back",
+        description="NVMe writes: write_back (blocks leaving DRAM), selective (only blocks "
+        "likely to recur), write_through (every put)",
+    )
+    min_p_reuse: float = Field(
+        0.1, ge=0, le=1, description="selective admission: least estimated chance of reuse"
+    )
+    ghost_blocks: int = Field(
+        100_000, ge=0, description="recently dropped keys remembered to count lost reuse"
+    )
+
+
 class AuthConfig(_Section):
     tokens: dict[str, str] = Field(
         default_factory=dict,
@@ -167,6 +186,12 @@ class TenantConfig(_Section):
     dram_capacity_bytes: ByteSize = Field(
         ge=1 << 20, description="size of this tenant's own DRAM arena (its quota)"
     )
+    nvme_capacity_bytes: ByteSize = Field(
+        0,
+        ge=0,
+        description="most of the shared NVMe tier this tenant's blocks may hold; past it "
+        "they evict their own (0: no quota of its own)",
+    )
 
 
 class LogConfig(_Section):
@@ -180,6 +205,7 @@ class Config(_Section):
     nvme: NvmeConfig = Field(default_factory=lambda: NvmeConfig())
     log: LogConfig = Field(default_factory=lambda: LogConfig())
     planner: PlannerConfig = Field(default_factory=lambda: PlannerConfig())
+    policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig())
     auth: AuthConfig = Field(default_factory=lambda: AuthConfig())
     tenants: dict[str, TenantConfig] = Field(
         default_factory=dict,

@@ -494,6 +494,10 @@ class StatsResponse(_message.Message):
     FETCH_REGRET_S_FIELD_NUMBER: _builtins.int
     PLANNED_FETCH_BLOCKS_FIELD_NUMBER: _builtins.int
     PLANNED_RECOMPUTE_BLOCKS_FIELD_NUMBER: _builtins.int
+    LOST_REUSE_FIELD_NUMBER: _builtins.int
+    NVME_ADMITTED_FIELD_NUMBER: _builtins.int
+    NVME_NOT_ADMITTED_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
     hits: _builtins.int
     misses: _builtins.int
     puts: _builtins.int
@@ -513,6 +517,13 @@ class StatsResponse(_message.Message):
     """Seconds lost where such a fetch took longer than recomputing was estimated to."""
     planned_fetch_blocks: _builtins.int
     planned_recompute_blocks: _builtins.int
+    lost_reuse: _builtins.int
+    """Misses (lookups, gets) on blocks evicted from every tier a short while ago."""
+    nvme_admitted: _builtins.int
+    """Blocks leaving DRAM that admission wrote to NVMe, and those it let go."""
+    nvme_not_admitted: _builtins.int
+    policy: _builtins.str
+    """eviction policy in use (policy.name)"""
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierStats]: ...
     def __init__(
@@ -534,10 +545,14 @@ class StatsResponse(_message.Message):
         fetch_regret_s: _builtins.float = ...,
         planned_fetch_blocks: _builtins.int = ...,
         planned_recompute_blocks: _builtins.int = ...,
+        lost_reuse: _builtins.int = ...,
+        nvme_admitted: _builtins.int = ...,
+        nvme_not_admitted: _builtins.int = ...,
+        policy: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum_failures", b"checksum_failures", "demotions", b"demotions", "dropped_blocks", b"dropped_blocks", "fetch_regret_s", b"fetch_regret_s", "hits", b"hits", "leases", b"leases", "misses", b"misses", "nvme_direct_io", b"nvme_direct_io", "planned_fetch_blocks", b"planned_fetch_blocks", "planned_recompute_blocks", b"planned_recompute_blocks", "promotions", b"promotions", "puts", b"puts", "recompute_avoided_s", b"recompute_avoided_s", "tiers", b"tiers", "uptime_s", b"uptime_s", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum_failures", b"checksum_failures", "demotions", b"demotions", "dropped_blocks", b"dropped_blocks", "fetch_regret_s", b"fetch_regret_s", "hits", b"hits", "leases", b"leases", "lost_reuse", b"lost_reuse", "misses", b"misses", "nvme_admitted", b"nvme_admitted", "nvme_direct_io", b"nvme_direct_io", "nvme_not_admitted", b"nvme_not_admitted", "planned_fetch_blocks", b"planned_fetch_blocks", "planned_recompute_blocks", b"planned_recompute_blocks", "policy", b"policy", "promotions", b"promotions", "puts", b"puts", "recompute_avoided_s", b"recompute_avoided_s", "tiers", b"tiers", "uptime_s", b"uptime_s", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

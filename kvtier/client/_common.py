@@ -245,6 +245,10 @@ def stats_dict(resp: pb.StatsResponse) -> dict[str, Any]:
         "fetch_regret_s": resp.fetch_regret_s,
         "planned_fetch_blocks": resp.planned_fetch_blocks,
         "planned_recompute_blocks": resp.planned_recompute_blocks,
+        "lost_reuse": resp.lost_reuse,
+        "nvme_admitted": resp.nvme_admitted,
+        "nvme_not_admitted": resp.nvme_not_admitted,
+        "policy": resp.policy,
         "tiers": {
             t.name: {
                 "used_bytes": t.used_bytes,

@@ -15,11 +15,12 @@ Lifecycle of an entry:
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from kvtier.keys import tenant_of
 from kvtier.tiers.allocator import Extent
 
 BlockId = tuple[str, bytes]  # (namespace id, key)
@@ -80,6 +81,7 @@ class Catalog:
         self._nvme_lru: OrderedDict[BlockId, None] = OrderedDict()
         self.dram_used_bytes = 0
         self.nvme_used_bytes = 0
+        self.nvme_used_by_tenant: Counter[str] = Counter()  # the shared tier's quota basis
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -103,7 +105,7 @@ class Catalog:
             self.dram_used_bytes += entry.dram_extent.size_bytes
         if entry.nvme_record_bytes:
             self._nvme_lru[entry.block_id] = None
-            self.nvme_used_bytes += entry.nvme_record_bytes
+            self._nvme_add(entry.block_id, entry.nvme_record_bytes)
 
     def set_nvme(self, entry: Entry, record_bytes: int) -> None:
         if entry.nvme_record_bytes:
@@ -111,7 +113,7 @@ class Catalog:
         entry.nvme_record_bytes = record_bytes
         if self._entries.get(entry.block_id) is entry:
             self._nvme_lru[entry.block_id] = None
-            self.nvme_used_bytes += record_bytes
+            self._nvme_add(entry.block_id, record_bytes)
 
     def set_dram(self, entry: Entry, extent: Extent) -> None:
         """A copy was promoted into DRAM (the entry keeps its NVMe record too)."""
@@ -143,7 +145,7 @@ class Catalog:
         entry.nvme_record_bytes = 0
         if self._entries.get(entry.block_id) is entry:
             self._nvme_lru.pop(entry.block_id, None)
-            self.nvme_used_bytes -= record_bytes
+            self._nvme_add(entry.block_id, -record_bytes)
             if entry.dram_extent is None:
                 self._forget(entry)
         return record_bytes
@@ -159,8 +161,12 @@ class Catalog:
         if entry.dram_extent is not None:
             self.dram_used_bytes -= entry.dram_extent.size_bytes
         if entry.nvme_record_bytes:
-            self.nvme_used_bytes -= entry.nvme_record_bytes
+            self._nvme_add(entry.block_id, -entry.nvme_record_bytes)
         entry.doomed = True
+
+    def _nvme_add(self, block_id: BlockId, delta_bytes: int) -> None:
+        self.nvme_used_bytes += delta_bytes
+        self.nvme_used_by_tenant[tenant_of(block_id[0])] += delta_bytes
 
     def is_live(self, entry: Entry) -> bool:
         return self._entries.get(entry.block_id) is entry

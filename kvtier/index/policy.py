@@ -13,7 +13,7 @@ blocks the caller cannot evict now (leased, being written). Three are selectable
   one-bit-per-use second chances, and a ghost FIFO that sends returning blocks straight to
   main. Scan-resistant, a strong simple baseline.
 * `kvtier` — eviction by value: a block's priority is
-  `L + freq × saving_s / size_bytes` (greedy-dual-size-frequency, Cao & Irani), where
+  `L + uses × saving_s / size_bytes` (greedy-dual-size-frequency, Cao & Irani), where
   `saving_s` is what one more use of the block saves by being in this tier rather than in
   the tier it would fall to (recompute when it is the last), from the planner's cost
   model at the block's position in its chain — a late block is worth more than an early
@@ -231,14 +231,15 @@ class FrequencySketch:
 class ValueModel:
     """Seconds one use of a block saves, by where it is kept: the planner's cost model."""
 
-    tokens_per_block: int
+    tokens_per_block: int  # 0: a block holds size_bytes / kv_bytes_per_token tokens
     kv_bytes_per_token: int
     prefill: PrefillCost
-    tier_costs: dict[str, TierCost]
+    tier_costs: dict[str, TierCost]  # may be updated in place as estimates change
 
-    def recompute_s(self, position: int) -> float:
-        start = position * self.tokens_per_block
-        return self.prefill.seconds(start, start + self.tokens_per_block) - self.prefill.step_s
+    def recompute_s(self, info: BlockInfo) -> float:
+        tokens = self.tokens_per_block or max(info.size_bytes // self.kv_bytes_per_token, 1)
+        start = info.position * tokens
+        return self.prefill.seconds(start, start + tokens) - self.prefill.step_s
 
     def fetch_s(self, tier: str, size_bytes: int) -> float:
         return self.tier_costs[tier].fetch_s(size_bytes)
@@ -247,7 +248,7 @@ class ValueModel:
         """Seconds per use saved by keeping the block in `tier` rather than `fallback`
         (None: recompute). Never negative: a block dearer to fetch than to recompute is
         worth nothing (the planner would not fetch it)."""
-        recompute = self.recompute_s(info.position)
+        recompute = self.recompute_s(info)
         here = min(recompute, self.fetch_s(tier, info.size_bytes))
         there = (
             recompute
@@ -263,10 +264,12 @@ class ReuseEstimator:
     it into a new block), how near. Learned online: each time a block is placed or used,
     its bucket counts a placement; a later use counts a reuse for the bucket it was in."""
 
-    def __init__(self) -> None:
+    def __init__(self, remembered_keys: int = 1 << 20) -> None:
         self._placed: dict[tuple[int, int], int] = {}
         self._reused: dict[tuple[int, int], int] = {}
-        self._last: dict[Key, tuple[int, int]] = {}
+        # Bounded: a daemon sees unbounded keys; the oldest are forgotten first.
+        self._last: OrderedDict[Key, tuple[int, int]] = OrderedDict()
+        self._remembered = remembered_keys
 
     @staticmethod
     def bucket(uses: int, info: BlockInfo) -> tuple[int, int]:
@@ -279,6 +282,9 @@ class ReuseEstimator:
             self._reused[previous] = self._reused.get(previous, 0) + 1
         bucket = self.bucket(uses, info)
         self._last[key] = bucket
+        self._last.move_to_end(key)
+        if len(self._last) > self._remembered:
+            self._last.popitem(last=False)
         self._placed[bucket] = self._placed.get(bucket, 0) + 1
         return self.probability(bucket)
 
@@ -290,9 +296,6 @@ class ReuseEstimator:
         bucket = self._last.get(key)
         return self.probability(bucket if bucket is not None else self.bucket(uses, info))
 
-    def forget(self, key: Key) -> None:
-        self._last.pop(key, None)
-
 
 class ValuePolicy(TierPolicy):
     """Greedy-dual-size-frequency on the planner's savings, leaves before parents."""
@@ -303,13 +306,11 @@ class ValuePolicy(TierPolicy):
         fallback: str | None,
         model: ValueModel,
         sketch: FrequencySketch,
-        reuse: ReuseEstimator,
     ) -> None:
         self._tier = tier
         self._fallback = fallback
         self._model = model
         self._sketch = sketch
-        self._reuse = reuse
         self._inflation = 0.0  # L: rises to each evicted priority
         self._priority: dict[Key, float] = {}
         self._info: dict[Key, BlockInfo] = {}
@@ -320,9 +321,12 @@ class ValuePolicy(TierPolicy):
     def _own_priority(self, key: Key) -> float:
         info = self._info[key]
         saving = self._model.saving_s(self._tier, self._fallback, info)
+        # Uses stand for P(reuse) here, not the learned estimate: a priority is fixed when it
+        # is set, and bucket estimates drift as they learn, which would make old and new
+        # priorities incomparable (old blocks kept on stale optimism). The learned
+        # estimate drives admission, which is decided on the spot.
         uses = max(self._sketch.count(key), 1)
-        p_reuse = self._reuse.p_reuse(key, uses, info)
-        return self._inflation + p_reuse * uses * saving / max(info.size_bytes, 1)
+        return self._inflation + uses * saving / max(info.size_bytes, 1)
 
     def _set(self, key: Key, priority: float) -> None:
         self._priority[key] = priority
@@ -480,4 +484,4 @@ class Policies:
             return LruPolicy()
         if self.name == "s3fifo":
             return S3FifoPolicy(capacity_bytes)
-        return ValuePolicy(tier, fallback, self.model, self.sketch, self.reuse)
+        return ValuePolicy(tier, fallback, self.model, self.sketch)

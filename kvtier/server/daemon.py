@@ -295,9 +295,7 @@ class Daemon:
         self.config = result.config
         setup_logging(result.config.log.level)
         if self._store is not None:
-            self._store.config = self._store.config.model_copy(
-                update={"limits": result.config.limits, "planner": result.config.planner}
-            )
+            self._store.reconfigure(result.config)
         if self._service is not None:
             self._service.reconfigure(result.config)
         logger.info(

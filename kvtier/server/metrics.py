@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from kvtier.server.store import Store
@@ -63,7 +68,54 @@ class StoreCollector(Collector):
         decisions.add_metric(["fetch"], s.planned_fetch_blocks)
         decisions.add_metric(["recompute"], s.planned_recompute_blocks)
         yield decisions
+        yield CounterMetricFamily(
+            "kvtier_lost_reuse",
+            "Misses on blocks evicted from every tier shortly before (reuse lost to eviction)",
+            value=s.lost_reuse,
+        )
+        admissions = CounterMetricFamily(
+            "kvtier_nvme_admissions",
+            "Blocks leaving DRAM, by whether admission wrote them to NVMe",
+            labels=["decision"],
+        )
+        admissions.add_metric(["written"], s.admitted)
+        admissions.add_metric(["skipped"], s.not_admitted)
+        yield admissions
+        reasons = CounterMetricFamily(
+            "kvtier_evictions_by_reason",
+            "Copies evicted from a tier: demoted (kept on NVMe), dropped (gone from every "
+            "tier), capacity (NVMe record removed for room), corrupt (failed verification)",
+            labels=["tier", "reason"],
+        )
+        for (tier, reason), n in sorted(s.eviction_reasons.items()):
+            reasons.add_metric([tier, reason], n)
+        yield reasons
+        yield from self._transfers()
         yield from self._estimates()
+
+    def _transfers(self) -> Iterator[Metric]:
+        t = self._store.telemetry
+        seconds = HistogramMetricFamily(
+            "kvtier_transfer_seconds",
+            "Time to move one block (or one leased batch, dram -> engine) along a path",
+            labels=["src", "dst"],
+        )
+        moved = CounterMetricFamily(
+            "kvtier_transfer_bytes", "Bytes moved along a path", labels=["src", "dst"]
+        )
+        for (src, dst), hist in sorted(t.transfer_seconds.items()):
+            seconds.add_metric([src, dst], hist.cumulative(), hist.sum_s)
+            moved.add_metric([src, dst], t.transfer_bytes[src, dst])
+        yield from (seconds, moved)
+        handled = CounterMetricFamily(
+            "kvtier_requests",
+            "Requests answered, by method (gRPC, or session/<op> on the zero-copy socket) "
+            "and status code",
+            labels=["method", "code"],
+        )
+        for (method, code), n in sorted(t.requests.items()):
+            handled.add_metric([method, code], n)
+        yield handled
 
     def _estimates(self) -> Iterator[Metric]:
         paths, prefill = self._store.estimates()

@@ -21,6 +21,8 @@ RELOADABLE = (
     "planner.default_model",
     "server.stop_timeout_s",
     "server.io_stall_s",
+    "policy.admission",
+    "policy.min_p_reuse",
 )
 
 

@@ -32,6 +32,7 @@ from kvtier.index.planner import OVERLAPS
 from kvtier.keys import DEFAULT_TENANT, check_key, check_namespace, hash_token, namespace_id
 from kvtier.server.arena_socket import ArenaSocket
 from kvtier.server.store import LeasedSlot, Store
+from kvtier.server.telemetry import Telemetry
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVTier"].full_name
@@ -63,6 +64,7 @@ class KVTierService:
         arena: ArenaSocket | None = None,
     ) -> None:
         self._store = store
+        self.telemetry = store.telemetry
         self._limits = config.limits
         self._chunk_bytes = config.server.chunk_bytes
         self._draining = draining
@@ -260,6 +262,10 @@ class KVTierService:
             fetch_regret_s=s.fetch_regret_s,
             planned_fetch_blocks=s.planned_fetch_blocks,
             planned_recompute_blocks=s.planned_recompute_blocks,
+            lost_reuse=s.lost_reuse,
+            nvme_admitted=s.admitted,
+            nvme_not_admitted=s.not_admitted,
+            policy=self._store.policies.name,
         )
 
     # ---- deciding ---------------------------------------------------------------------------
@@ -430,9 +436,12 @@ class KVTierService:
             handler = handlers[kind]
             response = await handler(session_id, tenant, request)
         except KVTierError as err:
+            self.telemetry.request(f"session/{_op_name(op)}", err.grpc_code.name)
             return err.grpc_code.value[0], str(err).encode()
         except (ValueError, DecodeError):
+            self.telemetry.request(f"session/{_op_name(op)}", "INVALID_ARGUMENT")
             return grpc.StatusCode.INVALID_ARGUMENT.value[0], b"malformed session request"
+        self.telemetry.request(f"session/{kind.name}", "OK")
         return 0, response.SerializeToString()
 
     async def Reserve(self, request: pb.ReserveRequest, context: Ctx) -> pb.ReserveResponse:
@@ -456,6 +465,13 @@ class KVTierService:
         raise AssertionError("unreachable")
 
 
+def _op_name(op: int) -> str:
+    try:
+        return Op(op).name
+    except ValueError:
+        return "UNKNOWN_OP"  # bounded: one label value for any number a client sends
+
+
 def _leased(slot: LeasedSlot | None) -> pb.LeasedBlock:
     if slot is None:
         return pb.LeasedBlock(found=False)
@@ -466,6 +482,42 @@ def _leased(slot: LeasedSlot | None) -> pb.LeasedBlock:
         xxh3_64=slot.xxh3_64,
         tier=TIER_TO_PB[slot.tier],
     )
+
+
+def _code_name(context: Ctx, default: grpc.StatusCode) -> str:
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    if isinstance(code, int):
+        return next((c.name for c in grpc.StatusCode if c.value[0] == code), default.name)
+    return default.name
+
+
+def _counted(telemetry: Telemetry, name: str, fn: Any, streaming: bool) -> Any:
+    """`fn` (a handler) counting each call it answers by status code."""
+    if streaming:
+
+        async def stream(request: Any, context: Ctx) -> AsyncIterator[Any]:
+            try:
+                async for item in fn(request, context):
+                    yield item
+            except BaseException:
+                telemetry.request(name, _code_name(context, grpc.StatusCode.UNKNOWN))
+                raise
+            telemetry.request(name, _code_name(context, grpc.StatusCode.OK))
+
+        return stream
+
+    async def unary(request: Any, context: Ctx) -> Any:
+        try:
+            response = await fn(request, context)
+        except BaseException:
+            telemetry.request(name, _code_name(context, grpc.StatusCode.UNKNOWN))
+            raise
+        telemetry.request(name, _code_name(context, grpc.StatusCode.OK))
+        return response
+
+    return unary
 
 
 def add_to_server(service: KVTierService, server: grpc.aio.Server) -> None:
@@ -487,7 +539,12 @@ def add_to_server(service: KVTierService, server: grpc.aio.Server) -> None:
             (True, True): grpc.stream_stream_rpc_method_handler,
         }[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = make(
-            getattr(service, method.name),
+            _counted(
+                service.telemetry,
+                method.name,
+                getattr(service, method.name),
+                method.server_streaming,
+            ),
             request_deserializer=custom_deserializers.get(method.name, request_cls.FromString),
             response_serializer=custom_serializers.get(method.name, response_cls.SerializeToString),
         )

@@ -21,8 +21,8 @@ import logging
 import math
 import mmap
 import time
-from collections import OrderedDict
-from collections.abc import Coroutine, Iterator
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,10 +44,12 @@ from kvtier.index.catalog import BlockId, Catalog, Entry, LookupResult, TierName
 from kvtier.index.estimators import PathEstimator, PrefillEstimator
 from kvtier.index.planner import BlockCosts, Overlap, Plan, PlanRequest, PrefillCost, TierCost
 from kvtier.index.planner import plan as make_plan
+from kvtier.index.policy import BlockInfo, Policies, TierPolicy, ValueModel
 from kvtier.index.profiles import MODELS
 from kvtier.keys import tenant_of
 from kvtier.movers.calibrate import CALIBRATION_NS_ID, calibrate
 from kvtier.movers.io import IoPool
+from kvtier.server.telemetry import Telemetry
 from kvtier.sizes import human_size
 from kvtier.tiers.allocator import Extent
 from kvtier.tiers.dram import DramTier
@@ -92,12 +94,19 @@ class StoreStats:
     fetch_regret_s: float
     planned_fetch_blocks: int
     planned_recompute_blocks: int
+    lost_reuse: int = 0
+    admitted: int = 0
+    not_admitted: int = 0
+    eviction_reasons: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
 class _Counters:
     hits: dict[str, int] = field(default_factory=lambda: {"dram": 0, "nvme": 0})
     evictions: dict[str, int] = field(default_factory=lambda: {"dram": 0, "nvme": 0})
+    # (tier, reason): demoted (the copy lives on in NVMe), dropped (gone from every tier),
+    # capacity (an NVMe record removed for room), corrupt (failed verification)
+    eviction_reasons: Counter[tuple[str, str]] = field(default_factory=Counter)
     misses: int = 0
     puts: int = 0
     demotions: int = 0
@@ -108,6 +117,9 @@ class _Counters:
     fetch_regret_s: float = 0.0
     planned_fetch_blocks: int = 0
     planned_recompute_blocks: int = 0
+    lost_reuse: int = 0
+    admitted: int = 0
+    not_admitted: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,8 +245,10 @@ class Store:
         self.io = IoPool(nvme_cfg.io_threads)
         self._reserving: dict[str, int] = dict.fromkeys(self.arenas, 0)
         self._counters = _Counters()
+        self.telemetry = Telemetry()
         self._next_generation = 1
         self._nvme_reserved_bytes = 0
+        self._nvme_reserved_by_tenant: Counter[str] = Counter()
         self._space_freed = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
         self._started_s = time.monotonic()
@@ -254,6 +268,31 @@ class Store:
             ),
         }
         self._prefill: dict[str, PrefillEstimator] = {}
+        # What to keep where (kvtier/index/policy.py): one eviction order per tenant arena
+        # and one for the shared NVMe tier, valued with the planner's current costs.
+        profile = MODELS[planner_cfg.default_model]
+        self._value_costs: dict[str, TierCost] = {}
+        self._refresh_value_costs()
+        policy_cfg = self.config.policy
+        self.policies = Policies(
+            policy_cfg.name,
+            policy_cfg.admission,
+            ValueModel(
+                0,
+                profile.kv_bytes_per_token,
+                PrefillCost(profile.a_s_per_token, profile.c_s_per_token2),
+                self._value_costs,
+            ),
+            policy_cfg.ghost_blocks,
+            policy_cfg.min_p_reuse,
+        )
+        self._dram_order: dict[str, TierPolicy] = {
+            tenant: self.policies.new_tier("dram", "nvme", arena.capacity_bytes)
+            for tenant, arena in self.arenas.items()
+        }
+        self._nvme_order = self.policies.new_tier("nvme", None, nvme_cfg.capacity_bytes)
+        # Where each block sits in its chain, learned from the chains engines look up.
+        self._infos: dict[BlockId, BlockInfo] = {}
         # Blocks a plan told an engine to fetch -> the prefill seconds that fetch replaces;
         # settled when the block is served (bounded: plans nobody follows age out).
         self._planned: OrderedDict[BlockId, float] = OrderedDict()
@@ -272,15 +311,15 @@ class Store:
         records = [r for r in records if r.header.ns_id != CALIBRATION_NS_ID]
         for rec in records:
             h = rec.header
-            self.catalog.add(
-                Entry(
-                    (h.ns_id, h.key),
-                    h.payload_bytes,
-                    h.xxh3_64,
-                    h.generation,
-                    nvme_record_bytes=h.record_bytes,
-                )
+            entry = Entry(
+                (h.ns_id, h.key),
+                h.payload_bytes,
+                h.xxh3_64,
+                h.generation,
+                nvme_record_bytes=h.record_bytes,
             )
+            self.catalog.add(entry)
+            self._nvme_order.insert(entry.block_id, self._info(entry))
             self._next_generation = max(self._next_generation, h.generation + 1)
         self._counters.checksum_failures += report.dropped_corrupt
         self._make_nvme_room(0)
@@ -307,6 +346,7 @@ class Store:
             # An in-process copy has no request round trip; the engine's fetch does.
             extra_s = seed_latency_s if obs.path == "dram" else 0.0
             self.paths[obs.path].observe(obs.size_bytes, obs.seconds + extra_s)
+        self._refresh_value_costs()
         logger.info(
             "calibrated fetch paths: %s",
             ", ".join(
@@ -315,6 +355,14 @@ class Store:
                 for name, cost in ((n, e.estimate()) for n, e in self.paths.items())
             ),
         )
+
+    def reconfigure(self, config: Config) -> None:
+        """Apply what a reload may change: limits, planner defaults, admission knobs."""
+        self.config = self.config.model_copy(
+            update={"limits": config.limits, "planner": config.planner, "policy": config.policy}
+        )
+        self.policies.admission.mode = config.policy.admission
+        self.policies.admission.min_p_reuse = config.policy.min_p_reuse
 
     def estimates(self) -> tuple[dict[str, TierCost], dict[str, PrefillCost]]:
         """What the planner believes now: per path, and per "tenant|model" prefill."""
@@ -419,6 +467,7 @@ class Store:
             if existing.size_bytes == writer.size_bytes and existing.xxh3_64 == digest:
                 self.put_abort(writer)
                 self.catalog.touch(existing)
+                self._used(existing)
                 tier = existing.fastest_tier or TierName.DRAM
                 return PutResult(writer.size_bytes, digest, tier, already_present=True)
             if not writer.overwrite:
@@ -437,6 +486,10 @@ class Store:
         writer.done = True
         writer.release()
         self.catalog.add(entry)
+        self.policies.accessed(entry.block_id, self._info(entry))
+        self._dram_order[tenant_of(entry.block_id[0])].insert(entry.block_id, self._info(entry))
+        if self.policies.admission.on_insert and self.nvme is not None:
+            self._spawn(self._write_through(entry))
         self._counters.puts += 1
         self._signal_space()  # a new block is a victim a waiting put may take
         return PutResult(writer.size_bytes, digest, TierName.DRAM, already_present=False)
@@ -453,9 +506,10 @@ class Store:
     async def open_block(self, block_id: BlockId) -> BlockReader | None:
         entry = self.catalog.get(block_id)
         if entry is None:
-            self._counters.misses += 1
+            self._missed(block_id)
             return None
         self.catalog.touch(entry)
+        self._used(entry)
         self.catalog.pin(entry)
         if entry.dram_extent is not None:
             self._served(block_id, TierName.DRAM, entry.size_bytes, None)
@@ -473,12 +527,15 @@ class Store:
             return None
         read_s = time.perf_counter() - started_s
         self.paths["nvme"].observe(header.record_bytes, read_s)
+        self.telemetry.transfer("nvme", "client", header.record_bytes, read_s)
         self._served(block_id, TierName.NVME, header.record_bytes, read_s)
         view = memoryview(buf)[offset : offset + entry.size_bytes]
         return BlockReader(self, entry, TierName.NVME, view, backing=buf)
 
     def lookup(self, ns_id: str, keys: list[bytes]) -> LookupResult:
-        return self.catalog.lookup(ns_id, keys)
+        result = self.catalog.lookup(ns_id, keys)
+        self._learn_chain(ns_id, keys, result.tiers)
+        return result
 
     def stat(self, block_id: BlockId) -> Entry | None:
         return self.catalog.get(block_id)
@@ -529,6 +586,10 @@ class Store:
             fetch_regret_s=c.fetch_regret_s,
             planned_fetch_blocks=c.planned_fetch_blocks,
             planned_recompute_blocks=c.planned_recompute_blocks,
+            lost_reuse=c.lost_reuse,
+            admitted=c.admitted,
+            not_admitted=c.not_admitted,
+            eviction_reasons=dict(c.eviction_reasons),
         )
 
     # ---- deciding: fetch or recompute ------------------------------------------------------
@@ -557,6 +618,7 @@ class Store:
     ) -> tuple[Plan, BlockCosts]:
         """The plan for a chain, with its per-block tiers, fetch and recompute seconds."""
         tiers = self.catalog.lookup(ns_id, keys).tiers
+        self._learn_chain(ns_id, keys, tiers)
         if not kv_bytes_per_token:
             first = next(
                 (
@@ -578,7 +640,7 @@ class Store:
             tokens_per_block=tokens_per_block,
             kv_bytes_per_token=kv_bytes_per_token,
             cached_tiers=tiers,
-            tier_costs={name: self.path_cost(name) for name in self.paths},
+            tier_costs=self._refresh_value_costs(),
             prefill=self.prefill_estimator(ns_id).estimate(),
             engine_cached_blocks=engine_cached_blocks,
             overlap=overlap,
@@ -667,10 +729,11 @@ class Store:
             for block_id in block_ids:
                 entry = self.catalog.get(block_id)
                 if entry is None:
-                    self._counters.misses += 1
+                    self._missed(block_id)
                     slots.append(None)
                     continue
                 self.catalog.touch(entry)
+                self._used(entry)
                 self.catalog.pin(entry)
                 pinned.append(entry)
                 tier = entry.fastest_tier
@@ -732,6 +795,7 @@ class Store:
             return
         blocks = len(lease.pinned)
         self.paths["dram"].observe(fetch_bytes // blocks, copy_s / blocks)
+        self.telemetry.transfer("dram", "engine", fetch_bytes, copy_s)
 
     def release_session(self, session_id: int) -> int:
         """The client went away: end every lease it held."""
@@ -791,7 +855,9 @@ class Store:
         started_s = time.perf_counter()
         try:
             await self.io.run(self.nvme.read_into, header, view)
-            self.paths["nvme"].observe(header.record_bytes, time.perf_counter() - started_s)
+            read_s = time.perf_counter() - started_s
+            self.paths["nvme"].observe(header.record_bytes, read_s)
+            self.telemetry.transfer("nvme", "dram", header.record_bytes, read_s)
         except (CorruptRecord, OSError) as err:
             arena.free(extent)
             self._signal_space()
@@ -800,6 +866,8 @@ class Store:
         finally:
             view.release()
         self.catalog.set_dram(entry, extent)
+        if self.catalog.is_live(entry):
+            self._dram_order[tenant_of(entry.block_id[0])].insert(entry.block_id, self._info(entry))
         self._counters.promotions += 1
         return True
 
@@ -853,14 +921,17 @@ class Store:
         shortfall = size_bytes - (arena.capacity_bytes - arena.used_bytes)
         victims: list[Entry] = []
         freed = 0
-        for entry in self.catalog.dram_victims():
-            if tenant_of(entry.block_id[0]) != tenant:
-                continue
-            victims.append(entry)
-            assert entry.dram_extent is not None
-            freed += entry.dram_extent.size_bytes
-            if freed >= shortfall or len(victims) >= self.io.threads:
+        order = self._dram_order[tenant]
+        # At least one even when the bytes are free: they may be too fragmented to use.
+        while (freed < shortfall or not victims) and len(victims) < self.io.threads:
+            block_id = order.victim(self._evictable)
+            if block_id is None:
                 break
+            entry = self.catalog.get(block_id)  # type: ignore[arg-type]
+            if entry is None or entry.dram_extent is None:
+                continue  # stale: the policy's view lagged the catalog
+            victims.append(entry)
+            freed += entry.dram_extent.size_bytes
         for entry in victims:
             entry.demoting = True
         return victims
@@ -868,13 +939,23 @@ class Store:
     async def _evict_from_dram(self, entry: Entry) -> None:
         try:
             wanted = self.nvme is not None and not entry.nvme_record_bytes
+            if wanted and not self.policies.admission.admit_on_evict(
+                entry.block_id, self._info(entry)
+            ):
+                wanted = False
+                self._counters.not_admitted += 1
             if wanted and await self._write_nvme(entry, evicting=True):
                 self._counters.demotions += 1
+                self._counters.admitted += 1
         finally:
             entry.demoting = False
         if entry.pins:
             # A reader pinned it while it was being written out: its DRAM copy stays (now
             # also on NVMe, so a later eviction is free) and is freed no earlier than unpin.
+            if self.catalog.is_live(entry):
+                self._dram_order[tenant_of(entry.block_id[0])].insert(
+                    entry.block_id, self._info(entry)
+                )
             self._signal_space()
             return
         self._counters.evictions["dram"] += 1
@@ -883,7 +964,10 @@ class Store:
         if extent is not None:
             self.arena_of(entry.block_id).free(extent)
         if live and not self.catalog.is_live(entry):
-            self._counters.dropped_blocks += 1
+            self._counters.eviction_reasons["dram", "dropped"] += 1
+            self._dropped(entry)
+        else:
+            self._counters.eviction_reasons["dram", "demoted"] += 1
         self._after_use(entry)
         self._signal_space()
 
@@ -891,12 +975,15 @@ class Store:
         assert self.nvme is not None and entry.dram_extent is not None
         header = self._record_header(entry)
         need = header.record_bytes
-        if not self._make_nvme_room(need):
+        if not self._make_nvme_room(need, tenant_of(entry.block_id[0])):
             return False
         self._nvme_reserved_bytes += need
+        self._nvme_reserved_by_tenant[tenant_of(entry.block_id[0])] += need
         view = self.arena_of(entry.block_id).view(entry.dram_extent)
+        started_s = time.perf_counter()
         try:
             record_bytes = await self.io.run(self.nvme.write, header, [view])
+            self.telemetry.transfer("dram", "nvme", record_bytes, time.perf_counter() - started_s)
         except OSError as err:
             logger.warning(
                 "could not write a %s record to NVMe (%s); the block %s",
@@ -908,30 +995,65 @@ class Store:
         finally:
             view.release()
             self._nvme_reserved_bytes -= need
+            self._nvme_reserved_by_tenant[tenant_of(entry.block_id[0])] -= need
         self.catalog.set_nvme(entry, record_bytes)
+        if self.catalog.is_live(entry):
+            self._nvme_order.insert(entry.block_id, self._info(entry))
         return True
 
-    def _make_nvme_room(self, need_bytes: int) -> bool:
+    def _make_nvme_room(self, need_bytes: int, tenant: str | None = None) -> bool:
+        """Room for `need_bytes` of `tenant`'s: first within its quota (evicting its own
+        blocks), then in the shared tier (evicting by the policy, anyone's)."""
         assert self.nvme is not None
         capacity = self.nvme.capacity_bytes
         if need_bytes > capacity:
             return False
+        quota = self._nvme_quota(tenant)
+        if quota and need_bytes > quota:
+            return False
+        if quota:
+            assert tenant is not None
+
+            def own(block_id: object) -> bool:
+                return self._evictable(block_id) and tenant_of(block_id[0]) == tenant  # type: ignore[index]
+
+            used = self.catalog.nvme_used_by_tenant
+            while used[tenant] + self._nvme_reserved_by_tenant[tenant] + need_bytes > quota:
+                if not self._evict_nvme(own):
+                    return False
         while self.catalog.nvme_used_bytes + self._nvme_reserved_bytes + need_bytes > capacity:
-            victim = next(self.catalog.nvme_victims(), None)
-            if victim is None:
+            if not self._evict_nvme(self._evictable):
                 return False
+        return True
+
+    def _nvme_quota(self, tenant: str | None) -> int:
+        settings = self.config.tenants.get(tenant) if tenant is not None else None
+        return settings.nvme_capacity_bytes if settings is not None else 0
+
+    def _evict_nvme(self, evictable: Callable[[object], bool]) -> bool:
+        """Remove one NVMe record chosen by the policy; False when none may go."""
+        assert self.nvme is not None
+        while True:
+            block_id = self._nvme_order.victim(evictable)
+            if block_id is None:
+                return False
+            victim = self.catalog.get(block_id)  # type: ignore[arg-type]
+            if victim is None or not victim.nvme_record_bytes:
+                continue
             header = self._record_header(victim)
             self.catalog.drop_nvme(victim)
             self._counters.evictions["nvme"] += 1
+            self._counters.eviction_reasons["nvme", "capacity"] += 1
             if not self.catalog.is_live(victim):
-                self._counters.dropped_blocks += 1
+                self._dropped(victim)
             self._spawn(self.io.run(self.nvme.remove, header))
-        return True
+            return True
 
     # ---- releasing ----------------------------------------------------------------------
     def _discard(self, entry: Entry) -> None:
         """Remove from lookups now; free its memory and record once nothing uses it."""
         self.catalog.remove(entry)
+        self._forget(entry)
         self._after_use(entry)
 
     def _after_use(self, entry: Entry) -> None:
@@ -962,9 +1084,79 @@ class Store:
             logger.warning("NVMe record unreadable (%s); served as a miss and dropped", err)
         if self.catalog.is_live(entry) and entry.nvme_record_bytes:
             self.catalog.drop_nvme(entry)
+            self._counters.eviction_reasons["nvme", "corrupt"] += 1
+            self._nvme_order.remove(entry.block_id)
             if not self.catalog.is_live(entry):
                 self._counters.dropped_blocks += 1
+                self._forget(entry)
         self._spawn(self.io.run(self.nvme.remove, header))
+
+    # ---- policy bookkeeping ---------------------------------------------------------------
+    def _evictable(self, block_id: object) -> bool:
+        entry = self.catalog.get(block_id)  # type: ignore[arg-type]
+        return entry is not None and entry.pins == 0 and not entry.demoting
+
+    def _info(self, entry: Entry) -> BlockInfo:
+        # Learned from chains (see _learn_chain); a block never looked up as part of one
+        # is valued as if it were first in its chain.
+        return self._infos.get(entry.block_id) or BlockInfo(entry.size_bytes)
+
+    def _learn_chain(self, ns_id: str, keys: list[bytes], tiers: list[str | None]) -> None:
+        """A chain an engine asked about: where each cached block sits in it."""
+        last = len(keys) - 1
+        for i, (key, tier) in enumerate(zip(keys, tiers, strict=True)):
+            block_id = (ns_id, key)
+            if tier is None:
+                if self.policies.ghosts.take(block_id):
+                    self._counters.lost_reuse += 1
+                continue
+            entry = self.catalog.get(block_id)
+            if entry is None:
+                continue
+            parent = (ns_id, keys[i - 1]) if i else None
+            self._infos[block_id] = BlockInfo(entry.size_bytes, i, parent, last - i)
+
+    def _used(self, entry: Entry) -> None:
+        info = self._info(entry)
+        self.policies.accessed(entry.block_id, info)
+        if entry.dram_extent is not None:
+            self._dram_order[tenant_of(entry.block_id[0])].hit(entry.block_id)
+        if entry.nvme_record_bytes:
+            self._nvme_order.hit(entry.block_id)
+
+    def _missed(self, block_id: BlockId) -> None:
+        self._counters.misses += 1
+        if self.policies.ghosts.take(block_id):
+            self._counters.lost_reuse += 1
+
+    def _dropped(self, entry: Entry) -> None:
+        """Evicted from every tier: remember the key to count reuse lost to it."""
+        self._counters.dropped_blocks += 1
+        self.policies.ghosts.add(entry.block_id)
+        self._forget(entry)
+
+    def _forget(self, entry: Entry) -> None:
+        self._dram_order[tenant_of(entry.block_id[0])].remove(entry.block_id)
+        self._nvme_order.remove(entry.block_id)
+        self._infos.pop(entry.block_id, None)
+
+    def _refresh_value_costs(self) -> dict[str, TierCost]:
+        """The engine-visible cost of each tier now (read by the planner and the policy)."""
+        for name in self.paths:
+            self._value_costs[name] = self.path_cost(name)
+        return dict(self._value_costs)
+
+    async def _write_through(self, entry: Entry) -> None:
+        """policy.admission = write_through: every new block goes to NVMe right away."""
+        if not self.catalog.is_live(entry) or entry.demoting or entry.nvme_record_bytes:
+            return
+        entry.demoting = True
+        try:
+            if await self._write_nvme(entry, evicting=False):
+                self._counters.admitted += 1
+        finally:
+            entry.demoting = False
+            self._after_use(entry)
 
     def _signal_space(self) -> None:
         self._space_freed.set()

@@ -72,8 +72,8 @@ def test_every_policy_keeps_capacity_and_never_evicts_a_pinned_block(
 
 
 def test_value_policy_evicts_leaves_before_parents_and_cheap_blocks_first() -> None:
-    sketch, reuse = FrequencySketch(), ReuseEstimator()
-    policy = ValuePolicy("nvme", None, MODEL, sketch, reuse)
+    sketch = FrequencySketch()
+    policy = ValuePolicy("nvme", None, MODEL, sketch)
     # One chain 0 -> 1 -> 2 and a lone block 10 used often.
     for _ in range(5):
         sketch.add(10)

@@ -271,3 +271,64 @@ async def test_fetch_reports_fit_the_dram_path_and_bad_reports_are_ignored(
     assert fitted.latency_s == pytest.approx(latency_s, rel=1e-3)
     assert fitted.bandwidth_bytes_per_s == pytest.approx(bandwidth, rel=1e-3)
     await store.close()
+
+
+def _tenant_config(tmp_path: Path, noisy_nvme_quota: str) -> Config:
+    return Config.model_validate(
+        {
+            "server": {"listen": f"unix://{tmp_path}/s.sock"},
+            "dram": {"capacity_bytes": 2 << 20, "prefault": False},
+            "nvme": {"path": str(tmp_path / "nvme"), "capacity_bytes": 16 << 20},
+            "tenants": {
+                "quiet": {"dram_capacity_bytes": "2MiB", "nvme_capacity_bytes": "6MiB"},
+                "noisy": {"dram_capacity_bytes": "2MiB", "nvme_capacity_bytes": noisy_nvme_quota},
+            },
+        }
+    )
+
+
+async def _tenant_put(store: Store, ns_id: str, key: bytes, data: bytes) -> None:
+    writer = await store.put_begin((ns_id, key), len(data), True)
+    try:
+        writer.write(data)
+        await store.put_commit(writer, 0)
+    finally:
+        store.put_abort(writer)
+
+
+async def _quiet_blocks_after_noise(tmp_path: Path, noisy_quota: str, seed: int) -> int:
+    store = Store(_tenant_config(tmp_path, noisy_quota))
+    await store.start()
+    quiet, noisy = "quiet|m/l", "noisy|m/l"
+    for i in range(5):  # 5 MiB: DRAM holds 1-2, the rest within quiet's 6 MiB of NVMe
+        await _tenant_put(store, quiet, f"q{i}".encode(), block_bytes(i, 1 << 20))
+    rng = random.Random(seed)
+    for step in range(60):
+        key = f"n{rng.randrange(30)}".encode()
+        if rng.random() < 0.7:
+            await _tenant_put(store, noisy, key, block_bytes(100 + step, 1 << 20))
+        else:
+            reader = await store.open_block((noisy, key))
+            if reader is not None:
+                reader.close()
+        used = store.catalog.nvme_used_by_tenant
+        if noisy_quota != "0":
+            assert used["noisy"] <= 8 << 20
+        assert used["quiet"] <= 6 << 20
+        assert store.catalog.nvme_used_bytes <= 16 << 20
+    survivors = 0
+    for i in range(5):
+        reader = await store.open_block((quiet, f"q{i}".encode()))
+        if reader is not None:
+            assert b"".join(bytes(c) for c in reader.chunks(1 << 20)) == block_bytes(i, 1 << 20)
+            reader.close()
+            survivors += 1
+    await store.close()
+    return survivors
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_nvme_quotas_hold_under_a_noisy_tenant(tmp_path: Path, seed: int) -> None:
+    assert await _quiet_blocks_after_noise(tmp_path / "quota", "8MiB", seed) == 5
+    # Without a quota of its own the noisy tenant takes the shared tier from the quiet one.
+    assert await _quiet_blocks_after_noise(tmp_path / "shared", "0", seed) < 5
