@@ -287,7 +287,9 @@ class Runner:
         tier.open()
         self._tiers[job.index] = tier
         self._generations[job.index] = {}
-        for i in range(_blocks(args) if reads else 0):
+        # Writes too start from a full set of records: a running kvtier's NVMe tier is full
+        # (it is a cache), so each new record replaces one and reuses its file.
+        for i in range(_blocks(args)):
             tier.write(self._header(i), [self._payload_view])
             self._generations[job.index][i] = 1
 

@@ -28,6 +28,7 @@ import logging
 import mmap
 import os
 import struct
+import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -174,6 +175,14 @@ class NvmeTier:
         self._records_dir = root / "v1"
         self._lock_fd: int | None = None
         self._tmp_dir = root / "tmp"
+        # Files of removed records, kept to be overwritten by new records of the same size:
+        # on ext4 over this machine's disk a new 1 MiB O_DIRECT file costs ~2.9 ms against
+        # ~1.6 ms for overwriting blocks already allocated and written.
+        self._free_dir = root / "free"
+        self._free: dict[int, list[Path]] = {}  # record size -> recyclable files
+        self._free_bytes = 0
+        self._free_lock = threading.Lock()
+        self.free_limit_bytes = min(capacity_bytes // 64, 1 << 30)
 
     # ---- start-up ---------------------------------------------------------------------
     def open(self) -> RecoveryReport:
@@ -182,6 +191,8 @@ class NvmeTier:
         for fan in range(256):  # once here, not a mkdir per record write
             (self._records_dir / f"{fan:02x}").mkdir(exist_ok=True)
         self._tmp_dir.mkdir(parents=True, exist_ok=True)
+        self._free_dir.mkdir(parents=True, exist_ok=True)
+        self._scan_free()
         removed_tmp = 0
         for stray in self._tmp_dir.iterdir():
             stray.unlink(missing_ok=True)
@@ -276,7 +287,11 @@ class NvmeTier:
         total = sum(len(b) for b in iov)
         if total != header.record_bytes:
             raise ValueError(f"payload buffers add up to {total}, expected {header.record_bytes}")
-        fd = os.open(tmp, self._flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL), 0o640)
+        # A recycled file of this exact size is overwritten in place (it is in tmp/ from
+        # here on, so a crash before the rename below leaves nothing visible); else a new one.
+        recycled = self._take_free(total, tmp)
+        flags = os.O_WRONLY if recycled else os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        fd = os.open(tmp, self._flags(flags), 0o640)
         try:
             self._pwrite_all(fd, iov, total)
             if self.sync_writes:
@@ -379,8 +394,53 @@ class NvmeTier:
             os.close(fd)
 
     def remove(self, header: RecordHeader) -> None:
+        """Take a record out of the tier: its file becomes a recyclable one (the pool is
+        bounded by free_limit_bytes, beyond which files are deleted)."""
         path = self.record_path(header.ns_id, header.key, header.generation)
-        path.unlink(missing_ok=True)
+        size = header.record_bytes
+        with self._free_lock:
+            keep = self._free_bytes + size <= self.free_limit_bytes
+            if keep:
+                self._free_bytes += size
+        if not keep:
+            path.unlink(missing_ok=True)
+            return
+        spare = self._free_dir / f"{size}.{uuid.uuid4().hex}"
+        try:
+            os.rename(path, spare)
+        except FileNotFoundError:
+            with self._free_lock:
+                self._free_bytes -= size
+            return
+        with self._free_lock:
+            self._free.setdefault(size, []).append(spare)
+
+    def _take_free(self, size: int, dest: Path) -> bool:
+        """Move a recyclable file of exactly `size` bytes to `dest`; False if there is none."""
+        while True:
+            with self._free_lock:
+                spares = self._free.get(size)
+                if not spares:
+                    return False
+                spare = spares.pop()
+                self._free_bytes -= size
+            try:
+                os.rename(spare, dest)
+            except FileNotFoundError:
+                continue
+            if os.stat(dest).st_size == size:
+                return True
+            dest.unlink(missing_ok=True)  # not what its name said: do not trust it
+
+    def _scan_free(self) -> None:
+        """Recyclable files left by the previous run (their names carry their sizes)."""
+        for spare in self._free_dir.iterdir():
+            size_text = spare.name.split(".", 1)[0]
+            if not size_text.isdigit() or self._free_bytes + int(size_text) > self.free_limit_bytes:
+                spare.unlink(missing_ok=True)
+                continue
+            self._free.setdefault(int(size_text), []).append(spare)
+            self._free_bytes += int(size_text)
 
 
 @functools.cache

@@ -185,3 +185,39 @@ def test_a_second_daemon_cannot_open_the_same_directory(tmp_path: Path) -> None:
     make_tier(tmp_path)
     with pytest.raises(ConfigError, match="in use by another kvtier daemon"):
         NvmeTier(tmp_path, 1 << 30, direct_io=True, sync_writes=False).open()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_removed_record_files_are_recycled_for_records_of_the_same_size(
+    tmp_path: Path, direct: bool
+) -> None:
+    tier = make_tier(tmp_path, direct)
+    old = write(tier, b"old", b"a" * 70_000)
+    tier.remove(old)
+    [spare] = list((tmp_path / "free").iterdir())
+    inode = spare.stat().st_ino
+    new = write(tier, b"new", b"b" * 70_000)  # same record size: reuses the file
+    assert list((tmp_path / "free").iterdir()) == []
+    path = tier.record_path(new.ns_id, new.key, new.generation)
+    assert path.stat().st_ino == inode and path.stat().st_size == new.record_bytes
+    assert read(tier, new) == b"b" * 70_000  # every byte of the old record overwritten
+    with pytest.raises(FileNotFoundError):
+        read(tier, old)
+    other = write(tier, b"other", b"c" * 5_000)  # another size: a new file
+    assert path.stat().st_ino != tier.record_path(NS, b"other", 1).stat().st_ino
+    assert read(tier, other) == b"c" * 5_000
+
+
+def test_the_recycled_pool_is_bounded_and_survives_a_restart(tmp_path: Path) -> None:
+    tier = make_tier(tmp_path)
+    tier.free_limit_bytes = 3 * (4096 + 8192)
+    headers = [write(tier, f"k{i}".encode(), bytes([i]) * 8192) for i in range(5)]
+    for header in headers:
+        tier.remove(header)
+    spares = list((tmp_path / "free").iterdir())
+    assert len(spares) == 3  # the other two were deleted
+    assert reopen(tmp_path).records == []  # spares are not records
+    tier = make_tier(tmp_path)
+    header = write(tier, b"again", b"z" * 8192)
+    assert read(tier, header) == b"z" * 8192
+    assert len(list((tmp_path / "free").iterdir())) == 2
