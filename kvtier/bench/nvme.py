@@ -8,8 +8,10 @@
 Flags mean what fio's flags of the same name mean. `--mode raw` does plain aligned
 I/O (what the drive gives); `--mode tier` goes through kvtier's NVMe tier code (record
 headers, checksums verified on every read, one file per block), which is what kvtier gets
-out of the drive. Queue depth is emulated with threads doing synchronous I/O (the GIL is
-released in the syscalls). Output: fio-style text, or JSON laid out like fio's
+out of the drive. Raw mode keeps `--iodepth` requests in flight with Linux AIO
+(`--ioengine libaio`, as fio's libaio engine), or with one thread per queue slot doing
+synchronous I/O (`--ioengine psync`: the GIL is released in the syscalls); tier mode runs
+the tier's own code on threads. Output: fio-style text, or JSON laid out like fio's
 (`jobs[].read|write.{io_bytes,bw_bytes,iops,runtime,clat_ns.percentile}`) under the top key
 "kvtier-bench version". Everything the run creates is removed at the end, Ctrl-C included.
 """
@@ -212,11 +214,19 @@ class Runner:
             self._layout(job)
             self._queues[job.index] = self._issue_order(job)
         deadline = time.monotonic() + args.runtime if args.runtime else None
-        threads = [
-            threading.Thread(target=self._worker, args=(job, deadline), daemon=True)
-            for job in self.jobs
-            for _ in range(args.iodepth)
-        ]
+        if args.ioengine == "libaio":
+            # One thread per job keeps `iodepth` I/Os in flight in the kernel, as fio's
+            # libaio engine does (requests the block layer can merge and batch).
+            threads = [
+                threading.Thread(target=self._aio_worker, args=(job, deadline), daemon=True)
+                for job in self.jobs
+            ]
+        else:
+            threads = [
+                threading.Thread(target=self._worker, args=(job, deadline), daemon=True)
+                for job in self.jobs
+                for _ in range(args.iodepth)
+            ]
         self._t0_ns = time.monotonic_ns()
         for t in threads:
             t.start()
@@ -334,6 +344,61 @@ class Runner:
                 continue  # superseded by a concurrent write between lookup and open
         raise OSError(f"block {index} kept being superseded while read")
 
+    def _aio_worker(self, job: Job, deadline: float | None) -> None:
+        """Raw mode with Linux AIO: `iodepth` requests in flight, one resubmitted per
+        completion; completion latency is from submission to its event."""
+        import libaio
+
+        args = self.args
+        fd = os.open(job.path, os.O_RDWR | self._direct())
+        target = _FileNo(fd)
+        buffers = [aligned_buffer(round_up(args.bs, ALIGN_BYTES)) for _ in range(args.iodepth)]
+        in_flight: dict[Any, tuple[str, int, int]] = {}  # block -> (kind, slot, start ns)
+        ctx = libaio.AIOContext(args.iodepth)
+
+        def submit(slot: int) -> None:
+            if self._stop.is_set() or (deadline is not None and time.monotonic() >= deadline):
+                return
+            item = self._next(job)
+            if item is None:
+                return
+            kind, index = item
+            read = kind == "read"
+            block = libaio.AIOBlock(
+                mode=libaio.AIOBLOCK_MODE_READ if read else libaio.AIOBLOCK_MODE_WRITE,
+                target_file=target,
+                buffer_list=[memoryview(buffers[slot])[: args.bs] if read else self._payload_view],
+                offset=index * args.bs,
+            )
+            in_flight[block] = (kind, slot, time.monotonic_ns())
+            ctx.submit([block])
+
+        try:
+            for slot in range(args.iodepth):
+                submit(slot)
+            while in_flight:
+                for block, res, _res2 in ctx.getEvents(min_nr=1):
+                    t_end = time.monotonic_ns()
+                    kind, slot, t_start = in_flight.pop(block)
+                    if res < 0:
+                        raise OSError(-res, os.strerror(-res))
+                    if res < args.bs:
+                        raise OSError(f"short {kind}: {res} of {args.bs} bytes")
+                    (job.read if kind == "read" else job.write).record(
+                        t_start, t_end, args.bs, self._t0_ns
+                    )
+                    with self._lock:
+                        self._done_bytes += args.bs
+                    submit(slot)
+        except Exception as err:
+            job.error = f"{type(err).__name__}: {err}"
+            self._stop.set()
+        finally:
+            if in_flight:
+                ctx.getEvents(min_nr=None)  # the kernel still owns those buffers
+            ctx.close()
+            os.close(fd)
+
     def _worker(self, job: Job, deadline: float | None) -> None:
         args = self.args
         read_buf = aligned_buffer(round_up(args.bs, ALIGN_BYTES))
@@ -379,6 +444,25 @@ class Runner:
 NS_ID = "bench|kv"
 
 
+class _FileNo:
+    """What libaio needs of a file: its descriptor."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def fileno(self) -> int:
+        return self._fd
+
+
+def libaio_available() -> bool:
+    """The `libaio` package imports and finds the system's libaio.so.1."""
+    try:
+        import libaio  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
 def _key(index: int) -> bytes:
     return index.to_bytes(8, "little") * 4
 
@@ -406,7 +490,7 @@ def report(args: argparse.Namespace, jobs: list[Job]) -> dict[str, Any]:
         "kvtier-bench version": f"kvtier-{kvtier.__version__}",
         "timestamp": int(time.time()),
         "time": time.strftime("%a %b %d %H:%M:%S %Y"),
-        "global options": {"directory": str(args.directory), "ioengine": "psync-threads"},
+        "global options": {"directory": str(args.directory), "ioengine": args.ioengine},
         "jobs": [
             {
                 "jobname": args.name,
@@ -600,6 +684,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", choices=sorted(MODELS), help="derive --bs from a model's KV size")
     p.add_argument("--tokens-per-block", type=int, default=16, help="with --model")
     p.add_argument("--iodepth", type=int, default=1)
+    p.add_argument(
+        "--ioengine",
+        choices=["libaio", "psync"],
+        help="raw mode: libaio (Linux AIO, as fio; the default where the libaio package and "
+        "libaio.so.1 are present) or psync (one thread per queue slot, synchronous I/O); "
+        "tier mode always runs kvtier's own threads",
+    )
     p.add_argument("--numjobs", type=int, default=1)
     p.add_argument(
         "--rw", default="read", choices=["read", "write", "randread", "randwrite", "randrw"]
@@ -657,6 +748,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         raise BenchError("--iodepth and --numjobs must be >= 1, --rwmixread within 0..100")
     if args.time_based and not args.runtime:
         raise BenchError("--time-based needs --runtime")
+    if args.mode == "tier":
+        args.ioengine = "psync"  # the tier's own code: synchronous I/O on its threads
+    elif args.ioengine is None:
+        args.ioengine = "libaio" if libaio_available() else "psync"
+    elif args.ioengine == "libaio" and not libaio_available():
+        raise BenchError(
+            "--ioengine libaio needs the libaio package (pip install libaio) and the "
+            "system's libaio.so.1 (apt install libaio1); or use --ioengine psync"
+        )
     if args.bs < 1 or args.size < args.bs:
         raise BenchError("--size must hold at least one --bs block")
     return args

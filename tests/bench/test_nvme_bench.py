@@ -258,3 +258,37 @@ def test_plot(tmp_path: Path) -> None:
     bench("--directory", str(data), "--size", "8M", "--bs", "1M", "--plot", str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     os.unlink(png)
+
+
+@pytest.mark.parametrize("engine", ["libaio", "psync"])
+@pytest.mark.parametrize("rw", ["read", "randrw"])
+def test_both_io_engines_move_every_block_and_say_which_ran(
+    tmp_path: Path, engine: str, rw: str
+) -> None:
+    from kvtier.bench.nvme import libaio_available
+
+    if engine == "libaio" and not libaio_available():
+        pytest.skip("needs the libaio package and libaio.so.1")
+    out = bench(
+        "--directory",
+        str(tmp_path),
+        "--size",
+        "16M",
+        "--bs",
+        "1M",
+        "--rw",
+        rw,
+        "--iodepth",
+        "4",
+        "--ioengine",
+        engine,
+        "--output-format",
+        "json",
+    )
+    doc = json.loads(out.stdout)
+    validate(doc)
+    assert doc["global options"]["ioengine"] == engine
+    job = doc["jobs"][0]
+    assert job["read"]["total_ios"] + job["write"]["total_ios"] == 16
+    assert job["read"]["io_bytes"] + job["write"]["io_bytes"] == 16 << 20
+    assert list(tmp_path.iterdir()) == []
