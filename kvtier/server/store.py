@@ -1102,19 +1102,23 @@ class Store:
         return self._infos.get(entry.block_id) or BlockInfo(entry.size_bytes)
 
     def _learn_chain(self, ns_id: str, keys: list[bytes], tiers: list[str | None]) -> None:
-        """A chain an engine asked about: where each cached block sits in it."""
+        """A chain an engine asked about: where each cached block sits in it (on every
+        Plan, so the common case — nothing changed since the last one — is a dict probe)."""
         last = len(keys) - 1
-        for i, (key, tier) in enumerate(zip(keys, tiers, strict=True)):
+        infos, ghosts = self._infos, self.policies.ghosts
+        parent: BlockId | None = None
+        for i, key in enumerate(keys):
             block_id = (ns_id, key)
-            if tier is None:
-                if self.policies.ghosts.take(block_id):
+            if tiers[i] is None:
+                if ghosts.take(block_id):
                     self._counters.lost_reuse += 1
-                continue
-            entry = self.catalog.get(block_id)
-            if entry is None:
-                continue
-            parent = (ns_id, keys[i - 1]) if i else None
-            self._infos[block_id] = BlockInfo(entry.size_bytes, i, parent, last - i)
+            else:
+                known = infos.get(block_id)
+                if known is None or known.position != i or known.from_end != last - i:
+                    entry = self.catalog.get(block_id)
+                    if entry is not None:
+                        infos[block_id] = BlockInfo(entry.size_bytes, i, parent, last - i)
+            parent = block_id
 
     def _used(self, entry: Entry) -> None:
         info = self._info(entry)
