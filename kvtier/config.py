@@ -78,6 +78,11 @@ class LimitsConfig(_Section):
     reserve_wait_s: float = Field(
         5.0, ge=0, description="how long a put waits for DRAM held by blocks in use to free up"
     )
+    max_leases_per_session: int = Field(
+        1024,
+        gt=0,
+        description="zero-copy leases one client session may hold at once (each pins DRAM)",
+    )
 
 
 class DramConfig(_Section):

@@ -253,6 +253,7 @@ class Store:
         self._background: set[asyncio.Task[Any]] = set()
         self._started_s = time.monotonic()
         self._leases: dict[int, _Lease] = {}
+        self._leases_by_session: Counter[int] = Counter()
         self._next_lease_id = 1
         self._promotions: dict[Entry, asyncio.Future[bool]] = {}
         planner_cfg = self.config.planner
@@ -679,6 +680,7 @@ class Store:
         self, session_id: int, items: list[tuple[BlockId, int]], overwrite: bool
     ) -> tuple[int, list[LeasedSlot]]:
         """Reserve arena slots for blocks a client will write in place; one lease for all."""
+        self._check_lease_room(session_id)
         writers: list[PutWriter] = []
         try:
             for block_id, size_bytes in items:
@@ -703,6 +705,9 @@ class Store:
                 f"commit carries {len(checksums)} checksums for {len(lease.writers)} slots"
             )
         del self._leases[lease_id]
+        self._leases_by_session[session_id] -= 1
+        if not self._leases_by_session[session_id]:
+            del self._leases_by_session[session_id]
         outcomes: list[CommitOutcome] = []
         for i, writer in enumerate(lease.writers):
             if abort:
@@ -722,6 +727,7 @@ class Store:
         self, session_id: int, block_ids: list[BlockId]
     ) -> tuple[int, list[LeasedSlot | None]]:
         """Pin blocks in DRAM (promoting NVMe-only ones) under one lease; None for a miss."""
+        self._check_lease_room(session_id)
         pinned: list[Entry] = []
         slots: list[LeasedSlot | None] = []
         promote_s = 0.0
@@ -802,17 +808,31 @@ class Store:
         ids = [i for i, lease in self._leases.items() if lease.session_id == session_id]
         return self.release(session_id, ids)
 
+    def _check_lease_room(self, session_id: int) -> None:
+        """Refuse a new lease before pinning anything: one client cannot pin the arena."""
+        held = self._leases_by_session[session_id]
+        limit = self.config.limits.max_leases_per_session
+        if held >= limit:
+            raise ResourceExhausted(
+                f"this session holds {held} leases, the most allowed "
+                "(limits.max_leases_per_session): release some before asking for more"
+            )
+
     def _new_lease(self, session_id: int) -> _Lease:
         ttl_s = self.config.limits.lease_ttl_s
         lease = _Lease(self._next_lease_id, session_id, time.monotonic() + ttl_s)
         self._next_lease_id += 1
         self._leases[lease.lease_id] = lease
+        self._leases_by_session[session_id] += 1
         return lease
 
     def _end_lease(self, lease_id: int) -> None:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return
+        self._leases_by_session[lease.session_id] -= 1
+        if not self._leases_by_session[lease.session_id]:
+            del self._leases_by_session[lease.session_id]
         for writer in lease.writers:
             self.put_abort(writer)
         for entry in lease.pinned:

@@ -332,3 +332,26 @@ async def test_nvme_quotas_hold_under_a_noisy_tenant(tmp_path: Path, seed: int) 
     assert await _quiet_blocks_after_noise(tmp_path / "quota", "8MiB", seed) == 5
     # Without a quota of its own the noisy tenant takes the shared tier from the quiet one.
     assert await _quiet_blocks_after_noise(tmp_path / "shared", "0", seed) < 5
+
+
+async def test_a_session_cannot_hold_more_leases_than_its_limit(tmp_path: Path) -> None:
+    config = make_config(tmp_path, 8 << 20, 64 << 20)
+    config.limits.max_leases_per_session = 3
+    store = Store(config)
+    await store.start()
+    await put(store, b"a", block_bytes(1, 4096))
+    leases = [(await store.acquire(7, [(NS, b"a")]))[0] for _ in range(3)]
+    with pytest.raises(ResourceExhausted, match="max_leases_per_session"):
+        await store.acquire(7, [(NS, b"a")])
+    with pytest.raises(ResourceExhausted, match="max_leases_per_session"):
+        await store.reserve(7, [((NS, b"new"), 4096)], overwrite=False)
+    entry = store.catalog.get((NS, b"a"))
+    assert entry is not None and entry.pins == 3  # the refused calls pinned nothing
+    lease_id, _ = await store.acquire(8, [(NS, b"a")])  # another session is not affected
+    store.release(8, [lease_id])
+    store.release(7, [leases[0]])
+    reserved, _ = await store.reserve(7, [((NS, b"new"), 4096)], overwrite=False)
+    await store.commit(7, reserved, [], abort=True)  # a commit ends its lease too
+    lease_id, _ = await store.acquire(7, [(NS, b"a")])
+    assert store.release_session(7) == 3 and entry.pins == 0
+    await store.close()
