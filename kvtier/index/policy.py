@@ -275,8 +275,8 @@ class ReuseEstimator:
     def bucket(uses: int, info: BlockInfo) -> tuple[int, int]:
         return min(uses, 3), min(info.from_end, 3) if info.from_end >= 0 else -1
 
-    def observe(self, key: Key, uses: int, info: BlockInfo) -> float:
-        """Record a placement or use of `key`; returns P(reuse) for its bucket now."""
+    def observe(self, key: Key, uses: int, info: BlockInfo) -> None:
+        """Record a placement or use of `key`."""
         previous = self._last.get(key)
         if previous is not None:
             self._reused[previous] = self._reused.get(previous, 0) + 1
@@ -286,7 +286,6 @@ class ReuseEstimator:
         if len(self._last) > self._remembered:
             self._last.popitem(last=False)
         self._placed[bucket] = self._placed.get(bucket, 0) + 1
-        return self.probability(bucket)
 
     def probability(self, bucket: tuple[int, int]) -> float:
         return (self._reused.get(bucket, 0) + 1) / (self._placed.get(bucket, 0) + 2)

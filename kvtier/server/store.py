@@ -704,10 +704,7 @@ class Store:
             raise InvalidArgument(
                 f"commit carries {len(checksums)} checksums for {len(lease.writers)} slots"
             )
-        del self._leases[lease_id]
-        self._leases_by_session[session_id] -= 1
-        if not self._leases_by_session[session_id]:
-            del self._leases_by_session[session_id]
+        self._take_lease(lease_id)
         outcomes: list[CommitOutcome] = []
         for i, writer in enumerate(lease.writers):
             if abort:
@@ -826,13 +823,19 @@ class Store:
         self._leases_by_session[session_id] += 1
         return lease
 
-    def _end_lease(self, lease_id: int) -> None:
+    def _take_lease(self, lease_id: int) -> _Lease | None:
+        """Forget a lease (and its count against its session); its resources stay with it."""
         lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            self._leases_by_session[lease.session_id] -= 1
+            if not self._leases_by_session[lease.session_id]:
+                del self._leases_by_session[lease.session_id]
+        return lease
+
+    def _end_lease(self, lease_id: int) -> None:
+        lease = self._take_lease(lease_id)
         if lease is None:
             return
-        self._leases_by_session[lease.session_id] -= 1
-        if not self._leases_by_session[lease.session_id]:
-            del self._leases_by_session[lease.session_id]
         for writer in lease.writers:
             self.put_abort(writer)
         for entry in lease.pinned:
