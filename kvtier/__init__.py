@@ -14,6 +14,7 @@ from kvtier.errors import (
     InvalidArgument,
     KVTierError,
     NotFound,
+    RateLimited,
     ResourceExhausted,
     Unavailable,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "KVTierError",
     "LookupResult",
     "NotFound",
+    "RateLimited",
     "ResourceExhausted",
     "Unavailable",
     "__version__",

@@ -219,6 +219,61 @@ def cmd_token(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keygen(args: argparse.Namespace) -> int:
+    """A new AES-256 key file for nvme.encryption_key_file (mode 0600, never replaced)."""
+    from kvtier.tiers.crypto import write_key_file
+
+    write_key_file(args.path)
+    print(f"wrote a new 256-bit key to {args.path} (mode 0600)")
+    print("config: under [nvme] (the file must belong to the user kvtier runs as):")
+    print(f'        encryption_key_file = "{args.path.resolve()}"')
+    print("keep a copy only where the tier's disk is not: losing the key empties the tier")
+    return 0
+
+
+def cmd_wipe(args: argparse.Namespace) -> int:
+    """Overwrite and remove a tenant's NVMe records (and every recyclable/temporary file)."""
+    from kvtier.config import load_config
+    from kvtier.keys import check_tenant
+    from kvtier.sizes import human_size
+    from kvtier.tiers.wipe import wipe
+
+    tenant = None if args.all else check_tenant(args.tenant)
+    flags = {"nvme": {"path": args.nvme_path}} if args.nvme_path else None
+    root = Path(load_config(args.config, flags).resolved().nvme.path)
+    report = wipe(root, tenant)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "path": str(report.root),
+                    "tenant": report.tenant,
+                    "records": report.records,
+                    "record_bytes": report.record_bytes,
+                    "unreadable_records": report.unreadable_records,
+                    "recyclable_files": report.recyclable_files,
+                    "temporary_files": report.temporary_files,
+                    "overwritten_bytes": report.overwritten_bytes,
+                    "tombstones_dropped": report.tombstones_dropped,
+                },
+                indent=2,
+            )
+        )
+        return 0
+    whose = "every tenant" if tenant is None else f"tenant {tenant!r}"
+    print(
+        f"wiped {report.records} records ({human_size(report.record_bytes)}) of {whose} "
+        f"from {report.root}"
+    )
+    print(
+        f"  also overwritten and removed: {report.unreadable_records} unreadable records, "
+        f"{report.recyclable_files} recyclable and {report.temporary_files} temporary files; "
+        f"{human_size(report.overwritten_bytes)} overwritten with zeros in all"
+    )
+    print("  (on an SSD, only full-disk encryption or a destroyed key reaches every copy)")
+    return 0
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from kvtier.index.replay import main as replay_main
 
@@ -271,6 +326,22 @@ def build_parser() -> argparse.ArgumentParser:
     token.add_argument("tenant")
     token.add_argument("--value", help="hash this token instead of making a new one")
     token.set_defaults(func=cmd_token)
+
+    keygen = sub.add_parser("keygen", help="make a key file for nvme.encryption_key_file")
+    keygen.add_argument("path", type=Path, help="file to create (mode 0600; must not exist)")
+    keygen.set_defaults(func=cmd_keygen)
+
+    wipe = sub.add_parser(
+        "wipe",
+        help="overwrite and remove a tenant's blocks from the NVMe tier (daemon stopped)",
+    )
+    whom = wipe.add_mutually_exclusive_group(required=True)
+    whom.add_argument("--tenant", help="the tenant whose records to wipe")
+    whom.add_argument("--all", action="store_true", help="every tenant's records")
+    wipe.add_argument("--config", type=Path, help="TOML configuration file (for nvme.path)")
+    wipe.add_argument("--nvme-path", help="directory of the NVMe tier (overrides the config)")
+    wipe.add_argument("--json", action="store_true")
+    wipe.set_defaults(func=cmd_wipe)
 
     bench = sub.add_parser(
         "bench", help="benchmarks: kvtier bench daemon|nvme|planner --help", add_help=False

@@ -34,8 +34,12 @@ ENV_PREFIX = "KVTIER_"
 ENV_CONFIG_FILE = "KVTIER_CONFIG"
 ENV_TARGET = "KVTIER_TARGET"
 ENV_TOKEN = "KVTIER_TOKEN"
+ENV_TLS_CA = "KVTIER_TLS_CA"
+ENV_TLS_CERT = "KVTIER_TLS_CERT"
+ENV_TLS_KEY = "KVTIER_TLS_KEY"
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+CERT_IDENTITY_KINDS = ("cn", "dns", "uri")
 
 
 class _Section(BaseModel):
@@ -64,6 +68,22 @@ class ServerConfig(_Section):
         description="a disk I/O still running after this long means a stuck worker: the "
         "systemd watchdog ping stops, so systemd restarts kvtier",
     )
+    tls_cert_file: str = Field(
+        "",
+        description="TCP listener: PEM certificate chain the daemon presents (server first); "
+        "required with a host:port listen unless tls_insecure",
+    )
+    tls_key_file: str = Field("", description="TCP listener: PEM private key of tls_cert_file")
+    tls_client_ca_file: str = Field(
+        "",
+        description="TCP listener: PEM CA certificate(s); when set (mTLS), every client must "
+        "present a certificate they signed, and auth.certificates maps it to a tenant",
+    )
+    tls_insecure: bool = Field(
+        False,
+        description="serve a host:port listen as plain TCP, without TLS: tokens and blocks "
+        "cross the network in clear (UNIX sockets never use TLS)",
+    )
 
 
 class LimitsConfig(_Section):
@@ -82,6 +102,30 @@ class LimitsConfig(_Section):
         1024,
         gt=0,
         description="zero-copy leases one client session may hold at once (each pins DRAM)",
+    )
+    requests_per_s: float = Field(
+        0.0,
+        ge=0,
+        description="requests one tenant may make per second, gRPC calls and zero-copy "
+        "session ops alike (0: unlimited); tenants.NAME.requests_per_s overrides it",
+    )
+    request_burst: int = Field(
+        0,
+        ge=0,
+        description="requests a tenant may make at once on top of its rate "
+        "(0: one second's worth, at least 1)",
+    )
+    payload_bytes_per_s: ByteSize = Field(
+        0,
+        ge=0,
+        description="block bytes one tenant may put and get per second, over gRPC and "
+        "zero-copy alike (0: unlimited); tenants.NAME.payload_bytes_per_s overrides it",
+    )
+    payload_burst_bytes: ByteSize = Field(
+        0,
+        ge=0,
+        description="block bytes a tenant may move at once on top of its rate (0: one "
+        "second's worth); never less than max_block_bytes, so any block can pass",
     )
 
 
@@ -113,6 +157,20 @@ class NvmeConfig(_Section):
     )
     flush_on_stop: bool = Field(
         True, description="on SIGTERM, write DRAM-only blocks to NVMe so a restart keeps them"
+    )
+    offline_after_errors: int = Field(
+        5,
+        gt=0,
+        description="consecutive I/O errors that take the NVMe tier offline (the daemon "
+        "keeps serving from DRAM)",
+    )
+    offline_retry_s: float = Field(
+        30.0, gt=0, description="while offline, how often a probe record checks the disk again"
+    )
+    encryption_key_file: str = Field(
+        "",
+        description="file of a 256-bit key (64 hex digits, mode 0600; make one: kvtier keygen "
+        "PATH): records are encrypted and authenticated with AES-256-GCM; empty = plaintext",
     )
 
 
@@ -172,6 +230,11 @@ class AuthConfig(_Section):
         description="sha256 hex of a bearer token -> tenant (make one: kvtier token); "
         "empty = no tokens, every caller is tenant 'default'",
     )
+    certificates: dict[str, str] = Field(
+        default_factory=dict,
+        description="mTLS client certificate identity -> tenant: 'cn:<subject CN>', "
+        "'dns:<SAN DNS name>' or 'uri:<SAN URI>'; needs server.tls_client_ca_file",
+    )
 
     @field_validator("tokens")
     @classmethod
@@ -186,6 +249,27 @@ class AuthConfig(_Section):
                 raise ValueError(f"tenant name {tenant!r} must match {_TENANT_RE.pattern}")
         return tokens
 
+    @field_validator("certificates")
+    @classmethod
+    def _check_certificates(cls, certificates: dict[str, str]) -> dict[str, str]:
+        out = {}
+        for identity, tenant in certificates.items():
+            kind, sep, value = identity.partition(":")
+            if not sep or kind not in CERT_IDENTITY_KINDS or not value:
+                raise ValueError(
+                    f"certificate identity {identity!r} must be 'cn:<common name>', "
+                    "'dns:<DNS name>' or 'uri:<URI>' (from the client certificate)"
+                )
+            if not _TENANT_RE.match(tenant):
+                raise ValueError(f"tenant name {tenant!r} must match {_TENANT_RE.pattern}")
+            # DNS names compare case-insensitively; CNs and URIs exactly as written.
+            out[f"dns:{value.lower()}" if kind == "dns" else identity] = tenant
+        return out
+
+    def tenants(self) -> set[str]:
+        """Every tenant a token or a certificate names."""
+        return set(self.tokens.values()) | set(self.certificates.values())
+
 
 class TenantConfig(_Section):
     dram_capacity_bytes: ByteSize = Field(
@@ -196,6 +280,22 @@ class TenantConfig(_Section):
         ge=0,
         description="most of the shared NVMe tier this tenant's blocks may hold; past it "
         "they evict their own (0: no quota of its own)",
+    )
+    requests_per_s: float | None = Field(
+        None, ge=0, description="this tenant's request rate (unset: limits.requests_per_s)"
+    )
+    request_burst: int | None = Field(
+        None, ge=0, description="this tenant's request burst (unset: limits.request_burst)"
+    )
+    payload_bytes_per_s: Annotated[int, BeforeValidator(parse_size)] | None = Field(
+        None,
+        ge=0,
+        description="this tenant's block bytes per second (unset: limits.payload_bytes_per_s)",
+    )
+    payload_burst_bytes: Annotated[int, BeforeValidator(parse_size)] | None = Field(
+        None,
+        ge=0,
+        description="this tenant's block-byte burst (unset: limits.payload_burst_bytes)",
     )
 
 
@@ -214,24 +314,31 @@ class Config(_Section):
     auth: AuthConfig = Field(default_factory=lambda: AuthConfig())
     tenants: dict[str, TenantConfig] = Field(
         default_factory=dict,
-        description="per-tenant settings; every tenant named in auth.tokens needs one "
-        "(except 'default', whose arena is dram.capacity_bytes)",
+        description="per-tenant settings; every tenant named in auth.tokens or "
+        "auth.certificates needs one (except 'default', whose arena is dram.capacity_bytes)",
     )
 
     @model_validator(mode="after")
     def _tenants_have_arenas(self) -> Config:
-        for tenant in sorted(set(self.auth.tokens.values()) - {"default"}):
-            if tenant not in self.tenants:
-                raise ValueError(
-                    f"auth.tokens maps a token to tenant '{tenant}', which has no "
-                    f"[tenants.{tenant}] section: give it dram_capacity_bytes"
-                )
+        for key, mapping in (
+            ("tokens", self.auth.tokens),
+            ("certificates", self.auth.certificates),
+        ):
+            for tenant in sorted(set(mapping.values()) - {"default"}):
+                if tenant not in self.tenants:
+                    what = "a token" if key == "tokens" else "a certificate"
+                    raise ValueError(
+                        f"auth.{key} maps {what} to tenant '{tenant}', which has no "
+                        f"[tenants.{tenant}] section: give it dram_capacity_bytes"
+                    )
         return self
 
     def tenant_arenas(self) -> dict[str, int]:
-        """Tenant -> its DRAM arena's size. 'default' exists unless only tokens name tenants."""
+        """Tenant -> its DRAM arena's size. 'default' exists unless only tokens or
+        certificates name tenants (then no caller can be 'default' unless one maps to it)."""
         arenas = {name: t.dram_capacity_bytes for name, t in self.tenants.items()}
-        if not self.auth.tokens or "default" in self.auth.tokens.values():
+        named = self.auth.tenants()
+        if not named or "default" in named:
             arenas["default"] = self.dram.capacity_bytes
         return arenas
 
@@ -378,8 +485,10 @@ def _toml_value(model: type[BaseModel], name: str, value: Any) -> Any:
 
 
 def _section_dict(model: BaseModel) -> dict[str, Any]:
+    # TOML has no null: an unset optional key (a tenant's override) is left out.
     return {
-        name: _toml_value(type(model), name, value) for name, value in model.model_dump().items()
+        name: _toml_value(type(model), name, value)
+        for name, value in model.model_dump(exclude_none=True).items()
     }
 
 

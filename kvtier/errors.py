@@ -6,6 +6,7 @@
     ├── NotFound                     the block is absent (clients turn this into None)
     ├── AlreadyExists                same key, different bytes: use overwrite=True or a new key
     ├── ResourceExhausted            oversize block, or no room (all pinned): retry later/smaller
+    │   └── RateLimited              the tenant is over its rate limit: retry after retry_after_s
     ├── DataLoss                     bytes changed in transit: retry the call
     ├── Unavailable                  daemon draining or a tier offline: retry elsewhere/later
     ├── Unauthenticated              missing or unknown bearer token: pass the right token
@@ -59,6 +60,16 @@ class ResourceExhausted(KVTierError):
     """Too large, or no room that can be freed now; send smaller blocks or retry later."""
 
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class RateLimited(ResourceExhausted):
+    """The tenant is over its request or payload rate; retry after `retry_after_s` seconds.
+
+    Over gRPC the same hint travels as trailing metadata `retry-after-ms`."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class DataLoss(KVTierError):
@@ -138,6 +149,7 @@ __all__ = [
     "KVTierError",
     "NotFound",
     "PermissionDenied",
+    "RateLimited",
     "ResourceExhausted",
     "Unauthenticated",
     "Unavailable",

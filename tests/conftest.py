@@ -50,10 +50,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 class DaemonProcess:
     """`kvtier serve` in a child process; `target` is the address it printed."""
 
-    def __init__(self, workdir: Path, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
+    ) -> None:
         self.workdir = workdir
         self.args = args
         self.env = env
+        self.prefix = prefix or []  # e.g. prlimit or unshare, to run it under a fault
         self.proc: subprocess.Popen[str] | None = None
         self.target = ""
         self.log_path = workdir / "daemon.log"
@@ -67,7 +74,7 @@ class DaemonProcess:
         env = dict(os.environ, **(self.env or {}))
         log = self.log_path.open("a")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtier", "serve", *self.args],
+            [*self.prefix, sys.executable, "-m", "kvtier", "serve", *self.args],
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
@@ -137,6 +144,7 @@ def start_daemon(workdir: Path) -> Iterator[object]:
         listen: str | None = None,
         extra: list[str] | None = None,
         env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
     ) -> DaemonProcess:
         args = [
             "--listen",
@@ -149,7 +157,7 @@ def start_daemon(workdir: Path) -> Iterator[object]:
             nvme,
             *(extra or []),
         ]
-        daemon = DaemonProcess(workdir, args, env)
+        daemon = DaemonProcess(workdir, args, env, prefix)
         started.append(daemon)
         return daemon.start()
 

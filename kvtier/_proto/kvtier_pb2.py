@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvtier/v1/kvtier.proto\x12\tkvtier.v1\"c\n\tPutHeader\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07xxh3_64\x18\x04 \x01(\x04\x12\x11\n\toverwrite\x18\x05 \x01(\x08\"L\n\nPutRequest\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.kvtier.v1.PutHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x05\n\x03msg\"j\n\x0bPutResponse\x12\x12\n\nsize_bytes\x18\x01 \x01(\x04\x12\x0f\n\x07xxh3_64\x18\x02 \x01(\x04\x12\x1d\n\x04tier\x18\x03 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x17\n\x0f\x61lready_present\x18\x04 \x01(\x08\",\n\nGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x0c\"O\n\tGetHeader\x12\x12\n\nsize_bytes\x18\x01 \x01(\x04\x12\x0f\n\x07xxh3_64\x18\x02 \x01(\x04\x12\x1d\n\x04tier\x18\x03 \x01(\x0e\x32\x0f.kvtier.v1.Tier\"M\n\x0bGetResponse\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.kvtier.v1.GetHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x05\n\x03msg\"0\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"G\n\x0eLookupResponse\x12\x15\n\rprefix_blocks\x18\x01 \x01(\r\x12\x1e\n\x05tiers\x18\x02 \x03(\x0e\x32\x0f.kvtier.v1.Tier\"-\n\x0bStatRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x0c\"\x84\x01\n\tBlockInfo\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07xxh3_64\x18\x04 \x01(\x04\x12\x1e\n\x05tiers\x18\x05 \x03(\x0e\x32\x0f.kvtier.v1.Tier\x12\x12\n\ngeneration\x18\x06 \x01(\x04\"2\n\x0cStatResponse\x12\"\n\x04info\x18\x01 \x01(\x0b\x32\x14.kvtier.v1.BlockInfo\"/\n\x0bListRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\r\"/\n\tListEntry\x12\"\n\x04info\x18\x01 \x01(\x0b\x32\x14.kvtier.v1.BlockInfo\"/\n\rDeleteRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"v\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\"\xd0\x03\n\rStatsResponse\x12#\n\x05tiers\x18\x01 \x03(\x0b\x32\x14.kvtier.v1.TierStats\x12\x0c\n\x04hits\x18\x02 \x01(\x04\x12\x0e\n\x06misses\x18\x03 \x01(\x04\x12\x0c\n\x04puts\x18\x04 \x01(\x04\x12\x11\n\tdemotions\x18\x05 \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x06 \x01(\x04\x12\x16\n\x0e\x64ropped_blocks\x18\x07 \x01(\x04\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12\x0f\n\x07version\x18\t \x01(\t\x12\x16\n\x0envme_direct_io\x18\n \x01(\x08\x12\x0e\n\x06leases\x18\x0b \x01(\x04\x12\x12\n\npromotions\x18\x0c \x01(\x04\x12\x1b\n\x13recompute_avoided_s\x18\r \x01(\x01\x12\x16\n\x0e\x66\x65tch_regret_s\x18\x0e \x01(\x01\x12\x1c\n\x14planned_fetch_blocks\x18\x0f \x01(\x04\x12 \n\x18planned_recompute_blocks\x18\x10 \x01(\x04\x12\x12\n\nlost_reuse\x18\x11 \x01(\x04\x12\x15\n\rnvme_admitted\x18\x12 \x01(\x04\x12\x19\n\x11nvme_not_admitted\x18\x13 \x01(\x04\x12\x0e\n\x06policy\x18\x14 \x01(\t\"\x0f\n\rAttachRequest\"s\n\x0e\x41ttachResponse\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x14\n\x0c\x61rena_socket\x18\x03 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x04 \x01(\x04\x12\x13\n\x0blease_ttl_s\x18\x05 \x01(\x01\".\n\x0bReserveItem\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"q\n\x0eReserveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12%\n\x05items\x18\x03 \x03(\x0b\x32\x16.kvtier.v1.ReserveItem\x12\x11\n\toverwrite\x18\x04 \x01(\x08\"*\n\x04Slot\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"C\n\x0fReserveResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x1e\n\x05slots\x18\x02 \x03(\x0b\x32\x0f.kvtier.v1.Slot\"U\n\rCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x0f\n\x07xxh3_64\x18\x03 \x03(\x04\x12\r\n\x05\x61\x62ort\x18\x04 \x01(\x08\"=\n\x0c\x43ommitResult\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\":\n\x0e\x43ommitResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvtier.v1.CommitResult\"E\n\x0e\x41\x63quireRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"p\n\x0bLeasedBlock\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07xxh3_64\x18\x04 \x01(\x04\x12\x1d\n\x04tier\x18\x05 \x01(\x0e\x32\x0f.kvtier.v1.Tier\"K\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12&\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x16.kvtier.v1.LeasedBlock\"c\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x11\n\tlease_ids\x18\x02 \x03(\x04\x12\x15\n\rfetch_seconds\x18\x03 \x01(\x01\x12\x13\n\x0b\x66\x65tch_bytes\x18\x04 \x01(\x04\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\xaa\x01\n\x0bPlanRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x18\n\x10tokens_per_block\x18\x03 \x01(\r\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x04\x12\x1c\n\x14\x65ngine_cached_blocks\x18\x05 \x01(\r\x12\x0f\n\x07overlap\x18\x06 \x01(\t\x12\x1a\n\x12kv_bytes_per_token\x18\x07 \x01(\x04\"\xe2\x01\n\x0cPlanResponse\x12\x0f\n\x07total_s\x18\x01 \x01(\x01\x12\x17\n\x0frecompute_all_s\x18\x02 \x01(\x01\x12\x13\n\x0b\x66\x65tch_all_s\x18\x03 \x01(\x01\x12\x15\n\rengine_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x66\x65tch_start\x18\x05 \x01(\r\x12\x11\n\tfetch_end\x18\x06 \x01(\r\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x1e\n\x05tiers\x18\x08 \x03(\x0e\x32\x0f.kvtier.v1.Tier\x12\x0f\n\x07\x66\x65tch_s\x18\t \x03(\x01\x12\x13\n\x0brecompute_s\x18\n \x03(\x01\"b\n\x14ReportPrefillRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x13\n\x0bstart_token\x18\x02 \x01(\x04\x12\x11\n\tend_token\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"V\n\x15ReportPrefillResponse\x12\x15\n\ra_s_per_token\x18\x01 \x01(\x01\x12\x16\n\x0e\x63_s_per_token2\x18\x02 \x01(\x01\x12\x0e\n\x06step_s\x18\x03 \x01(\x01*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_HBM\x10\x01\x12\r\n\tTIER_DRAM\x10\x02\x12\r\n\tTIER_NVME\x10\x03\x32\xf4\x06\n\x06KVTier\x12\x36\n\x03Put\x12\x15.kvtier.v1.PutRequest\x1a\x16.kvtier.v1.PutResponse(\x01\x12\x36\n\x03Get\x12\x15.kvtier.v1.GetRequest\x1a\x16.kvtier.v1.GetResponse0\x01\x12=\n\x06Lookup\x12\x18.kvtier.v1.LookupRequest\x1a\x19.kvtier.v1.LookupResponse\x12\x37\n\x04Stat\x12\x16.kvtier.v1.StatRequest\x1a\x17.kvtier.v1.StatResponse\x12\x36\n\x04List\x12\x16.kvtier.v1.ListRequest\x1a\x14.kvtier.v1.ListEntry0\x01\x12=\n\x06\x44\x65lete\x12\x18.kvtier.v1.DeleteRequest\x1a\x19.kvtier.v1.DeleteResponse\x12:\n\x05Stats\x12\x17.kvtier.v1.StatsRequest\x1a\x18.kvtier.v1.StatsResponse\x12\x37\n\x04Plan\x12\x16.kvtier.v1.PlanRequest\x1a\x17.kvtier.v1.PlanResponse\x12R\n\rReportPrefill\x12\x1f.kvtier.v1.ReportPrefillRequest\x1a .kvtier.v1.ReportPrefillResponse\x12=\n\x06\x41ttach\x12\x18.kvtier.v1.AttachRequest\x1a\x19.kvtier.v1.AttachResponse\x12@\n\x07Reserve\x12\x19.kvtier.v1.ReserveRequest\x1a\x1a.kvtier.v1.ReserveResponse\x12=\n\x06\x43ommit\x12\x18.kvtier.v1.CommitRequest\x1a\x19.kvtier.v1.CommitResponse\x12@\n\x07\x41\x63quire\x12\x19.kvtier.v1.AcquireRequest\x1a\x1a.kvtier.v1.AcquireResponse\x12@\n\x07Release\x12\x19.kvtier.v1.ReleaseRequest\x1a\x1a.kvtier.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvtier/v1/kvtier.proto\x12\tkvtier.v1\"c\n\tPutHeader\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07xxh3_64\x18\x04 \x01(\x04\x12\x11\n\toverwrite\x18\x05 \x01(\x08\"L\n\nPutRequest\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.kvtier.v1.PutHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x05\n\x03msg\"j\n\x0bPutResponse\x12\x12\n\nsize_bytes\x18\x01 \x01(\x04\x12\x0f\n\x07xxh3_64\x18\x02 \x01(\x04\x12\x1d\n\x04tier\x18\x03 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x17\n\x0f\x61lready_present\x18\x04 \x01(\x08\",\n\nGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x0c\"O\n\tGetHeader\x12\x12\n\nsize_bytes\x18\x01 \x01(\x04\x12\x0f\n\x07xxh3_64\x18\x02 \x01(\x04\x12\x1d\n\x04tier\x18\x03 \x01(\x0e\x32\x0f.kvtier.v1.Tier\"M\n\x0bGetResponse\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.kvtier.v1.GetHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x05\n\x03msg\"0\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"G\n\x0eLookupResponse\x12\x15\n\rprefix_blocks\x18\x01 \x01(\r\x12\x1e\n\x05tiers\x18\x02 \x03(\x0e\x32\x0f.kvtier.v1.Tier\"-\n\x0bStatRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x0c\"\x84\x01\n\tBlockInfo\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07xxh3_64\x18\x04 \x01(\x04\x12\x1e\n\x05tiers\x18\x05 \x03(\x0e\x32\x0f.kvtier.v1.Tier\x12\x12\n\ngeneration\x18\x06 \x01(\x04\"2\n\x0cStatResponse\x12\"\n\x04info\x18\x01 \x01(\x0b\x32\x14.kvtier.v1.BlockInfo\"/\n\x0bListRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\r\"/\n\tListEntry\x12\"\n\x04info\x18\x01 \x01(\x0b\x32\x14.kvtier.v1.BlockInfo\"/\n\rDeleteRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x99\x01\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x0e\n\x06online\x18\x07 \x01(\x08\x12\x11\n\tio_errors\x18\x08 \x01(\x04\"\xd0\x03\n\rStatsResponse\x12#\n\x05tiers\x18\x01 \x03(\x0b\x32\x14.kvtier.v1.TierStats\x12\x0c\n\x04hits\x18\x02 \x01(\x04\x12\x0e\n\x06misses\x18\x03 \x01(\x04\x12\x0c\n\x04puts\x18\x04 \x01(\x04\x12\x11\n\tdemotions\x18\x05 \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x06 \x01(\x04\x12\x16\n\x0e\x64ropped_blocks\x18\x07 \x01(\x04\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12\x0f\n\x07version\x18\t \x01(\t\x12\x16\n\x0envme_direct_io\x18\n \x01(\x08\x12\x0e\n\x06leases\x18\x0b \x01(\x04\x12\x12\n\npromotions\x18\x0c \x01(\x04\x12\x1b\n\x13recompute_avoided_s\x18\r \x01(\x01\x12\x16\n\x0e\x66\x65tch_regret_s\x18\x0e \x01(\x01\x12\x1c\n\x14planned_fetch_blocks\x18\x0f \x01(\x04\x12 \n\x18planned_recompute_blocks\x18\x10 \x01(\x04\x12\x12\n\nlost_reuse\x18\x11 \x01(\x04\x12\x15\n\rnvme_admitted\x18\x12 \x01(\x04\x12\x19\n\x11nvme_not_admitted\x18\x13 \x01(\x04\x12\x0e\n\x06policy\x18\x14 \x01(\t\"\x0f\n\rAttachRequest\"s\n\x0e\x41ttachResponse\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x14\n\x0c\x61rena_socket\x18\x03 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x04 \x01(\x04\x12\x13\n\x0blease_ttl_s\x18\x05 \x01(\x01\".\n\x0bReserveItem\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"q\n\x0eReserveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12%\n\x05items\x18\x03 \x03(\x0b\x32\x16.kvtier.v1.ReserveItem\x12\x11\n\toverwrite\x18\x04 \x01(\x08\"*\n\x04Slot\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"C\n\x0fReserveResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x1e\n\x05slots\x18\x02 \x03(\x0b\x32\x0f.kvtier.v1.Slot\"U\n\rCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x0f\n\x07xxh3_64\x18\x03 \x03(\x04\x12\r\n\x05\x61\x62ort\x18\x04 \x01(\x08\"=\n\x0c\x43ommitResult\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\":\n\x0e\x43ommitResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvtier.v1.CommitResult\"E\n\x0e\x41\x63quireRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"p\n\x0bLeasedBlock\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07xxh3_64\x18\x04 \x01(\x04\x12\x1d\n\x04tier\x18\x05 \x01(\x0e\x32\x0f.kvtier.v1.Tier\"K\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12&\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x16.kvtier.v1.LeasedBlock\"c\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x11\n\tlease_ids\x18\x02 \x03(\x04\x12\x15\n\rfetch_seconds\x18\x03 \x01(\x01\x12\x13\n\x0b\x66\x65tch_bytes\x18\x04 \x01(\x04\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\xaa\x01\n\x0bPlanRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x18\n\x10tokens_per_block\x18\x03 \x01(\r\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x04\x12\x1c\n\x14\x65ngine_cached_blocks\x18\x05 \x01(\r\x12\x0f\n\x07overlap\x18\x06 \x01(\t\x12\x1a\n\x12kv_bytes_per_token\x18\x07 \x01(\x04\"\xe2\x01\n\x0cPlanResponse\x12\x0f\n\x07total_s\x18\x01 \x01(\x01\x12\x17\n\x0frecompute_all_s\x18\x02 \x01(\x01\x12\x13\n\x0b\x66\x65tch_all_s\x18\x03 \x01(\x01\x12\x15\n\rengine_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x66\x65tch_start\x18\x05 \x01(\r\x12\x11\n\tfetch_end\x18\x06 \x01(\r\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x1e\n\x05tiers\x18\x08 \x03(\x0e\x32\x0f.kvtier.v1.Tier\x12\x0f\n\x07\x66\x65tch_s\x18\t \x03(\x01\x12\x13\n\x0brecompute_s\x18\n \x03(\x01\"b\n\x14ReportPrefillRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x13\n\x0bstart_token\x18\x02 \x01(\x04\x12\x11\n\tend_token\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"V\n\x15ReportPrefillResponse\x12\x15\n\ra_s_per_token\x18\x01 \x01(\x01\x12\x16\n\x0e\x63_s_per_token2\x18\x02 \x01(\x01\x12\x0e\n\x06step_s\x18\x03 \x01(\x01*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_HBM\x10\x01\x12\r\n\tTIER_DRAM\x10\x02\x12\r\n\tTIER_NVME\x10\x03\x32\xf4\x06\n\x06KVTier\x12\x36\n\x03Put\x12\x15.kvtier.v1.PutRequest\x1a\x16.kvtier.v1.PutResponse(\x01\x12\x36\n\x03Get\x12\x15.kvtier.v1.GetRequest\x1a\x16.kvtier.v1.GetResponse0\x01\x12=\n\x06Lookup\x12\x18.kvtier.v1.LookupRequest\x1a\x19.kvtier.v1.LookupResponse\x12\x37\n\x04Stat\x12\x16.kvtier.v1.StatRequest\x1a\x17.kvtier.v1.StatResponse\x12\x36\n\x04List\x12\x16.kvtier.v1.ListRequest\x1a\x14.kvtier.v1.ListEntry0\x01\x12=\n\x06\x44\x65lete\x12\x18.kvtier.v1.DeleteRequest\x1a\x19.kvtier.v1.DeleteResponse\x12:\n\x05Stats\x12\x17.kvtier.v1.StatsRequest\x1a\x18.kvtier.v1.StatsResponse\x12\x37\n\x04Plan\x12\x16.kvtier.v1.PlanRequest\x1a\x17.kvtier.v1.PlanResponse\x12R\n\rReportPrefill\x12\x1f.kvtier.v1.ReportPrefillRequest\x1a .kvtier.v1.ReportPrefillResponse\x12=\n\x06\x41ttach\x12\x18.kvtier.v1.AttachRequest\x1a\x19.kvtier.v1.AttachResponse\x12@\n\x07Reserve\x12\x19.kvtier.v1.ReserveRequest\x1a\x1a.kvtier.v1.ReserveResponse\x12=\n\x06\x43ommit\x12\x18.kvtier.v1.CommitRequest\x1a\x19.kvtier.v1.CommitResponse\x12@\n\x07\x41\x63quire\x12\x19.kvtier.v1.AcquireRequest\x1a\x1a.kvtier.v1.AcquireResponse\x12@\n\x07Release\x12\x19.kvtier.v1.ReleaseRequest\x1a\x1a.kvtier.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvtier.v1.kvtier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=3282
-  _globals['_TIER']._serialized_end=3354
+  _globals['_TIER']._serialized_start=3318
+  _globals['_TIER']._serialized_end=3390
   _globals['_PUTHEADER']._serialized_start=37
   _globals['_PUTHEADER']._serialized_end=136
   _globals['_PUTREQUEST']._serialized_start=138
@@ -66,46 +66,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DELETERESPONSE']._serialized_end=1067
   _globals['_STATSREQUEST']._serialized_start=1069
   _globals['_STATSREQUEST']._serialized_end=1083
-  _globals['_TIERSTATS']._serialized_start=1085
-  _globals['_TIERSTATS']._serialized_end=1203
-  _globals['_STATSRESPONSE']._serialized_start=1206
-  _globals['_STATSRESPONSE']._serialized_end=1670
-  _globals['_ATTACHREQUEST']._serialized_start=1672
-  _globals['_ATTACHREQUEST']._serialized_end=1687
-  _globals['_ATTACHRESPONSE']._serialized_start=1689
-  _globals['_ATTACHRESPONSE']._serialized_end=1804
-  _globals['_RESERVEITEM']._serialized_start=1806
-  _globals['_RESERVEITEM']._serialized_end=1852
-  _globals['_RESERVEREQUEST']._serialized_start=1854
-  _globals['_RESERVEREQUEST']._serialized_end=1967
-  _globals['_SLOT']._serialized_start=1969
-  _globals['_SLOT']._serialized_end=2011
-  _globals['_RESERVERESPONSE']._serialized_start=2013
-  _globals['_RESERVERESPONSE']._serialized_end=2080
-  _globals['_COMMITREQUEST']._serialized_start=2082
-  _globals['_COMMITREQUEST']._serialized_end=2167
-  _globals['_COMMITRESULT']._serialized_start=2169
-  _globals['_COMMITRESULT']._serialized_end=2230
-  _globals['_COMMITRESPONSE']._serialized_start=2232
-  _globals['_COMMITRESPONSE']._serialized_end=2290
-  _globals['_ACQUIREREQUEST']._serialized_start=2292
-  _globals['_ACQUIREREQUEST']._serialized_end=2361
-  _globals['_LEASEDBLOCK']._serialized_start=2363
-  _globals['_LEASEDBLOCK']._serialized_end=2475
-  _globals['_ACQUIRERESPONSE']._serialized_start=2477
-  _globals['_ACQUIRERESPONSE']._serialized_end=2552
-  _globals['_RELEASEREQUEST']._serialized_start=2554
-  _globals['_RELEASEREQUEST']._serialized_end=2653
-  _globals['_RELEASERESPONSE']._serialized_start=2655
-  _globals['_RELEASERESPONSE']._serialized_end=2690
-  _globals['_PLANREQUEST']._serialized_start=2693
-  _globals['_PLANREQUEST']._serialized_end=2863
-  _globals['_PLANRESPONSE']._serialized_start=2866
-  _globals['_PLANRESPONSE']._serialized_end=3092
-  _globals['_REPORTPREFILLREQUEST']._serialized_start=3094
-  _globals['_REPORTPREFILLREQUEST']._serialized_end=3192
-  _globals['_REPORTPREFILLRESPONSE']._serialized_start=3194
-  _globals['_REPORTPREFILLRESPONSE']._serialized_end=3280
-  _globals['_KVTIER']._serialized_start=3357
-  _globals['_KVTIER']._serialized_end=4241
+  _globals['_TIERSTATS']._serialized_start=1086
+  _globals['_TIERSTATS']._serialized_end=1239
+  _globals['_STATSRESPONSE']._serialized_start=1242
+  _globals['_STATSRESPONSE']._serialized_end=1706
+  _globals['_ATTACHREQUEST']._serialized_start=1708
+  _globals['_ATTACHREQUEST']._serialized_end=1723
+  _globals['_ATTACHRESPONSE']._serialized_start=1725
+  _globals['_ATTACHRESPONSE']._serialized_end=1840
+  _globals['_RESERVEITEM']._serialized_start=1842
+  _globals['_RESERVEITEM']._serialized_end=1888
+  _globals['_RESERVEREQUEST']._serialized_start=1890
+  _globals['_RESERVEREQUEST']._serialized_end=2003
+  _globals['_SLOT']._serialized_start=2005
+  _globals['_SLOT']._serialized_end=2047
+  _globals['_RESERVERESPONSE']._serialized_start=2049
+  _globals['_RESERVERESPONSE']._serialized_end=2116
+  _globals['_COMMITREQUEST']._serialized_start=2118
+  _globals['_COMMITREQUEST']._serialized_end=2203
+  _globals['_COMMITRESULT']._serialized_start=2205
+  _globals['_COMMITRESULT']._serialized_end=2266
+  _globals['_COMMITRESPONSE']._serialized_start=2268
+  _globals['_COMMITRESPONSE']._serialized_end=2326
+  _globals['_ACQUIREREQUEST']._serialized_start=2328
+  _globals['_ACQUIREREQUEST']._serialized_end=2397
+  _globals['_LEASEDBLOCK']._serialized_start=2399
+  _globals['_LEASEDBLOCK']._serialized_end=2511
+  _globals['_ACQUIRERESPONSE']._serialized_start=2513
+  _globals['_ACQUIRERESPONSE']._serialized_end=2588
+  _globals['_RELEASEREQUEST']._serialized_start=2590
+  _globals['_RELEASEREQUEST']._serialized_end=2689
+  _globals['_RELEASERESPONSE']._serialized_start=2691
+  _globals['_RELEASERESPONSE']._serialized_end=2726
+  _globals['_PLANREQUEST']._serialized_start=2729
+  _globals['_PLANREQUEST']._serialized_end=2899
+  _globals['_PLANRESPONSE']._serialized_start=2902
+  _globals['_PLANRESPONSE']._serialized_end=3128
+  _globals['_REPORTPREFILLREQUEST']._serialized_start=3130
+  _globals['_REPORTPREFILLREQUEST']._serialized_end=3228
+  _globals['_REPORTPREFILLRESPONSE']._serialized_start=3230
+  _globals['_REPORTPREFILLRESPONSE']._serialized_end=3316
+  _globals['_KVTIER']._serialized_start=3393
+  _globals['_KVTIER']._serialized_end=4277
 # @@protoc_insertion_point(module_scope)

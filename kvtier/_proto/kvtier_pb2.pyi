@@ -450,12 +450,17 @@ class TierStats(_message.Message):
     BLOCKS_FIELD_NUMBER: _builtins.int
     HITS_FIELD_NUMBER: _builtins.int
     EVICTIONS_FIELD_NUMBER: _builtins.int
+    ONLINE_FIELD_NUMBER: _builtins.int
+    IO_ERRORS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     used_bytes: _builtins.int
     capacity_bytes: _builtins.int
     blocks: _builtins.int
     hits: _builtins.int
     evictions: _builtins.int
+    online: _builtins.bool
+    """false while the tier is offline after repeated I/O errors (served from the others)"""
+    io_errors: _builtins.int
     def __init__(
         self,
         *,
@@ -465,10 +470,12 @@ class TierStats(_message.Message):
         blocks: _builtins.int = ...,
         hits: _builtins.int = ...,
         evictions: _builtins.int = ...,
+        online: _builtins.bool = ...,
+        io_errors: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "capacity_bytes", b"capacity_bytes", "evictions", b"evictions", "hits", b"hits", "name", b"name", "used_bytes", b"used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "capacity_bytes", b"capacity_bytes", "evictions", b"evictions", "hits", b"hits", "io_errors", b"io_errors", "name", b"name", "online", b"online", "used_bytes", b"used_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

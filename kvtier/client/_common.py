@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -19,8 +20,8 @@ from kvtier._wire import (
     get_response_deserializer,
     put_request_serializer,
 )
-from kvtier.config import ENV_TOKEN, default_target
-from kvtier.errors import DataLoss, KVTierError, from_grpc_code
+from kvtier.config import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TOKEN, default_target
+from kvtier.errors import DataLoss, InvalidArgument, KVTierError, RateLimited, from_grpc_code
 from kvtier.index.planner import BlockPlan
 
 CHUNK_BYTES = 1 << 20
@@ -36,6 +37,8 @@ PB_TO_TIER: dict[int, str | None] = {
     pb.TIER_NVME: "nvme",
 }
 Buffer = bytes | bytearray | memoryview
+# PEM bytes, PEM text, or the path of a PEM file.
+PemSource = bytes | str | os.PathLike[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +71,68 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     """gRPC metadata carrying the bearer token (`token`, else $KVTIER_TOKEN), if any."""
     token = token or os.environ.get(ENV_TOKEN)
     return (("authorization", f"Bearer {token}"),) if token else None
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelSecurity:
+    """How to open the channel: plain (credentials None) or TLS, plus extra channel options."""
+
+    credentials: grpc.ChannelCredentials | None
+    options: list[tuple[str, Any]]
+
+
+def _pem(source: PemSource | None, what: str) -> bytes | None:
+    if source is None or isinstance(source, bytes):
+        return source
+    if isinstance(source, str) and source.lstrip().startswith("-----BEGIN"):
+        return source.encode()
+    try:
+        return Path(source).read_bytes()
+    except OSError as err:
+        raise InvalidArgument(f"{what}: cannot read {source}: {err.strerror or err}") from None
+
+
+def channel_security(
+    target: str,
+    tls: bool | None,
+    tls_ca: PemSource | None,
+    tls_cert: PemSource | None,
+    tls_key: PemSource | None,
+    tls_server_name: str | None,
+) -> ChannelSecurity:
+    """TLS for a host:port `target`. `tls` None: TLS when any tls_* option is given or
+    $KVTIER_TLS_CA / $KVTIER_TLS_CERT / $KVTIER_TLS_KEY is set; True: TLS (the system's
+    roots unless `tls_ca`); False: plain. A UNIX socket is never TLS (its permissions are
+    the access control), so options for one are an error."""
+    explicit = any(v is not None for v in (tls_ca, tls_cert, tls_key, tls_server_name))
+    if target.startswith("unix:"):
+        if tls or explicit:
+            raise InvalidArgument(
+                "TLS options apply to host:port targets; a UNIX socket is not encrypted "
+                "(its file permissions are the access control)"
+            )
+        return ChannelSecurity(None, [])
+    if tls is False:
+        return ChannelSecurity(None, [])
+    tls_ca = tls_ca if tls_ca is not None else os.environ.get(ENV_TLS_CA) or None
+    tls_cert = tls_cert if tls_cert is not None else os.environ.get(ENV_TLS_CERT) or None
+    tls_key = tls_key if tls_key is not None else os.environ.get(ENV_TLS_KEY) or None
+    if not tls and not explicit and not (tls_ca or tls_cert or tls_key):
+        return ChannelSecurity(None, [])
+    if (tls_cert is None) != (tls_key is None):
+        raise InvalidArgument("pass tls_cert and tls_key together (the client certificate)")
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=_pem(tls_ca, "tls_ca"),
+        private_key=_pem(tls_key, "tls_key"),
+        certificate_chain=_pem(tls_cert, "tls_cert"),
+    )
+    options: list[tuple[str, Any]] = []
+    if tls_server_name:
+        options = [
+            ("grpc.ssl_target_name_override", tls_server_name),
+            ("grpc.default_authority", tls_server_name),
+        ]
+    return ChannelSecurity(credentials, options)
 
 
 def normalize_target(target: str | None) -> str:
@@ -256,6 +321,8 @@ def stats_dict(resp: pb.StatsResponse) -> dict[str, Any]:
                 "blocks": t.blocks,
                 "hits": t.hits,
                 "evictions": t.evictions,
+                "online": t.online,
+                "io_errors": t.io_errors,
             }
             for t in resp.tiers
         },
@@ -265,6 +332,12 @@ def stats_dict(resp: pb.StatsResponse) -> dict[str, Any]:
 def translate(err: grpc.RpcError) -> KVTierError:
     code = err.code() if hasattr(err, "code") else None
     details = err.details() if hasattr(err, "details") else str(err)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and hasattr(err, "trailing_metadata"):
+        # (key, value) pairs on both channel kinds; the stubs type them differently.
+        trailing: Any = err.trailing_metadata()
+        for name, value in trailing or ():
+            if name == "retry-after-ms" and str(value).isdigit():
+                return RateLimited(details or "", int(value) / 1000)
     return from_grpc_code(code, details or "")
 
 

@@ -19,10 +19,12 @@ from kvtier.client._common import (
     BlockStat,
     Buffer,
     GetAssembler,
+    PemSource,
     PlanResult,
     as_key,
     auth_metadata,
     block_stat,
+    channel_security,
     make_calls,
     normalize_target,
     plan_request,
@@ -49,15 +51,34 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncClient:
-    """A connection to one kvtier daemon for asyncio code; use `async with` or `await close()`."""
+    """A connection to one kvtier daemon for asyncio code; use `async with` or `await close()`.
+
+    Arguments as for `kvtier.Client` (target, timeout, token and the TLS options).
+    """
 
     def __init__(
-        self, target: str | None = None, timeout_s: float | None = 60.0, token: str | None = None
+        self,
+        target: str | None = None,
+        timeout_s: float | None = 60.0,
+        token: str | None = None,
+        *,
+        tls: bool | None = None,
+        tls_ca: PemSource | None = None,
+        tls_cert: PemSource | None = None,
+        tls_key: PemSource | None = None,
+        tls_server_name: str | None = None,
     ) -> None:
         self.target = normalize_target(target)
         self.timeout_s = timeout_s
         self._metadata = auth_metadata(token)
-        self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        security = channel_security(self.target, tls, tls_ca, tls_cert, tls_key, tls_server_name)
+        options = [*CHANNEL_OPTIONS, *security.options]
+        if security.credentials is None:
+            self._channel = grpc.aio.insecure_channel(self.target, options=options)
+        else:
+            self._channel = grpc.aio.secure_channel(
+                self.target, security.credentials, options=options
+            )
         calls = make_calls(self._channel)
         self._stub, self._put, self._get = calls.stub, calls.put, calls.get
         self._arena: AsyncSharedArena | None = None
@@ -310,6 +331,11 @@ class AsyncClient:
                 )
                 self._arena = await AsyncSharedArena.attach(resp)
             except (grpc.RpcError, OSError, KVTierError) as err:
+                if isinstance(err, grpc.RpcError) and (
+                    err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                ):
+                    # Over a rate limit for now: not a reason to give up zero-copy.
+                    raise translate(err) from None
                 self._zero_copy_possible = False
                 logger.info("zero-copy path unavailable (%s); using the gRPC byte path", err)
         return self._arena

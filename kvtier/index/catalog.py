@@ -45,6 +45,7 @@ class Entry:
     pins: int = 0
     doomed: bool = False
     demoting: bool = False
+    read_errors: int = 0  # I/O errors reading its NVMe record (not checksum failures)
 
     @property
     def tiers(self) -> list[TierName]:

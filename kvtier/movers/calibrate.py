@@ -14,6 +14,9 @@ Blocking: run it on the I/O pool. It stops at `budget_s` whatever it has.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import mmap
 import os
 import statistics
 import time
@@ -21,11 +24,14 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvtier.errors import CorruptRecord
 from kvtier.movers.io import aligned_buffer
 from kvtier.tiers.nvme import NvmeTier, RecordHeader, header_size_for
 
 # A namespace id no tenant can have ("tenant|namespace" always has a '|'), so a record
 # left by a crash mid-calibration is recognised and removed at the next start.
+logger = logging.getLogger(__name__)
+
 CALIBRATION_NS_ID = "kvtier-calibration"
 SIZES_BYTES = (256 << 10, 1 << 20, 4 << 20)
 REPEATS = 3
@@ -78,6 +84,28 @@ def _dram(deadline_s: float, count: int) -> list[Observation]:
     return out
 
 
+def _time_one(
+    nvme: NvmeTier, header: RecordHeader, payload: mmap.mmap, dest: mmap.mmap
+) -> float | None:
+    """Write one record, time REPEATS verified reads of it; None if the disk failed (the
+    error is handled here, so no view of `payload` or `dest` outlives this call)."""
+    size = header.payload_bytes
+    try:
+        nvme.write(header, [memoryview(payload)[:size]])
+        times = []
+        for _ in range(REPEATS):
+            target = memoryview(dest)[:size]
+            started = time.perf_counter()
+            nvme.read_into(header, target)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+    except (OSError, CorruptRecord) as err:
+        # A full or failing disk must not stop the daemon: the seeds stand in for what
+        # could not be measured, and the tier's own error handling takes it from here.
+        logger.warning("NVMe calibration stopped early: %s", err)
+        return None
+
+
 def _nvme(nvme: NvmeTier, deadline_s: float, count: int) -> list[Observation]:
     out: list[Observation] = []
     largest = max(SIZES_BYTES)
@@ -99,17 +127,14 @@ def _nvme(nvme: NvmeTier, deadline_s: float, count: int) -> list[Observation]:
                 header_bytes=header_size_for(CALIBRATION_NS_ID, key),
             )
             written.append(header)
-            nvme.write(header, [memoryview(payload)[:size]])
-            times = []
-            for _ in range(REPEATS):
-                with memoryview(dest) as view:
-                    started = time.perf_counter()
-                    nvme.read_into(header, view[:size])
-                    times.append(time.perf_counter() - started)
-            out.append(Observation("nvme", header.record_bytes, statistics.median(times)))
+            median_s = _time_one(nvme, header, payload, dest)
+            if median_s is None:
+                break
+            out.append(Observation("nvme", header.record_bytes, median_s))
     finally:
         for header in written:
-            nvme.remove(header)
+            with contextlib.suppress(OSError):  # a leftover is removed at the next start
+                nvme.remove(header)
         payload.close()
         dest.close()
     return out

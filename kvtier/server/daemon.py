@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
-from kvtier import __version__
+from kvtier import __version__, failpoints
 from kvtier.config import Config, load_config
 from kvtier.errors import ConfigError
 from kvtier.server.arena_socket import ArenaSocket
@@ -33,6 +33,7 @@ from kvtier.server.reload import plan_reload
 from kvtier.server.sdnotify import Notifier
 from kvtier.server.service import SERVICE_NAME, KVTierService, add_to_server
 from kvtier.server.store import Store
+from kvtier.server.tls import ReloadableCredentials, listener_tls, load_server_tls
 from kvtier.sizes import human_size
 
 logger = logging.getLogger("kvtier")
@@ -124,6 +125,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._store: Store | None = None
         self._service: KVTierService | None = None
+        self._tls: ReloadableCredentials | None = None
 
     async def run(self) -> int:
         cfg = self.config
@@ -131,6 +133,13 @@ class Daemon:
         sock_path = _unix_path(listen)
         if sock_path is not None:
             _prepare_unix_socket(sock_path)  # before touching the NVMe tier another may own
+            if cfg.server.tls_cert_file or cfg.server.tls_client_ca_file:
+                logger.warning(
+                    "server.tls_* apply to TCP listeners: %s is a UNIX socket, served without "
+                    "TLS (its permissions are the access control)",
+                    listen,
+                )
+        tls = listener_tls(cfg)  # before allocating anything: a TCP listener needs TLS
         arena_bytes = sum(cfg.tenant_arenas().values())
         if cfg.dram.prefault:
             self.notifier.extend_timeout(60 + arena_bytes / PREFAULT_BYTES_PER_S)
@@ -166,7 +175,9 @@ class Daemon:
                 store.release_session,
             )
             await arena.start()
-        service = KVTierService(store, cfg, lambda: self.draining, arena)
+        service = KVTierService(
+            store, cfg, lambda: self.draining, arena, mtls=tls is not None and tls.mtls
+        )
         self._service = service
         if arena is not None:
             arena.set_handler(service.session_call)
@@ -181,10 +192,21 @@ class Daemon:
             )
         if sock_path is not None:
             old_umask = os.umask(0o007)  # the socket's group is the access control
+        elif tls is None:
+            logger.warning(
+                "listening on TCP %s WITHOUT TLS (server.tls_insecure = true): anyone who can "
+                "reach the port can connect, and bearer tokens and blocks cross the network "
+                "in clear",
+                listen,
+            )
         else:
-            logger.warning("listening on TCP %s without TLS: any local process can connect", listen)
+            logger.info("listening on TCP %s with %s", listen, "mTLS" if tls.mtls else "TLS")
         try:
-            port = server.add_insecure_port(listen)
+            if tls is not None:
+                self._tls = ReloadableCredentials(tls)
+                port = server.add_secure_port(listen, self._tls.credentials)
+            else:
+                port = server.add_insecure_port(listen)
         except RuntimeError as err:
             raise ConfigError(f"server.listen: cannot listen on {listen}: {err}") from None
         finally:
@@ -298,6 +320,13 @@ class Daemon:
             self._store.reconfigure(result.config)
         if self._service is not None:
             self._service.reconfigure(result.config)
+        if self._tls is not None:
+            try:  # read again even at the same paths: a renewed certificate replaces the file
+                self._tls.update(load_server_tls(result.config.server))
+            except ConfigError as err:
+                logger.error("reload: keeping the running TLS certificates: %s", err)
+        if result.config.auth.certificates and (self._tls is None or not self._tls.mtls):
+            logger.warning("auth.certificates has no effect: this listener does not use mTLS")
         logger.info(
             "reloaded %s%s",
             ", ".join(result.reloaded) if result.reloaded else "nothing (no reloadable change)",
@@ -324,6 +353,7 @@ def serve(config: Config, config_path: Path | None, flags: dict[str, Any] | None
     tune_malloc()
     notifier = Notifier.from_env()
     try:
+        failpoints.configure()
         return asyncio.run(Daemon(config, config_path, flags, notifier).run())
     except ConfigError as err:
         print(f"kvtier: {err}", file=sys.stderr)

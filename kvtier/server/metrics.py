@@ -28,13 +28,23 @@ class StoreCollector(Collector):
         evictions = CounterMetricFamily(
             "kvtier_evictions", "Blocks evicted from a tier", labels=["tier"]
         )
+        online = GaugeMetricFamily(
+            "kvtier_tier_online",
+            "1 while a tier is in use, 0 while offline after repeated I/O errors",
+            labels=["tier"],
+        )
+        io_errors = CounterMetricFamily(
+            "kvtier_tier_io_errors", "I/O errors a tier returned", labels=["tier"]
+        )
         for t in s.tiers:
+            online.add_metric([t.name], 1.0 if t.online else 0.0)
+            io_errors.add_metric([t.name], t.io_errors)
             used.add_metric([t.name], t.used_bytes)
             cap.add_metric([t.name], t.capacity_bytes)
             blocks.add_metric([t.name], t.blocks)
             hits.add_metric([t.name], t.hits)
             evictions.add_metric([t.name], t.evictions)
-        yield from (used, cap, blocks, hits, evictions)
+        yield from (used, cap, blocks, hits, evictions, online, io_errors)
         yield CounterMetricFamily("kvtier_misses", "Gets that found nothing", value=s.misses)
         yield CounterMetricFamily("kvtier_puts", "Blocks stored", value=s.puts)
         yield CounterMetricFamily(

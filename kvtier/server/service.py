@@ -2,6 +2,12 @@
 
 Exceptions from kvtier.errors become status codes here and nowhere else: every handler
 runs its body under `_status`, which aborts with the exception's code and message.
+
+Identity and rate limits: every tenant-scoped RPC (all but Stats) learns its tenant from
+`_tenant` (client certificate and/or bearer token) and is charged one request by `_admit`
+before it does any work; zero-copy session ops are charged in `session_call` (or `_session`
+for their gRPC twins). Commit and Release are not charged: they finish work already
+admitted, and refusing them would only keep DRAM pinned until the lease expires.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from kvtier.errors import (
     KVTierError,
     NotFound,
     PermissionDenied,
+    RateLimited,
     Unauthenticated,
     Unavailable,
     Unimplemented,
@@ -31,6 +38,7 @@ from kvtier.index.catalog import BlockId, Entry, TierName
 from kvtier.index.planner import OVERLAPS
 from kvtier.keys import DEFAULT_TENANT, check_key, check_namespace, hash_token, namespace_id
 from kvtier.server.arena_socket import ArenaSocket
+from kvtier.server.ratelimit import RateLimiter
 from kvtier.server.store import LeasedSlot, Store
 from kvtier.server.telemetry import Telemetry
 
@@ -47,12 +55,20 @@ TIER_NAME_TO_PB: dict[str | None, pb.Tier.ValueType] = {
 }
 
 
+# Ops that finish work a Reserve or an Acquire was admitted for: never rate-limited.
+FINISHING_OPS = frozenset({Op.COMMIT, Op.RELEASE})
+
+
 @asynccontextmanager
 async def _status(context: Ctx) -> AsyncIterator[None]:
     try:
         yield
     except KVTierError as err:
-        await context.abort(err.grpc_code, str(err))
+        trailing: tuple[tuple[str, str], ...] = ()
+        if isinstance(err, RateLimited):
+            retry_ms = max(1, math.ceil(err.retry_after_s * 1000))
+            trailing = (("retry-after-ms", str(retry_ms)),)
+        await context.abort(err.grpc_code, str(err), trailing_metadata=trailing)
 
 
 class KVTierService:
@@ -62,28 +78,53 @@ class KVTierService:
         config: Config,
         draining: Callable[[], bool],
         arena: ArenaSocket | None = None,
+        mtls: bool = False,
     ) -> None:
+        """`mtls`: the listener verifies client certificates (server.tls_client_ca_file), so
+        the certificate names in a call's auth context can identify its tenant."""
         self._store = store
         self.telemetry = store.telemetry
         self._limits = config.limits
         self._chunk_bytes = config.server.chunk_bytes
         self._draining = draining
         self._arena = arena
+        self._mtls = mtls
         self._tokens = dict(config.auth.tokens)
+        self._certificates = dict(config.auth.certificates)
+        self._limiter = RateLimiter(config)
 
     def reconfigure(self, config: Config) -> None:
         """Apply settings a reload may change while calls are in flight (each call reads
         them once, so it sees either the old or the new ones, never a mix)."""
         self._limits = config.limits
         self._tokens = dict(config.auth.tokens)
+        self._certificates = dict(config.auth.certificates)
+        self._limiter.reconfigure(config)
 
     # ---- helpers ------------------------------------------------------------------------
     def _tenant(self, context: Ctx) -> str:
-        """The caller's tenant, from its bearer token (never from a request field)."""
-        if not self._tokens:
+        """The caller's tenant, from its verified client certificate and/or its bearer
+        token (never from a request field). Charges nothing: see `_caller`.
+
+        A certificate that auth.certificates maps to a tenant is an identity; a bearer
+        token sent with it must map to the same tenant, else PERMISSION_DENIED. A token
+        alone identifies its tenant. A certificate that maps to no tenant identifies no
+        one: without a valid token the call is UNAUTHENTICATED. With neither tokens nor
+        certificate mappings configured, every caller is tenant 'default'.
+        """
+        if not self._tokens and not self._certificates:
             return DEFAULT_TENANT
+        cert_tenant = self._certificate_tenant(context)
         auth = dict(context.invocation_metadata() or ()).get("authorization", "")
         if not isinstance(auth, str) or not auth.startswith("Bearer "):
+            if cert_tenant is not None:
+                return cert_tenant
+            if self._mtls and self._certificates:
+                raise Unauthenticated(
+                    "this client certificate maps to no tenant (auth.certificates) and no "
+                    "bearer token was sent: ask the operator to map the certificate, or "
+                    "pass Client(target, token=...)"
+                )
             raise Unauthenticated(
                 "this daemon requires a bearer token: pass Client(target, token=...) "
                 "or set KVTIER_TOKEN"
@@ -91,6 +132,45 @@ class KVTierService:
         tenant = self._tokens.get(hash_token(auth[len("Bearer ") :]))
         if tenant is None:
             raise Unauthenticated("unknown bearer token")
+        if cert_tenant is not None and cert_tenant != tenant:
+            raise PermissionDenied(
+                "the client certificate and the bearer token belong to different tenants: "
+                "send one identity, or one token of the certificate's tenant"
+            )
+        return tenant
+
+    def _certificate_tenant(self, context: Ctx) -> str | None:
+        """The tenant auth.certificates gives the caller's verified certificate, if any."""
+        if not self._mtls or not self._certificates:
+            return None
+        props = context.auth_context()
+        names = [f"cn:{v.decode(errors='replace')}" for v in props.get("x509_common_name", ())]
+        names += [f"dns:{v.decode(errors='replace').lower()}" for v in props.get("peer_dns", ())]
+        names += [f"uri:{v.decode(errors='replace')}" for v in props.get("peer_uri", ())]
+        tenants = {self._certificates[n] for n in names if n in self._certificates}
+        if len(tenants) > 1:
+            raise PermissionDenied(
+                "this client certificate's names map to different tenants in "
+                "auth.certificates: the operator must map it to one tenant"
+            )
+        return tenants.pop() if tenants else None
+
+    def _admit(self, tenant: str) -> None:
+        """Charge one request to `tenant`'s rate (limits.requests_per_s)."""
+        refusal = self._limiter.admit_request(tenant)
+        if refusal is not None:
+            raise RateLimited(refusal.message, refusal.retry_after_s)
+
+    def _admit_bytes(self, tenant: str, size_bytes: int) -> None:
+        """Charge block payload bytes to `tenant`'s rate (limits.payload_bytes_per_s)."""
+        refusal = self._limiter.admit_bytes(tenant, size_bytes)
+        if refusal is not None:
+            raise RateLimited(refusal.message, refusal.retry_after_s)
+
+    def _caller(self, context: Ctx) -> str:
+        """The tenant of an RPC that starts work, charged one request."""
+        tenant = self._tenant(context)
+        self._admit(tenant)
         return tenant
 
     def _ns_id(self, tenant: str, namespace: str) -> str:
@@ -100,8 +180,12 @@ class KVTierService:
         return namespace_id(tenant, namespace)
 
     def _block_id(self, context: Ctx, namespace: str, key: bytes) -> BlockId:
-        ns_id = self._ns_id(self._tenant(context), namespace)
-        return ns_id, check_key(key, self._limits.max_key_bytes)
+        return self._tenant_block(context, namespace, key)[1]
+
+    def _tenant_block(self, context: Ctx, namespace: str, key: bytes) -> tuple[str, BlockId]:
+        tenant = self._caller(context)
+        ns_id = self._ns_id(tenant, namespace)
+        return tenant, (ns_id, check_key(key, self._limits.max_key_bytes))
 
     @staticmethod
     def _info(entry: Entry) -> pb.BlockInfo:
@@ -126,7 +210,8 @@ class KVTierService:
             if not isinstance(first, pb.PutRequest) or first.WhichOneof("msg") != "header":
                 raise InvalidArgument("a put stream must start with a header message")
             header = first.header
-            block_id = self._block_id(context, header.namespace, header.key)
+            tenant, block_id = self._tenant_block(context, header.namespace, header.key)
+            self._admit_bytes(tenant, header.size_bytes)
             writer = await self._store.put_begin(block_id, header.size_bytes, header.overwrite)
             try:
                 async for msg in request_iterator:
@@ -153,7 +238,10 @@ class KVTierService:
         context: Ctx,
     ) -> AsyncIterator[pb.GetResponse | RawChunk]:
         async with _status(context):
-            block_id = self._block_id(context, request.namespace, request.key)
+            tenant, block_id = self._tenant_block(context, request.namespace, request.key)
+            entry = self._store.stat(block_id)
+            if entry is not None:  # charged before the bytes move (a read may hit NVMe)
+                self._admit_bytes(tenant, entry.size_bytes)
             reader = await self._store.open_block(block_id)
             if reader is None:
                 raise NotFound("block not found in this namespace")
@@ -176,7 +264,7 @@ class KVTierService:
         context: Ctx,
     ) -> pb.LookupResponse:
         async with _status(context):
-            ns_id = self._ns_id(self._tenant(context), request.namespace)
+            ns_id = self._ns_id(self._caller(context), request.namespace)
             keys = [check_key(k, self._limits.max_key_bytes) for k in request.keys]
             result = self._store.lookup(ns_id, keys)
             return pb.LookupResponse(
@@ -203,15 +291,14 @@ class KVTierService:
         context: Ctx,
     ) -> AsyncIterator[pb.ListEntry]:
         async with _status(context):
+            tenant = self._caller(context)
             if request.namespace:
-                ns_id = self._ns_id(self._tenant(context), request.namespace)
+                ns_id = self._ns_id(tenant, request.namespace)
                 entries = self._store.catalog.entries(ns_id=ns_id)
             else:
                 if self._draining():
                     raise Unavailable("kvtier is shutting down")
-                entries = self._store.catalog.entries(
-                    ns_prefix=namespace_id(self._tenant(context), "")
-                )
+                entries = self._store.catalog.entries(ns_prefix=namespace_id(tenant, ""))
             for count, entry in enumerate(entries, start=1):
                 yield pb.ListEntry(info=self._info(entry))
                 if request.limit and count >= request.limit:
@@ -223,7 +310,9 @@ class KVTierService:
         context: Ctx,
     ) -> pb.DeleteResponse:
         async with _status(context):
-            deleted = self._store.delete(self._block_id(context, request.namespace, request.key))
+            deleted = await self._store.delete(
+                self._block_id(context, request.namespace, request.key)
+            )
             return pb.DeleteResponse(deleted=deleted)
         raise AssertionError("unreachable")
 
@@ -232,6 +321,9 @@ class KVTierService:
         request: pb.StatsRequest,
         context: Ctx,
     ) -> pb.StatsResponse:
+        # Counters are node-wide: only callers who can authenticate may read them.
+        async with _status(context):
+            self._caller(context)
         s = self._store.stats()
         from kvtier import __version__
 
@@ -244,6 +336,8 @@ class KVTierService:
                     blocks=t.blocks,
                     hits=t.hits,
                     evictions=t.evictions,
+                    online=t.online,
+                    io_errors=t.io_errors,
                 )
                 for t in s.tiers
             ],
@@ -271,14 +365,14 @@ class KVTierService:
     # ---- deciding ---------------------------------------------------------------------------
     async def Plan(self, request: pb.PlanRequest, context: Ctx) -> pb.PlanResponse:
         async with _status(context):
-            return await self._plan(0, self._tenant(context), request)
+            return await self._plan(0, self._caller(context), request)
         raise AssertionError("unreachable")
 
     async def ReportPrefill(
         self, request: pb.ReportPrefillRequest, context: Ctx
     ) -> pb.ReportPrefillResponse:
         async with _status(context):
-            return await self._report_prefill(0, self._tenant(context), request)
+            return await self._report_prefill(0, self._caller(context), request)
         raise AssertionError("unreachable")
 
     async def _plan(self, session_id: int, tenant: str, request: pb.PlanRequest) -> pb.PlanResponse:
@@ -347,17 +441,19 @@ class KVTierService:
             raise InvalidArgument(f"unknown or ended session {session_id}: call Attach again")
         return tenant
 
-    def _session(self, session_id: int, context: Ctx) -> tuple[int, str]:
+    def _session(self, session_id: int, context: Ctx, op: Op) -> tuple[int, str]:
         tenant = self._session_tenant(session_id)
         if tenant != self._tenant(context):
             raise PermissionDenied("this session belongs to another tenant")
+        if op not in FINISHING_OPS:
+            self._admit(tenant)
         return session_id, tenant
 
     async def Attach(self, request: pb.AttachRequest, context: Ctx) -> pb.AttachResponse:
         async with _status(context):
             if self._draining():
                 raise Unavailable("kvtier is shutting down")
-            tenant = self._tenant(context)
+            tenant = self._caller(context)
             if self._arena is None:
                 self._session_tenant(0)  # raises Unimplemented
             assert self._arena is not None
@@ -380,6 +476,7 @@ class KVTierService:
             ((ns_id, check_key(item.key, self._limits.max_key_bytes)), item.size_bytes)
             for item in request.items
         ]
+        self._admit_bytes(tenant, sum(size for _, size in items))
         lease_id, slots = await self._store.reserve(session_id, items, request.overwrite)
         return pb.ReserveResponse(
             lease_id=lease_id,
@@ -408,6 +505,9 @@ class KVTierService:
     ) -> pb.AcquireResponse:
         ns_id = self._ns_id(tenant, request.namespace)
         keys = [(ns_id, check_key(k, self._limits.max_key_bytes)) for k in request.keys]
+        # Charged before the bytes are pinned (an acquire may read them from NVMe).
+        entries = [self._store.stat(k) for k in keys]
+        self._admit_bytes(tenant, sum(e.size_bytes for e in entries if e is not None))
         lease_id, slots = await self._store.acquire(session_id, keys)
         return pb.AcquireResponse(lease_id=lease_id, blocks=[_leased(s) for s in slots])
 
@@ -425,6 +525,8 @@ class KVTierService:
             kind = Op(op)
             request = REQUEST_TYPES[kind].FromString(payload)
             tenant = self._session_tenant(session_id)
+            if kind not in FINISHING_OPS:
+                self._admit(tenant)
             handlers: dict[Op, Callable[[int, str, Any], Awaitable[Message]]] = {
                 Op.RESERVE: self._reserve,
                 Op.COMMIT: self._commit,
@@ -446,22 +548,26 @@ class KVTierService:
 
     async def Reserve(self, request: pb.ReserveRequest, context: Ctx) -> pb.ReserveResponse:
         async with _status(context):
-            return await self._reserve(*self._session(request.session_id, context), request)
+            session = self._session(request.session_id, context, Op.RESERVE)
+            return await self._reserve(*session, request)
         raise AssertionError("unreachable")
 
     async def Commit(self, request: pb.CommitRequest, context: Ctx) -> pb.CommitResponse:
         async with _status(context):
-            return await self._commit(*self._session(request.session_id, context), request)
+            session = self._session(request.session_id, context, Op.COMMIT)
+            return await self._commit(*session, request)
         raise AssertionError("unreachable")
 
     async def Acquire(self, request: pb.AcquireRequest, context: Ctx) -> pb.AcquireResponse:
         async with _status(context):
-            return await self._acquire(*self._session(request.session_id, context), request)
+            session = self._session(request.session_id, context, Op.ACQUIRE)
+            return await self._acquire(*session, request)
         raise AssertionError("unreachable")
 
     async def Release(self, request: pb.ReleaseRequest, context: Ctx) -> pb.ReleaseResponse:
         async with _status(context):
-            return await self._release(*self._session(request.session_id, context), request)
+            session = self._session(request.session_id, context, Op.RELEASE)
+            return await self._release(*session, request)
         raise AssertionError("unreachable")
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import math
 import mmap
@@ -24,11 +25,11 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import xxhash
 
+from kvtier import failpoints
 from kvtier.config import Config
 from kvtier.errors import (
     AlreadyExists,
@@ -48,7 +49,8 @@ from kvtier.index.policy import BlockInfo, Policies, TierPolicy, ValueModel
 from kvtier.index.profiles import MODELS
 from kvtier.keys import tenant_of
 from kvtier.movers.calibrate import CALIBRATION_NS_ID, calibrate
-from kvtier.movers.io import IoPool
+from kvtier.movers.io import IoPool, aligned_buffer
+from kvtier.server.health import TierHealth
 from kvtier.server.telemetry import Telemetry
 from kvtier.sizes import human_size
 from kvtier.tiers.allocator import Extent
@@ -75,6 +77,8 @@ class TierUsage:
     blocks: int
     hits: int
     evictions: int
+    online: bool = True
+    io_errors: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +124,11 @@ class _Counters:
     lost_reuse: int = 0
     admitted: int = 0
     not_admitted: int = 0
+
+
+# ENOSPC, EDQUOT, EFBIG: the record does not fit; the device itself is fine.
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+READ_ERRORS_BEFORE_DROP = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,17 +241,15 @@ class Store:
             for tenant, size in self.config.tenant_arenas().items()
         }
         nvme_cfg = self.config.nvme
-        self.nvme: NvmeTier | None = (
-            NvmeTier(
-                Path(nvme_cfg.path),
-                nvme_cfg.capacity_bytes,
-                nvme_cfg.direct_io,
-                nvme_cfg.sync_writes,
-            )
-            if nvme_cfg.enabled
-            else None
-        )
+        self.nvme: NvmeTier | None = NvmeTier.from_config(nvme_cfg) if nvme_cfg.enabled else None
         self.io = IoPool(nvme_cfg.io_threads)
+        self.nvme_health = TierHealth("nvme", nvme_cfg.offline_after_errors)
+        # NVMe work that failed and must not be forgotten: records to remove (else they
+        # leak disk) and tombstones to write (else a restart could bring a deleted block
+        # back); retried by the health watcher.
+        self._unremoved: list[RecordHeader] = []
+        self._unwritten_tombstones: list[Entry] = []
+        self._health_task: asyncio.Task[None] | None = None
         self._reserving: dict[str, int] = dict.fromkeys(self.arenas, 0)
         self._counters = _Counters()
         self.telemetry = Telemetry()
@@ -305,6 +312,10 @@ class Store:
         if self.nvme is None:
             return
         report = await self.io.run(self.nvme.open)
+        # A generation a tombstone named must never be handed out again: a new block with
+        # it would be dropped at the next start as if deleted.
+        self._next_generation = max(self._next_generation, report.max_tombstone_generation + 1)
+        self._health_task = asyncio.ensure_future(self._watch_nvme_forever())
         records = sorted(report.records, key=lambda r: r.header.generation)
         leftovers = [r for r in records if r.header.ns_id == CALIBRATION_NS_ID]
         for rec in leftovers:  # a crash during the last start's calibration
@@ -325,13 +336,14 @@ class Store:
         self._counters.checksum_failures += report.dropped_corrupt
         self._make_nvme_room(0)
         logger.info(
-            "NVMe tier at %s: recovered %d blocks (%s), dropped %d unreadable and %d stale "
-            "records, removed %d temporary files; direct I/O %s",
+            "NVMe tier at %s: recovered %d blocks (%s), dropped %d unreadable, %d stale and "
+            "%d deleted records, removed %d temporary files; direct I/O %s",
             self.nvme.root,
             len(records),
             human_size(self.catalog.nvme_used_bytes),
             report.dropped_corrupt,
             report.dropped_stale,
+            report.dropped_deleted,
             report.removed_temporary,
             "on" if self.nvme.direct_io else "off",
         )
@@ -403,10 +415,11 @@ class Store:
         return written
 
     async def close(self) -> None:
-        if self._expiry_task is not None:
-            self._expiry_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._expiry_task
+        for task in (self._expiry_task, self._health_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for lease_id in list(self._leases):
             self._end_lease(lease_id)
         if self._background:
@@ -463,8 +476,9 @@ class Store:
                 "was stored: retry the put"
             )
         self.arena_of(writer.block_id).zero_tail(writer.extent, writer.size_bytes)
-        existing = self.catalog.get(writer.block_id)
-        if existing is not None:
+        if failpoints.ACTIVE:
+            failpoints.fire("store.commit")
+        while (existing := self.catalog.get(writer.block_id)) is not None:
             if existing.size_bytes == writer.size_bytes and existing.xxh3_64 == digest:
                 self.put_abort(writer)
                 self.catalog.touch(existing)
@@ -476,7 +490,9 @@ class Store:
                     "a different block is already stored under this key: pass overwrite to "
                     "replace it, or use a key that names these bytes"
                 )
-            self._discard(existing)
+            await self._tombstone(existing)
+            if self.catalog.is_live(existing):  # else look again: someone replaced it
+                self._discard(existing)
         entry = Entry(
             writer.block_id,
             writer.size_bytes,
@@ -517,6 +533,10 @@ class Store:
             view = self.arena_of(block_id).view(entry.dram_extent)[: entry.size_bytes]
             return BlockReader(self, entry, TierName.DRAM, view)
         assert self.nvme is not None and entry.nvme_record_bytes
+        if not self.nvme_health.online:
+            self._unpin(entry)
+            self._counters.misses += 1
+            return None
         header = self._record_header(entry)
         started_s = time.perf_counter()
         try:
@@ -526,6 +546,7 @@ class Store:
             self._unpin(entry)
             self._counters.misses += 1
             return None
+        self.nvme_health.succeeded()
         read_s = time.perf_counter() - started_s
         self.paths["nvme"].observe(header.record_bytes, read_s)
         self.telemetry.transfer("nvme", "client", header.record_bytes, read_s)
@@ -541,12 +562,30 @@ class Store:
     def stat(self, block_id: BlockId) -> Entry | None:
         return self.catalog.get(block_id)
 
-    def delete(self, block_id: BlockId) -> bool:
+    async def delete(self, block_id: BlockId) -> bool:
         entry = self.catalog.get(block_id)
         if entry is None:
             return False
-        self._discard(entry)
+        await self._tombstone(entry)
+        if self.catalog.is_live(entry):  # else a concurrent delete or overwrite took it
+            self._discard(entry)
         return True
+
+    async def _tombstone(self, entry: Entry) -> None:
+        """Before a delete or overwrite is acknowledged: make sure the block's NVMe record
+        (written, or being written) cannot come back after a crash."""
+        if self.nvme is None or not (entry.nvme_record_bytes or entry.demoting):
+            return
+        ns_id, key = entry.block_id
+        if self.nvme_health.online:
+            try:
+                await self.io.run(self.nvme.tombstone, ns_id, key, entry.generation)
+                self.nvme_health.succeeded()
+                return
+            except OSError as err:
+                self._nvme_failed(err, "write a tombstone")
+        # Retried by the watcher; until then a crash may resurrect the deleted record.
+        self._unwritten_tombstones.append(entry)
 
     def stats(self) -> StoreStats:
         c = self._counters
@@ -569,6 +608,8 @@ class Store:
                     self.catalog.count(TierName.NVME),
                     c.hits["nvme"],
                     c.evictions["nvme"],
+                    self.nvme_health.online,
+                    self.nvme_health.errors_total,
                 )
             )
         return StoreStats(
@@ -873,11 +914,14 @@ class Store:
         assert self.nvme is not None and entry.nvme_record_bytes
         header = self._record_header(entry)
         arena = self.arena_of(entry.block_id)
+        if not self.nvme_health.online:
+            return False
         extent = await self._reserve_dram(tenant_of(entry.block_id[0]), entry.size_bytes)
         view = arena.view(extent)
         started_s = time.perf_counter()
         try:
             await self.io.run(self.nvme.read_into, header, view)
+            self.nvme_health.succeeded()
             read_s = time.perf_counter() - started_s
             self.paths["nvme"].observe(header.record_bytes, read_s)
             self.telemetry.transfer("nvme", "dram", header.record_bytes, read_s)
@@ -970,6 +1014,8 @@ class Store:
             if wanted and await self._write_nvme(entry, evicting=True):
                 self._counters.demotions += 1
                 self._counters.admitted += 1
+                if failpoints.ACTIVE:
+                    failpoints.fire("store.evict")
         finally:
             entry.demoting = False
         if entry.pins:
@@ -996,6 +1042,8 @@ class Store:
 
     async def _write_nvme(self, entry: Entry, evicting: bool) -> bool:
         assert self.nvme is not None and entry.dram_extent is not None
+        if not self.nvme_health.online:
+            return False
         header = self._record_header(entry)
         need = header.record_bytes
         if not self._make_nvme_room(need, tenant_of(entry.block_id[0])):
@@ -1006,8 +1054,10 @@ class Store:
         started_s = time.perf_counter()
         try:
             record_bytes = await self.io.run(self.nvme.write, header, [view])
+            self.nvme_health.succeeded()
             self.telemetry.transfer("dram", "nvme", record_bytes, time.perf_counter() - started_s)
         except OSError as err:
+            self._nvme_failed(err)
             logger.warning(
                 "could not write a %s record to NVMe (%s); the block %s",
                 human_size(need),
@@ -1069,7 +1119,7 @@ class Store:
             self._counters.eviction_reasons["nvme", "capacity"] += 1
             if not self.catalog.is_live(victim):
                 self._dropped(victim)
-            self._spawn(self.io.run(self.nvme.remove, header))
+            self._spawn(self._remove_record(header))
             return True
 
     # ---- releasing ----------------------------------------------------------------------
@@ -1087,7 +1137,7 @@ class Store:
             entry.dram_extent = None
             self._signal_space()
         if entry.nvme_record_bytes and self.nvme is not None:
-            self._spawn(self.io.run(self.nvme.remove, self._record_header(entry)))
+            self._spawn(self._remove_record(self._record_header(entry)))
             entry.nvme_record_bytes = 0
 
     def _unpin(self, entry: Entry) -> None:
@@ -1096,6 +1146,71 @@ class Store:
         if not entry.pins:
             self._signal_space()
 
+    # ---- NVMe health ---------------------------------------------------------------------
+    def _nvme_failed(self, err: OSError, doing: str = "") -> None:
+        if doing:
+            logger.warning("could not %s on NVMe: %s", doing, err.strerror or err)
+        if err.errno not in _FULL_ERRNOS:  # a full disk is not a failing one
+            self.nvme_health.failed(err)
+
+    async def _remove_record(self, header: RecordHeader) -> None:
+        assert self.nvme is not None
+        try:
+            await self.io.run(self.nvme.remove, header)
+        except FileNotFoundError:
+            return
+        except OSError as err:
+            self._nvme_failed(err, "remove a record")
+            self._unremoved.append(header)  # retried by the watcher: disk must not leak
+            return
+        self.nvme_health.succeeded()
+
+    async def _watch_nvme_forever(self) -> None:
+        """Probe an offline tier until it works again, then finish what failed on it."""
+        interval_s = self.config.nvme.offline_retry_s
+        while True:
+            await asyncio.sleep(interval_s if not self.nvme_health.online else interval_s / 4)
+            try:
+                if not self.nvme_health.online:
+                    if not await self._probe_nvme():
+                        continue
+                    self.nvme_health.recovered()
+                await self._retry_failed_nvme_work()
+            except Exception:  # the watcher must outlive any one failure
+                logger.exception("NVMe health check failed")
+
+    async def _probe_nvme(self) -> bool:
+        """Write, read back and remove one small record; True if all of it worked."""
+        assert self.nvme is not None
+        key = b"probe"
+        payload = aligned_buffer(4096)
+        header = RecordHeader(
+            ns_id=CALIBRATION_NS_ID,
+            key=key,
+            generation=self._take_generation(),
+            payload_bytes=4096,
+            xxh3_64=xxhash.xxh3_64_intdigest(payload),
+            header_bytes=header_size_for(CALIBRATION_NS_ID, key),
+        )
+        try:
+            await self.io.run(self.nvme.write, header, [memoryview(payload)])
+            await self.io.run(self.nvme.read, header)
+            await self.io.run(self.nvme.remove, header)
+            return True
+        except (OSError, CorruptRecord) as err:
+            # `payload` is not closed here: the traceback may still hold views of it.
+            logger.info("NVMe tier still failing its probe: %s", err)
+            return False
+
+    async def _retry_failed_nvme_work(self) -> None:
+        assert self.nvme is not None
+        tombstones, self._unwritten_tombstones = self._unwritten_tombstones, []
+        for entry in tombstones:
+            await self._tombstone(entry)
+        headers, self._unremoved = self._unremoved, []
+        for header in headers:
+            await self._remove_record(header)
+
     def _on_bad_record(self, entry: Entry, header: RecordHeader, err: Exception) -> None:
         assert self.nvme is not None
         if isinstance(err, CorruptRecord):
@@ -1103,8 +1218,16 @@ class Store:
             logger.warning(
                 "NVMe record failed verification (%s); served as a miss and dropped", err
             )
-        else:
-            logger.warning("NVMe record unreadable (%s); served as a miss and dropped", err)
+        elif isinstance(err, FileNotFoundError):
+            logger.warning("NVMe record missing from disk; served as a miss and forgotten")
+        elif isinstance(err, OSError):
+            self._nvme_failed(err)
+            entry.read_errors += 1
+            if entry.read_errors < READ_ERRORS_BEFORE_DROP:
+                # Perhaps transient: a miss now, the record kept for the next read.
+                logger.warning("NVMe record unreadable (%s); served as a miss", err)
+                return
+            logger.warning("NVMe record unreadable (%s) again; served as a miss and dropped", err)
         if self.catalog.is_live(entry) and entry.nvme_record_bytes:
             self.catalog.drop_nvme(entry)
             self._counters.eviction_reasons["nvme", "corrupt"] += 1
@@ -1112,7 +1235,7 @@ class Store:
             if not self.catalog.is_live(entry):
                 self._counters.dropped_blocks += 1
                 self._forget(entry)
-        self._spawn(self.io.run(self.nvme.remove, header))
+        self._spawn(self._remove_record(header))
 
     # ---- policy bookkeeping ---------------------------------------------------------------
     def _evictable(self, block_id: object) -> bool:

@@ -238,7 +238,12 @@ def test_leases_expire_when_a_live_client_forgets_them(start_daemon: StartDaemon
 
 
 def test_over_tcp_the_same_calls_use_the_grpc_byte_path(start_daemon: StartDaemon) -> None:
-    daemon = start_daemon(dram="16MiB", nvme="64MiB", listen="127.0.0.1:0")
+    daemon = start_daemon(
+        dram="16MiB",
+        nvme="64MiB",
+        listen="127.0.0.1:0",
+        env={"KVTIER_SERVER__TLS_INSECURE": "true"},
+    )
     with daemon.client() as client:
         assert client.put_from(NS, "t", block_bytes(5, 300_000)) is True
         sink = bytearray(300_000)

@@ -51,3 +51,54 @@ def test_a_token_for_a_tenant_without_an_arena_waits_for_the_restart() -> None:
     assert "auth.tokens" in result.reloaded
     assert "tenants" in result.needs_restart
     assert any("team-b" in item for item in result.needs_restart)
+
+
+def test_tenant_rate_limits_and_certificate_mappings_reload() -> None:
+    tenants = {"a": {"dram_capacity_bytes": "64MiB", "requests_per_s": 10}}
+    running = _config(tenants=tenants, auth={"tokens": {hash_token("t"): "a"}})
+    fresh = _config(
+        tenants={
+            "a": {"dram_capacity_bytes": "128MiB", "requests_per_s": 0, "request_burst": 5},
+            "b": {"dram_capacity_bytes": "64MiB", "requests_per_s": 1},
+        },
+        auth={
+            "tokens": {hash_token("t"): "a"},
+            "certificates": {"cn:engine-a": "a", "cn:engine-b": "b"},
+        },
+        limits={"requests_per_s": 100},
+    )
+    result = plan_reload(running, fresh, {"a"})
+    assert result.reloaded == [
+        "auth.certificates",
+        "limits.requests_per_s",
+        "tenants.a.request_burst",
+        "tenants.a.requests_per_s",
+    ]
+    assert result.config.tenants["a"].requests_per_s == 0
+    assert result.config.tenants["a"].request_burst == 5
+    assert result.config.tenants["a"].dram_capacity_bytes == 64 << 20  # an arena's size
+    assert "b" not in result.config.tenants
+    assert result.config.auth.certificates == {"cn:engine-a": "a"}
+    assert "tenants" in result.needs_restart and "tenants.b.requests_per_s" in result.needs_restart
+    assert any("auth.certificates" in item and "b" in item for item in result.needs_restart)
+
+
+def test_certificate_files_reload_only_while_tls_stays_as_it_is() -> None:
+    tls = {"tls_cert_file": "/c1", "tls_key_file": "/k1"}
+    renewed = {"tls_cert_file": "/c2", "tls_key_file": "/k2"}
+    result = plan_reload(_config(server=tls), _config(server=renewed), {"default"})
+    assert result.reloaded == ["server.tls_cert_file", "server.tls_key_file"]
+    assert result.config.server.tls_cert_file == "/c2"
+    # Turning mTLS on changes what the handshake asks for: a restart.
+    mtls = {**renewed, "tls_client_ca_file": "/ca"}
+    result = plan_reload(_config(server=tls), _config(server=mtls), {"default"})
+    assert result.reloaded == []
+    assert result.needs_restart == [
+        "server.tls_cert_file",
+        "server.tls_client_ca_file",
+        "server.tls_key_file",
+    ]
+    assert result.config.server.tls_cert_file == "/c1"
+    # So does turning TLS on for a listener that had none.
+    result = plan_reload(_config(server={"tls_insecure": True}), _config(server=tls), {"default"})
+    assert result.reloaded == [] and "server.tls_insecure" in result.needs_restart

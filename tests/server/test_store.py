@@ -71,7 +71,7 @@ async def test_random_operations_match_a_model(tmp_path: Path, seed: int) -> Non
         elif op < 0.85:
             assert await get(store, key) == model.get(key)
         else:
-            assert store.delete((NS, key)) == (key in model)
+            assert await store.delete((NS, key)) == (key in model)
             model.pop(key, None)
         assert store.arena("default").used_bytes <= store.arena("default").capacity_bytes
         assert store.catalog.nvme_used_bytes <= 64 << 20
@@ -109,7 +109,7 @@ async def test_a_pinned_block_is_never_evicted_or_reused(tmp_path: Path) -> None
     assert b"".join(bytes(c) for c in reader.chunks(65536)) == block_bytes(1, 1 << 20)
     # Deleting it while it is read: gone from lookups at once, memory freed at close.
     used = store.arena("default").used_bytes
-    assert store.delete((NS, b"pinned"))
+    assert await store.delete((NS, b"pinned"))
     assert await get(store, b"pinned") is None
     assert store.arena("default").used_bytes == used
     reader.close()
