@@ -33,8 +33,8 @@ test: $(STAMP)
 check: proto-check lint typecheck systemd-check test
 
 lint: $(STAMP)
-	$(BIN)/ruff format --check kvtier tests scripts
-	$(BIN)/ruff check kvtier tests scripts
+	$(BIN)/ruff format --check kvtier tests scripts benchmarks
+	$(BIN)/ruff check kvtier tests scripts benchmarks
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -9,8 +9,9 @@ keys, so the shadow of what each key may hold is exact) put, get, put_from/get_i
 (zero-copy), put_many/get_many, lookup, stat, plan, delete and stats. Faults, all seeded:
 failpoints in the daemon (EIO on read and delete, short writes) at a low rate, bit flips
 in record files on disk, SIGKILL of the daemon then a restart, and client processes
-SIGKILLed in the middle of a zero-copy batch, a streamed put or while holding leases. At the end every key is checked, everything is deleted, and
-every tier and the disk must be empty again.
+SIGKILLed in the middle of a zero-copy batch, a streamed put or while holding leases.
+At the end every key is checked, everything is deleted, and every tier and the disk must
+be empty again.
 
 Prints operations done, faults injected, wrong bytes served (must be 0) and leaked
 capacity (must be 0); exits 1 if either is not.
@@ -236,7 +237,8 @@ import os, sys, kvtier
 c = kvtier.Client(sys.argv[1], token=sys.argv[2])
 big = os.urandom(3 << 20)
 while True:
-    c.put_many("soak/doomed", [(f"d{i}", big[i << 18:(i + 1) << 18]) for i in range(8)], overwrite=True)
+    items = [(f"d{i}", big[i << 18 : (i + 1) << 18]) for i in range(8)]
+    c.put_many("soak/doomed", items, overwrite=True)
     c.put("soak/doomed", "stream", big, overwrite=True)
     c.get_many("soak/doomed", [f"d{i}" for i in range(8)], [bytearray(1 << 18) for _ in range(8)])
 """
@@ -330,6 +332,7 @@ def main() -> int:
     next_flip_s = started_s + args.flip_every_s
     next_client_kill_s = started_s + args.client_kill_every_s
     restarts = 0
+    quiet_end_s = min(20.0, args.minutes * 20)  # no daemon kill in the last third/20 s
     while time.monotonic() < end_s:
         time.sleep(0.2)
         now = time.monotonic()
@@ -339,7 +342,7 @@ def main() -> int:
         if now >= next_client_kill_s and daemon.up.is_set():
             tally.faults["client process SIGKILLed mid-call"] += kill_a_client(daemon, rng)
             next_client_kill_s = now + args.client_kill_every_s * (0.5 + rng.random())
-        if now >= next_kill_s and now < end_s - 20:
+        if now >= next_kill_s and now < end_s - quiet_end_s:
             daemon.kill()
             tally.faults["SIGKILL of the daemon"] += 1
             restarts += 1

@@ -11,7 +11,9 @@ wire are the same.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from google.protobuf.message import DecodeError
 
 from kvtier._proto import kvtier_pb2 as pb
 
@@ -73,6 +75,27 @@ def _deserializer(cls: type[M]) -> Callable[[bytes], RawChunk | M]:
         return RawChunk(view) if view is not None else cls.FromString(message)
 
     return parse
+
+
+class Undecodable:
+    """What a request deserializer returns for bytes that are not a valid message: the
+    handler answers INVALID_ARGUMENT (a raising deserializer would make gRPC answer
+    UNKNOWN and log a traceback per request)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def tolerant(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse_or_mark(message: bytes) -> Any:
+        try:
+            return parse(message)
+        except DecodeError as err:
+            return Undecodable(str(err) or "malformed protobuf")
+
+    return parse_or_mark
 
 
 put_request_serializer = _serializer

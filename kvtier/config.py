@@ -103,6 +103,12 @@ class LimitsConfig(_Section):
         gt=0,
         description="zero-copy leases one client session may hold at once (each pins DRAM)",
     )
+    max_plan_blocks: int = Field(
+        65536,
+        gt=0,
+        description="most blocks one Plan may cover (prompt_tokens / tokens_per_block): the "
+        "plan is computed on the event loop and answered in one message",
+    )
     requests_per_s: float = Field(
         0.0,
         ge=0,

@@ -348,7 +348,10 @@ class ValuePolicy(TierPolicy):
         if info.parent is not None:
             self._children.setdefault(info.parent, set()).add(key)
         # Arriving after blocks that extend it (e.g. promoted later): worth as much as they.
-        floor = max((self._priority[c] for c in self._children.get(key, ())), default=0.0)
+        floor = max(
+            (self._priority.get(c, 0.0) for c in self._children.get(key, ()) if c != key),
+            default=0.0,
+        )
         self._set(key, max(self._own_priority(key), floor))
 
     def hit(self, key: Key) -> None:

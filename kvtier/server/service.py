@@ -22,7 +22,13 @@ from google.protobuf.message import DecodeError, Message
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import REQUEST_TYPES, Op
-from kvtier._wire import RawChunk, get_response_serializer, put_request_deserializer
+from kvtier._wire import (
+    RawChunk,
+    Undecodable,
+    get_response_serializer,
+    put_request_deserializer,
+    tolerant,
+)
 from kvtier.config import Config
 from kvtier.errors import (
     InvalidArgument,
@@ -217,8 +223,13 @@ class KVTierService:
                 async for msg in request_iterator:
                     if isinstance(msg, RawChunk):
                         writer.write(msg.data)
-                    elif msg.WhichOneof("msg") == "chunk":
+                    elif isinstance(msg, pb.PutRequest) and msg.WhichOneof("msg") == "chunk":
                         writer.write(msg.chunk)
+                    elif isinstance(msg, Undecodable):
+                        raise InvalidArgument(
+                            f"a put stream message is not valid protobuf ({msg.error}); "
+                            "nothing was stored"
+                        )
                     else:
                         raise InvalidArgument("only data chunks may follow the put header")
                 result = await self._store.put_commit(writer, header.xxh3_64)
@@ -388,6 +399,12 @@ class KVTierService:
         if prompt <= 0 or -(-prompt // tpb) < len(keys):
             raise InvalidArgument(
                 f"prompt_tokens={prompt} cannot hold {len(keys)} blocks of {tpb} tokens"
+            )
+        if -(-prompt // tpb) > self._limits.max_plan_blocks:
+            raise InvalidArgument(
+                f"prompt_tokens={prompt} in blocks of {tpb} tokens is {-(-prompt // tpb)} "
+                f"blocks, more than limits.max_plan_blocks={self._limits.max_plan_blocks}: "
+                "plan the prompt in parts or raise the limit"
             )
         result, (tiers, fetch_s, recompute_s) = self._store.plan(
             ns_id,
@@ -599,12 +616,22 @@ def _code_name(context: Ctx, default: grpc.StatusCode) -> str:
     return default.name
 
 
+async def _refuse_undecodable(name: str, request: Any, context: Ctx) -> None:
+    if isinstance(request, Undecodable):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the {name} request is not a valid protobuf message ({request.error}): "
+            "send bytes serialized from kvtier.v1 messages (strings must be UTF-8)",
+        )
+
+
 def _counted(telemetry: Telemetry, name: str, fn: Any, streaming: bool) -> Any:
     """`fn` (a handler) counting each call it answers by status code."""
     if streaming:
 
         async def stream(request: Any, context: Ctx) -> AsyncIterator[Any]:
             try:
+                await _refuse_undecodable(name, request, context)
                 async for item in fn(request, context):
                     yield item
             except BaseException:
@@ -616,6 +643,7 @@ def _counted(telemetry: Telemetry, name: str, fn: Any, streaming: bool) -> Any:
 
     async def unary(request: Any, context: Ctx) -> Any:
         try:
+            await _refuse_undecodable(name, request, context)
             response = await fn(request, context)
         except BaseException:
             telemetry.request(name, _code_name(context, grpc.StatusCode.UNKNOWN))
@@ -651,7 +679,9 @@ def add_to_server(service: KVTierService, server: grpc.aio.Server) -> None:
                 getattr(service, method.name),
                 method.server_streaming,
             ),
-            request_deserializer=custom_deserializers.get(method.name, request_cls.FromString),
+            request_deserializer=tolerant(
+                custom_deserializers.get(method.name, request_cls.FromString)
+            ),
             response_serializer=custom_serializers.get(method.name, response_cls.SerializeToString),
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

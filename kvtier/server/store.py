@@ -53,9 +53,9 @@ from kvtier.movers.io import IoPool, aligned_buffer
 from kvtier.server.health import TierHealth
 from kvtier.server.telemetry import Telemetry
 from kvtier.sizes import human_size
-from kvtier.tiers.allocator import Extent
+from kvtier.tiers.allocator import Extent, round_up
 from kvtier.tiers.dram import DramTier
-from kvtier.tiers.nvme import NvmeTier, RecordHeader, header_size_for
+from kvtier.tiers.nvme import ALIGN_BYTES, NvmeTier, RecordHeader, header_size_for
 
 logger = logging.getLogger(__name__)
 PLANNED_BLOCKS_KEPT = 1 << 16
@@ -124,6 +124,12 @@ class _Counters:
     lost_reuse: int = 0
     admitted: int = 0
     not_admitted: int = 0
+
+
+def _payload(extent_view: memoryview, entry: Entry) -> list[memoryview]:
+    """The part of a block's DRAM extent its NVMe record holds: the payload rounded up
+    to 4 KiB (an empty block still has a 4 KiB extent, but no payload on disk)."""
+    return [extent_view[: round_up(entry.size_bytes, ALIGN_BYTES)]]
 
 
 # ENOSPC, EDQUOT, EFBIG: the record does not fit; the device itself is fine.
@@ -407,6 +413,8 @@ class Store:
                 try:
                     if await self._write_nvme(entry, evicting=False):
                         written += 1
+                except Exception:  # one block must not cost the others their flush
+                    logger.exception("could not flush a block to NVMe")
                 finally:
                     entry.demoting = False
                     self._after_use(entry)
@@ -920,7 +928,7 @@ class Store:
         view = arena.view(extent)
         started_s = time.perf_counter()
         try:
-            await self.io.run(self.nvme.read_into, header, view)
+            await self.io.run(self.nvme.read_into, header, _payload(view, entry)[0])
             self.nvme_health.succeeded()
             read_s = time.perf_counter() - started_s
             self.paths["nvme"].observe(header.record_bytes, read_s)
@@ -1053,7 +1061,7 @@ class Store:
         view = self.arena_of(entry.block_id).view(entry.dram_extent)
         started_s = time.perf_counter()
         try:
-            record_bytes = await self.io.run(self.nvme.write, header, [view])
+            record_bytes = await self.io.run(self.nvme.write, header, _payload(view, entry))
             self.nvme_health.succeeded()
             self.telemetry.transfer("dram", "nvme", record_bytes, time.perf_counter() - started_s)
         except OSError as err:
@@ -1253,7 +1261,13 @@ class Store:
         last = len(keys) - 1
         infos, ghosts = self._infos, self.policies.ghosts
         parent: BlockId | None = None
+        seen: set[bytes] = set()
         for i, key in enumerate(keys):
+            if key in seen:
+                # A chain that names a block twice is not a chain past that point: a block
+                # must never become its own ancestor (the policy walks parents).
+                break
+            seen.add(key)
             block_id = (ns_id, key)
             if tiers[i] is None:
                 if ghosts.take(block_id):
