@@ -99,10 +99,20 @@ class PathEstimator:
         if self._fit.count < self._min:
             return self.seed
         weights = self._fit.solve()
-        if weights is None or weights[1] <= 0:
-            return self.seed  # all transfers the same size, or nonsense: keep the prior
-        alpha, per_byte = weights
-        return TierCost(bandwidth_bytes_per_s=1 / per_byte, latency_s=max(alpha, 0.0))
+        if weights is None:
+            return self.seed  # all transfers one size: alpha and B are not separable
+        if weights[1] > 0:
+            alpha, per_byte = weights
+            return TierCost(bandwidth_bytes_per_s=1 / per_byte, latency_s=max(alpha, 0.0))
+        # Noise that makes bigger transfers look no slower (a loaded machine): the data
+        # still says what a byte costs on average — seconds
+        # proportional to bytes, fitted through the origin. Falling back to the seed here
+        # would throw away what was measured (and the outlier gate would then reject
+        # measurements for being far from that seed).
+        sum_xy, sum_xx = self._fit.xty[1], self._fit.xtx[1][1]
+        if sum_xy <= 0 or sum_xx <= 0:
+            return self.seed
+        return TierCost(bandwidth_bytes_per_s=sum_xx / sum_xy, latency_s=0.0)
 
 
 class PrefillEstimator:

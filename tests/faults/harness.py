@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -111,6 +113,14 @@ def still_serves(client: kvtier.Client, ns: str = "canary/ns") -> bool:
         return client.get(ns, key) == data
     except kvtier.KVTierError:
         return False
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    """Poll until `predicate` holds; fail with `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
 
 
 def fired(log_text: str, point: str = "") -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -19,19 +18,12 @@ from typing import Any
 import kvtier
 from tests.conftest import DaemonProcess, block_bytes
 from tests.faults import _child
-from tests.faults.harness import Report, Row, Shadow, check_all, still_serves
+from tests.faults.harness import Report, Row, Shadow, check_all, still_serves, wait_for
 
 NS = "faults/clients"
 StartDaemon = Callable[..., DaemonProcess]
 ALIGN_BYTES = 4096
 ENV = {"KVTIER_LIMITS__RESERVE_WAIT_S": "1", "KVTIER_POLICY__NAME": "lru"}
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def dram(client: kvtier.Client) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier._session import HEADER, Op, frame
 from tests.conftest import DaemonProcess, block_bytes
-from tests.faults.harness import Report, Row, Shadow, check_all, still_serves
+from tests.faults.harness import Report, Row, Shadow, check_all, still_serves, wait_for
 
 StartDaemon = Callable[..., DaemonProcess]
 DRAM_BYTES = 16 << 20
@@ -508,13 +508,6 @@ class SideSession:
 
     def close(self) -> None:
         self.conn.close()
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def send_unknown_fields(channel: grpc.Channel, judge: Judge) -> None:

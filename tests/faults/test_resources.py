@@ -22,18 +22,11 @@ import kvtier
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import Op
 from tests.conftest import DaemonProcess, block_bytes
-from tests.faults.harness import Report, Row, Shadow, check_all, still_serves
+from tests.faults.harness import Report, Row, Shadow, check_all, still_serves, wait_for
 
 NS = "faults/resources"
 StartDaemon = Callable[..., DaemonProcess]
 RESERVE_WAIT_S = 0.5
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def data_for(name: str, size_bytes: int) -> bytes:

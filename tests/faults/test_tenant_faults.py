@@ -108,6 +108,18 @@ def test_cross_tenant_spoofed_and_unauthenticated(
             code = _code(lambda m=metadata: stub.Stats(pb.StatsRequest(), metadata=m))  # type: ignore[misc]
             assert code == grpc.StatusCode.UNAUTHENTICATED, (metadata, code)
         channel.close()
+        # A miss on a key alice holds and on a key nobody holds take the same time: the
+        # lookup is in bob's namespace, with no "exists elsewhere" branch (interleaved,
+        # medians of 300 each; a 2-core VM is noisy, so the bound is loose).
+        held_s, absent_s = [], []
+        for i in range(300):
+            for key, sink in ((keys[i % len(keys)], held_s), (f"absent{i}", absent_s)):
+                started = time.perf_counter()
+                assert bob.get(NS, key) is None
+                sink.append(time.perf_counter() - started)
+        ratio = statistics.median(held_s) / statistics.median(absent_s)
+        row.notes.append(f"miss time, key held by another tenant / by nobody: {ratio:.3f}")
+        assert 0.8 < ratio < 1.25, row.notes[-1]
         check_all(row, alice, shadow, must_survive=set(keys))  # alice lost nothing
         row.serving = still_serves(alice) and still_serves(bob)
     row.assert_ok()

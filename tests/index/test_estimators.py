@@ -58,3 +58,15 @@ def test_bad_observations_are_ignored() -> None:
     est.observe(100, 50, 1.0)
     est.observe(0, 100, -1.0)
     assert est.estimate() == PrefillCost(1e-5, 1e-10)
+
+
+def test_noise_that_hides_the_size_dependence_still_replaces_a_wrong_seed() -> None:
+    # A loaded machine: small transfers as slow as big ones. The intercept fit gives a
+    # non-positive slope; the estimate must still come from the data, not the seed that
+    # is 1000x off (which the outlier gate would then defend against the measurements).
+    est = PathEstimator(seed=TierCost(1e13, 0.0))
+    for _ in range(10):
+        for size, seconds in ((256 << 10, 4.6e-4), (1 << 20, 4.0e-4), (4 << 20, 4.4e-4)):
+            est.observe(size, seconds)
+    predicted = est.estimate().fetch_s(1 << 20)
+    assert 1e-4 < predicted < 2e-3, predicted
