@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.installed
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: serve test check lint typecheck proto proto-check systemd-check bench clean
+.PHONY: serve test soak check lint typecheck proto proto-check systemd-check bench clean
 
 # The daemon needs only the runtime dependencies; tests and tools add the dev extra
 # (which includes the CPU build of torch, pinned, for the tensor tests).
@@ -28,6 +28,11 @@ serve: $(RUNTIME)
 ## test: the whole test suite (real daemons on real sockets; about 3 minutes on 2 cores)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## soak: the soak script under dense faults, 20 s (pytest -m soak); the 10-minute run is
+## `python benchmarks/soak.py --minutes 10` (RELIABILITY.md)
+soak: $(STAMP)
+	$(BIN)/python -m pytest -m soak $(PYTEST_ARGS)
 
 ## check: everything CI runs: generated code, lint, types, the systemd unit, tests
 check: proto-check lint typecheck systemd-check test

@@ -146,10 +146,23 @@ class Worker(threading.Thread):
         # put, more while a put or delete is in doubt.
         self.allowed: dict[str, set[bytes]] = {}
         self.keys = [f"c{n}-k{i}" for i in range(48)]
+        self.history: dict[str, list[bytes]] = {}  # every value put, to explain a wrong one
+
+    def allow(self, key: str, data: bytes) -> None:
+        self.allowed.setdefault(key, set()).add(data)
+        self.history.setdefault(key, []).append(data)
 
     def check(self, key: str, got: bytes | None, how: str) -> None:
         if got is not None and got not in self.allowed.get(key, set()):
-            self.tally.wrong(f"{self.tenant}/{key} via {how}: {len(got)} bytes not allowed")
+            past = self.history.get(key, [])
+            what = (
+                f"an older value (put #{past.index(got) + 1} of {len(past)})"
+                if got in past
+                else "all zeros"
+                if not got.strip(b"\0")
+                else "bytes never put under this key"
+            )
+            self.tally.wrong(f"{self.tenant}/{key} via {how}: {len(got)} bytes, {what}")
 
     def run(self) -> None:
         client: kvtier.Client | None = None
@@ -175,7 +188,7 @@ class Worker(threading.Thread):
         if roll < 0.22:
             data = payload(rng, rng.choice(SIZES_BYTES))
             zero_copy = rng.random() < 0.5
-            self.allowed.setdefault(key, set()).add(data)  # in doubt until acknowledged
+            self.allow(key, data)  # in doubt until acknowledged
             if zero_copy:
                 client.put_from(NS, key, data, overwrite=True)
             else:
@@ -195,7 +208,7 @@ class Worker(threading.Thread):
             batch = rng.sample(self.keys, 4)
             datas = [payload(rng, rng.choice(SIZES_BYTES[:3])) for _ in batch]
             for k, d in zip(batch, datas, strict=True):
-                self.allowed.setdefault(k, set()).add(d)
+                self.allow(k, d)
             client.put_many(NS, list(zip(batch, datas, strict=True)), overwrite=True)
             for k, d in zip(batch, datas, strict=True):
                 self.allowed[k] = {d}

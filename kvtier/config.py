@@ -56,6 +56,12 @@ class ServerConfig(_Section):
     )
     reflection: bool = Field(False, description="serve gRPC reflection (for grpcurl)")
     max_concurrent_rpcs: int = Field(256, gt=0, description="RPCs served at once before queuing")
+    max_streams_per_connection: int = Field(
+        128,
+        gt=0,
+        description="HTTP/2 streams one client connection may have open at once (more wait "
+        "in the client)",
+    )
     chunk_bytes: ByteSize = Field(
         1 << 20, ge=4096, le=1 << 30, description="size of data chunks in Put/Get streams"
     )

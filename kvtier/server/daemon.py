@@ -49,6 +49,7 @@ def grpc_options(config: Config) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
+        ("grpc.max_concurrent_streams", config.server.max_streams_per_connection),
     ]
 
 
