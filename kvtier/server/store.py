@@ -40,6 +40,7 @@ from kvtier.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    Unavailable,
 )
 from kvtier.index.catalog import BlockId, Catalog, Entry, LookupResult, TierName
 from kvtier.index.estimators import PathEstimator, PrefillEstimator
@@ -254,7 +255,12 @@ class Store:
         # leak disk) and tombstones to write (else a restart could bring a deleted block
         # back); retried by the health watcher.
         self._unremoved: list[RecordHeader] = []
-        self._unwritten_tombstones: list[Entry] = []
+        self._unwritten_tombstones: list[tuple[BlockId, int]] = []
+        # Blocks whose NVMe record was dropped from the catalog (evicted, unreadable, ...)
+        # but may still be on disk: the newest such generation per block. A new value of
+        # the block must not be acknowledged until that record cannot come back at a
+        # restart (else a SIGKILL revives the old bytes: found by the soak).
+        self._removing: dict[BlockId, int] = {}
         self._health_task: asyncio.Task[None] | None = None
         self._reserving: dict[str, int] = dict.fromkeys(self.arenas, 0)
         self._counters = _Counters()
@@ -501,6 +507,13 @@ class Store:
             await self._tombstone(existing)
             if self.catalog.is_live(existing):  # else look again: someone replaced it
                 self._discard(existing)
+        if self.nvme is not None and writer.block_id in self._removing:
+            await self._bury_removing(writer.block_id)
+            if self.catalog.get(writer.block_id) is not None:
+                raise Unavailable(
+                    "another put of this key completed while this one was being made "
+                    "durable; nothing was stored: retry"
+                )
         entry = Entry(
             writer.block_id,
             writer.size_bytes,
@@ -584,16 +597,27 @@ class Store:
         (written, or being written) cannot come back after a crash."""
         if self.nvme is None or not (entry.nvme_record_bytes or entry.demoting):
             return
-        ns_id, key = entry.block_id
+        await self._tombstone_generation(entry.block_id, entry.generation)
+
+    async def _bury_removing(self, block_id: BlockId) -> None:
+        """Before a new value of `block_id` is acknowledged: a record of it dropped from the
+        catalog but perhaps still on disk must not come back at a restart."""
+        generation = self._removing.get(block_id)
+        if generation is not None:
+            await self._tombstone_generation(block_id, generation)
+
+    async def _tombstone_generation(self, block_id: BlockId, generation: int) -> None:
+        assert self.nvme is not None
+        ns_id, key = block_id
         if self.nvme_health.online:
             try:
-                await self.io.run(self.nvme.tombstone, ns_id, key, entry.generation)
+                await self.io.run(self.nvme.tombstone, ns_id, key, generation)
                 self.nvme_health.succeeded()
                 return
             except OSError as err:
                 self._nvme_failed(err, "write a tombstone")
         # Retried by the watcher; until then a crash may resurrect the deleted record.
-        self._unwritten_tombstones.append(entry)
+        self._unwritten_tombstones.append((block_id, generation))
 
     def stats(self) -> StoreStats:
         c = self._counters
@@ -1127,7 +1151,7 @@ class Store:
             self._counters.eviction_reasons["nvme", "capacity"] += 1
             if not self.catalog.is_live(victim):
                 self._dropped(victim)
-            self._spawn(self._remove_record(header))
+            self._schedule_removal(header)
             return True
 
     # ---- releasing ----------------------------------------------------------------------
@@ -1145,7 +1169,7 @@ class Store:
             entry.dram_extent = None
             self._signal_space()
         if entry.nvme_record_bytes and self.nvme is not None:
-            self._spawn(self._remove_record(self._record_header(entry)))
+            self._schedule_removal(self._record_header(entry))
             entry.nvme_record_bytes = 0
 
     def _unpin(self, entry: Entry) -> None:
@@ -1161,17 +1185,28 @@ class Store:
         if err.errno not in _FULL_ERRNOS:  # a full disk is not a failing one
             self.nvme_health.failed(err)
 
+    def _schedule_removal(self, header: RecordHeader) -> None:
+        """Remove a record the catalog no longer has, in the background; until it is gone,
+        a new value of its block waits for a tombstone (`_bury_removing`)."""
+        block_id = (header.ns_id, header.key)
+        self._removing[block_id] = max(self._removing.get(block_id, 0), header.generation)
+        self._spawn(self._remove_record(header))
+
     async def _remove_record(self, header: RecordHeader) -> None:
         assert self.nvme is not None
         try:
             await self.io.run(self.nvme.remove, header)
         except FileNotFoundError:
-            return
+            pass
         except OSError as err:
             self._nvme_failed(err, "remove a record")
             self._unremoved.append(header)  # retried by the watcher: disk must not leak
             return
-        self.nvme_health.succeeded()
+        else:
+            self.nvme_health.succeeded()
+        block_id = (header.ns_id, header.key)
+        if self._removing.get(block_id) == header.generation:
+            del self._removing[block_id]
 
     async def _watch_nvme_forever(self) -> None:
         """Probe an offline tier until it works again, then finish what failed on it."""
@@ -1213,8 +1248,8 @@ class Store:
     async def _retry_failed_nvme_work(self) -> None:
         assert self.nvme is not None
         tombstones, self._unwritten_tombstones = self._unwritten_tombstones, []
-        for entry in tombstones:
-            await self._tombstone(entry)
+        for block_id, generation in tombstones:
+            await self._tombstone_generation(block_id, generation)
         headers, self._unremoved = self._unremoved, []
         for header in headers:
             await self._remove_record(header)
@@ -1243,7 +1278,7 @@ class Store:
             if not self.catalog.is_live(entry):
                 self._counters.dropped_blocks += 1
                 self._forget(entry)
-        self._spawn(self._remove_record(header))
+        self._schedule_removal(header)
 
     # ---- policy bookkeeping ---------------------------------------------------------------
     def _evictable(self, block_id: object) -> bool:

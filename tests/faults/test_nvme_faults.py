@@ -302,3 +302,43 @@ def test_damaged_record_files(
         check_all(row, c, shadows["bob"], must_survive=set())
         row.serving = still_serves(c)
     row.assert_ok()
+
+
+def test_a_dropped_record_does_not_come_back_over_a_newer_value(
+    start_daemon: StartDaemon, report: Report
+) -> None:
+    """Found by the soak: a record dropped from the catalog (here: unreadable three times)
+    whose file is not removed yet, a new value put under its key, SIGKILL — the restart
+    must not serve the old record's (intact) bytes over the acknowledged new value."""
+    row = report.row(
+        "record dropped but still on disk, new value, SIGKILL",
+        "failpoints nvme.read=eio (3 per key: the record is dropped) and nvme.remove=eio "
+        "(its file stays)",
+    )
+    shadow = Shadow()
+    daemon = start_daemon(dram="4MiB", nvme="256MiB")
+    with daemon.client() as c:
+        keys = put_blocks(c, shadow, "k", 4, 256 << 10, seed=31)
+    daemon.env = {
+        "KVTIER_FAILPOINTS": "nvme.read=eio*12,nvme.remove=eio",
+        "KVTIER_NVME__OFFLINE_AFTER_ERRORS": "1000",
+        "KVTIER_PLANNER__CALIBRATION_S": "0",
+    }
+    daemon.restart()  # every block on NVMe only
+    with daemon.client() as c:
+        for key in keys:
+            for _ in range(3):  # the third I/O error drops the record from the catalog
+                shadow.check(row, NS, key, c.get(NS, key))
+            data = block_bytes(9_100 + int(key[1:]), 128 << 10)
+            c.put(NS, key, data, overwrite=True)  # in DRAM only: lost at the kill
+            shadow.put(NS, key, data, acknowledged=True)
+    row.injected = fired(daemon.log())
+    assert daemon.proc is not None
+    daemon.proc.kill()
+    daemon.kill()
+    daemon.env = {}
+    daemon.start()
+    with daemon.client() as c:
+        check_all(row, c, shadow, must_survive=set())
+        row.serving = still_serves(c)
+    row.assert_ok()
