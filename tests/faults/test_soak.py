@@ -1,6 +1,6 @@
 """The soak script itself, for 20 seconds under dense faults: it must inject faults and
-find nothing wrong. Not in the default run (`make soak`): it finds an intermittent stale
-read that is not fixed yet (RELIABILITY.md, "Open finding")."""
+find nothing wrong. Not in the default run (`make soak`): it depends on thread timing
+(it found the stale-read bug described in RELIABILITY.md, 2 runs in 15, before its fix)."""
 
 from __future__ import annotations
 
