@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import struct
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,35 +19,15 @@ from kvtier.tiers.crypto import SEAL, RecordCipher, load_key_file, parse_key
 from kvtier.tiers.nvme import (
     NvmeTier,
     RecordHeader,
-    RecoveryReport,
     header_size_for,
     record_size_for,
 )
+from tests.tiers.conftest import reopen
 
 NS = "alice|m/l"
 KEY = bytes(range(1, 33))
 OTHER_KEY = bytes(range(2, 34))
 MARKER = b"SECRET-PROMPT-OF-ALICE:"
-
-
-@pytest.fixture
-def opened() -> Iterator[list[NvmeTier]]:
-    tiers: list[NvmeTier] = []
-    yield tiers
-    for tier in tiers:
-        tier.close()
-
-
-def reopen(
-    opened: list[NvmeTier], root: Path, key: bytes | None, direct: bool = True
-) -> tuple[NvmeTier, RecoveryReport]:
-    """A tier over `root` as a (re)started daemon opens it: earlier ones let go first."""
-    while opened:
-        opened.pop().close()
-    cipher = RecordCipher(key) if key is not None else None
-    tier = NvmeTier(root, 1 << 30, direct_io=direct, sync_writes=False, cipher=cipher)
-    opened.append(tier)
-    return tier, tier.open()
 
 
 def open_tier(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,37 +13,17 @@ from kvtier.cli import main as cli_main
 from kvtier.errors import ConfigError
 from kvtier.movers.io import aligned_buffer
 from kvtier.tiers.allocator import round_up
-from kvtier.tiers.crypto import RecordCipher
 from kvtier.tiers.nvme import (
     NvmeTier,
     RecordHeader,
-    RecoveryReport,
     header_size_for,
     parse_header,
 )
 from kvtier.tiers.wipe import wipe
+from tests.tiers.conftest import reopen
 
 ALICE, BOB = "alice|llama3-8b/bf16", "bob|llama3-8b/bf16"
 KEY = bytes(range(7, 39))
-
-
-@pytest.fixture
-def opened() -> Iterator[list[NvmeTier]]:
-    tiers: list[NvmeTier] = []
-    yield tiers
-    for tier in tiers:
-        tier.close()
-
-
-def reopen(
-    opened: list[NvmeTier], root: Path, key: bytes | None = None
-) -> tuple[NvmeTier, RecoveryReport]:
-    while opened:
-        opened.pop().close()
-    cipher = RecordCipher(key) if key else None
-    tier = NvmeTier(root, 1 << 30, direct_io=True, sync_writes=False, cipher=cipher)
-    opened.append(tier)
-    return tier, tier.open()
 
 
 def write(tier: NvmeTier, ns: str, key: bytes, data: bytes, generation: int) -> RecordHeader:
