@@ -40,7 +40,6 @@ from kvtier.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
-    Unavailable,
 )
 from kvtier.index.catalog import BlockId, Catalog, Entry, LookupResult, TierName
 from kvtier.index.estimators import PathEstimator, PrefillEstimator
@@ -492,28 +491,29 @@ class Store:
         self.arena_of(writer.block_id).zero_tail(writer.extent, writer.size_bytes)
         if failpoints.ACTIVE:
             failpoints.fire("store.commit")
-        while (existing := self.catalog.get(writer.block_id)) is not None:
-            if existing.size_bytes == writer.size_bytes and existing.xxh3_64 == digest:
-                self.put_abort(writer)
-                self.catalog.touch(existing)
-                self._used(existing)
-                tier = existing.fastest_tier or TierName.DRAM
-                return PutResult(writer.size_bytes, digest, tier, already_present=True)
-            if not writer.overwrite:
-                raise AlreadyExists(
-                    "a different block is already stored under this key: pass overwrite to "
-                    "replace it, or use a key that names these bytes"
-                )
-            await self._tombstone(existing)
-            if self.catalog.is_live(existing):  # else look again: someone replaced it
-                self._discard(existing)
-        if self.nvme is not None and writer.block_id in self._removing:
-            await self._bury_removing(writer.block_id)
-            if self.catalog.get(writer.block_id) is not None:
-                raise Unavailable(
-                    "another put of this key completed while this one was being made "
-                    "durable; nothing was stored: retry"
-                )
+        buried = 0  # the newest dropped-record generation this put has tombstoned
+        while True:
+            while (existing := self.catalog.get(writer.block_id)) is not None:
+                if existing.size_bytes == writer.size_bytes and existing.xxh3_64 == digest:
+                    self.put_abort(writer)
+                    self.catalog.touch(existing)
+                    self._used(existing)
+                    tier = existing.fastest_tier or TierName.DRAM
+                    return PutResult(writer.size_bytes, digest, tier, already_present=True)
+                if not writer.overwrite:
+                    raise AlreadyExists(
+                        "a different block is already stored under this key: pass overwrite to "
+                        "replace it, or use a key that names these bytes"
+                    )
+                await self._tombstone(existing)
+                if self.catalog.is_live(existing):  # else look again: someone replaced it
+                    self._discard(existing)
+            pending = self._removing.get(writer.block_id, 0)
+            if pending <= buried:
+                break
+            # Awaited: look at the key again after it (another put may have landed).
+            await self._tombstone_generation(writer.block_id, pending)
+            buried = pending
         entry = Entry(
             writer.block_id,
             writer.size_bytes,
@@ -598,13 +598,6 @@ class Store:
         if self.nvme is None or not (entry.nvme_record_bytes or entry.demoting):
             return
         await self._tombstone_generation(entry.block_id, entry.generation)
-
-    async def _bury_removing(self, block_id: BlockId) -> None:
-        """Before a new value of `block_id` is acknowledged: a record of it dropped from the
-        catalog but perhaps still on disk must not come back at a restart."""
-        generation = self._removing.get(block_id)
-        if generation is not None:
-            await self._tombstone_generation(block_id, generation)
 
     async def _tombstone_generation(self, block_id: BlockId, generation: int) -> None:
         assert self.nvme is not None
@@ -1187,7 +1180,7 @@ class Store:
 
     def _schedule_removal(self, header: RecordHeader) -> None:
         """Remove a record the catalog no longer has, in the background; until it is gone,
-        a new value of its block waits for a tombstone (`_bury_removing`)."""
+        a new value of its block waits for a tombstone (see put_commit)."""
         block_id = (header.ns_id, header.key)
         self._removing[block_id] = max(self._removing.get(block_id, 0), header.generation)
         self._spawn(self._remove_record(header))
