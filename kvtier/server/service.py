@@ -458,6 +458,13 @@ class KVTierService:
             raise InvalidArgument(f"unknown or ended session {session_id}: call Attach again")
         return tenant
 
+    def _drop_if_session_ended(self, session_id: int) -> None:
+        """A lease made after its client left (it waited for DRAM or NVMe meanwhile) has
+        nobody to release it: end it now rather than pin its blocks until it expires."""
+        assert self._arena is not None
+        if self._arena.tenant_of(session_id) is None:
+            self._store.release_session(session_id)
+
     def _session(self, session_id: int, context: Ctx, op: Op) -> tuple[int, str]:
         tenant = self._session_tenant(session_id)
         if tenant != self._tenant(context):
@@ -495,6 +502,7 @@ class KVTierService:
         ]
         self._admit_bytes(tenant, sum(size for _, size in items))
         lease_id, slots = await self._store.reserve(session_id, items, request.overwrite)
+        self._drop_if_session_ended(session_id)
         return pb.ReserveResponse(
             lease_id=lease_id,
             slots=[pb.Slot(offset=s.offset, size_bytes=s.size_bytes) for s in slots],
@@ -526,6 +534,7 @@ class KVTierService:
         entries = [self._store.stat(k) for k in keys]
         self._admit_bytes(tenant, sum(e.size_bytes for e in entries if e is not None))
         lease_id, slots = await self._store.acquire(session_id, keys)
+        self._drop_if_session_ended(session_id)
         return pb.AcquireResponse(lease_id=lease_id, blocks=[_leased(s) for s in slots])
 
     async def _release(

@@ -25,7 +25,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -58,6 +58,7 @@ from kvtier.tiers.dram import DramTier
 from kvtier.tiers.nvme import ALIGN_BYTES, NvmeTier, RecordHeader, header_size_for
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 PLANNED_BLOCKS_KEPT = 1 << 16
 
 
@@ -424,7 +425,7 @@ class Store:
                     entry.demoting = False
                     self._after_use(entry)
 
-        await asyncio.gather(*(one(e) for e in self.catalog.dram_only()))
+        await self._run_to_end(*(one(e) for e in self.catalog.dram_only()))
         return written
 
     async def close(self) -> None:
@@ -567,6 +568,9 @@ class Store:
             self._unpin(entry)
             self._counters.misses += 1
             return None
+        except BaseException:  # cancelled: the reader is gone, so is its pin
+            self._unpin(entry)
+            raise
         self.nvme_health.succeeded()
         read_s = time.perf_counter() - started_s
         self.paths["nvme"].observe(header.record_bytes, read_s)
@@ -918,25 +922,30 @@ class Store:
                 logger.warning("reclaimed %d expired leases", len(expired))
 
     async def _promote(self, entry: Entry) -> bool:
-        """Copy a pinned NVMe-only block into DRAM (verified); False if it cannot be."""
-        pending = self._promotions.get(entry)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._promotions[entry] = future
+        """Copy a pinned NVMe-only block into DRAM (verified); False if it cannot be.
+
+        One promotion per block, shared by its callers and run to its end even when they
+        are cancelled: the read fills an extent on an I/O thread, which must end attached
+        to the block or freed, never half-way."""
+        promotion = self._promotions.get(entry)
+        if promotion is None:
+            promotion = self._spawn(self._promote_pinned(entry))
+            self._promotions[entry] = promotion
+            promotion.add_done_callback(lambda _: self._promotions.pop(entry, None))
+        return await asyncio.shield(promotion)
+
+    async def _promote_pinned(self, entry: Entry) -> bool:
+        # Its own pin: a cancelled caller unpins, and the block must not be freed under it.
+        self.catalog.pin(entry)
         try:
-            ok = await self._promote_once(entry)
-            future.set_result(ok)
-            return ok
-        except BaseException as err:
-            future.set_exception(err)
-            future.exception()  # retrieved here: other waiters re-raise it themselves
-            raise
+            return await self._promote_once(entry)
         finally:
-            del self._promotions[entry]
+            self._unpin(entry)
 
     async def _promote_once(self, entry: Entry) -> bool:
-        assert self.nvme is not None and entry.nvme_record_bytes
+        assert self.nvme is not None
+        if not entry.nvme_record_bytes or entry.dram_extent is not None:
+            return entry.dram_extent is not None  # a shared promotion finished it already
         header = self._record_header(entry)
         arena = self.arena_of(entry.block_id)
         if not self.nvme_health.online:
@@ -974,7 +983,7 @@ class Store:
                 return extent
             victims = self._pick_dram_victims(tenant, size_bytes)
             if victims:
-                await asyncio.gather(*(self._evict_from_dram(v) for v in victims))
+                await self._run_to_end(*(self._evict_from_dram(v) for v in victims))
                 continue
             # Everything left is being written or read; wait (bounded) for some to finish.
             remaining = deadline - loop.time()
@@ -1354,10 +1363,18 @@ class Store:
         self._space_freed.set()
         self._space_freed = asyncio.Event()
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+    async def _run_to_end(self, *works: Coroutine[Any, Any, T]) -> list[T]:
+        """Await `works`, which go on to their end even if the caller is cancelled (a client
+        gone, a deadline): each moves bytes on an I/O thread and then brings the catalog in
+        step, so one stopped half-way would leave a record on disk, or an extent, that
+        nothing knows of."""
+        return await asyncio.shield(asyncio.gather(*(self._spawn(w) for w in works)))
+
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     def _take_generation(self) -> int:
         gen = self._next_generation

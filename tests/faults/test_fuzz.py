@@ -339,7 +339,9 @@ def put_streams(draw: st.DrawFn) -> PutCase:
     declared = draw(
         mostly(
             st.just(len(data)),
-            st.one_of(st.sampled_from([len(data) - 1, len(data) + 1, 0, DRAM_BYTES, U64_MAX]), U64),
+            st.one_of(
+                st.sampled_from([max(len(data) - 1, 0), len(data) + 1, 0, DRAM_BYTES, U64_MAX]), U64
+            ),
         )
     )
     right = xxhash.xxh3_64_intdigest(data)
