@@ -35,11 +35,12 @@ from kvtier.client._common import (
 )
 from kvtier.client.zerocopy import (
     AsyncSharedArena,
-    byte_view,
+    block_parts,
     commit_results,
     copy_bytes,
     copy_out,
     fill_slots,
+    joined,
     release_request,
     reserve_request,
 )
@@ -255,21 +256,23 @@ class AsyncClient:
     async def put_many(
         self, namespace: str, items: Sequence[tuple[bytes | str, Any]], overwrite: bool = False
     ) -> builtins.list[bool]:
-        """Store many blocks with one reserve and one commit round trip."""
-        views = [byte_view(buf, writable=False) for _, buf in items]
+        """Store many blocks with one reserve and one commit round trip. A block's buffer
+        may be a list of buffers holding it back to back (one per layer, say): each is
+        copied into place, never joined first."""
+        blocks = [block_parts(buf, writable=False) for _, buf in items]
         arena = await self._shared_arena()
         if arena is None:
             return [
-                await self.put(namespace, k, v, overwrite)
-                for (k, _), v in zip(items, views, strict=True)
+                await self.put(namespace, k, joined(b), overwrite)
+                for (k, _), b in zip(items, blocks, strict=True)
             ]
         keys = [as_key(k) for k, _ in items]
         try:
             resp = await arena.call(
-                Op.RESERVE, reserve_request(namespace, keys, views, overwrite), pb.ReserveResponse
+                Op.RESERVE, reserve_request(namespace, keys, blocks, overwrite), pb.ReserveResponse
             )
             try:
-                checksums = fill_slots(arena, resp.slots, views)
+                checksums = fill_slots(arena, resp.slots, blocks)
             except BaseException:
                 await arena.call(
                     Op.COMMIT,
@@ -293,10 +296,11 @@ class AsyncClient:
         buffers: Sequence[Any],
         verify: bool = False,
     ) -> builtins.list[int | None]:
-        """Copy many blocks into their buffers with one round trip; None for each miss."""
+        """Copy many blocks into their buffers with one round trip; None for each miss. A
+        block's buffer may be a list of buffers, filled in order (as put_many takes them)."""
         if len(keys) != len(buffers):
             raise InvalidArgument("get_many needs one buffer per key")
-        views = [byte_view(buf, writable=True) for buf in buffers]
+        views = [block_parts(buf, writable=True) for buf in buffers]
         arena = await self._shared_arena()
         if arena is None:
             return [

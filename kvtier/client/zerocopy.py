@@ -148,26 +148,32 @@ class AsyncSharedArena:
 
 
 AnyArena = SharedArena | AsyncSharedArena
+Parts = list[memoryview]
 
 
 def reserve_request(
-    namespace: str, keys: list[bytes], views: list[memoryview], overwrite: bool
+    namespace: str, keys: list[bytes], blocks: list[Parts], overwrite: bool
 ) -> pb.ReserveRequest:
     return pb.ReserveRequest(
         namespace=namespace,
         items=[
-            pb.ReserveItem(key=k, size_bytes=v.nbytes) for k, v in zip(keys, views, strict=True)
+            pb.ReserveItem(key=k, size_bytes=parts_bytes(p))
+            for k, p in zip(keys, blocks, strict=True)
         ],
         overwrite=overwrite,
     )
 
 
-def fill_slots(arena: AnyArena, slots: Iterable[pb.Slot], views: list[memoryview]) -> list[int]:
-    """Copy each buffer into its reserved slot; returns their checksums for the commit."""
+def fill_slots(arena: AnyArena, slots: Iterable[pb.Slot], blocks: list[Parts]) -> list[int]:
+    """Copy each block's parts, back to back, into its reserved slot; returns their
+    checksums for the commit."""
     checksums = []
-    for slot, view in zip(slots, views, strict=True):
-        arena.view[slot.offset : slot.offset + slot.size_bytes] = view
-        checksums.append(xxhash.xxh3_64_intdigest(view))
+    for slot, parts in zip(slots, blocks, strict=True):
+        offset = slot.offset
+        for part in parts:
+            arena.view[offset : offset + part.nbytes] = part
+            offset += part.nbytes
+        checksums.append(checksum(parts))
     return checksums
 
 
@@ -180,18 +186,19 @@ def commit_results(done: pb.CommitResponse) -> list[bool]:
 
 
 def copy_out(
-    arena: AnyArena, blocks: Iterable[pb.LeasedBlock], views: list[memoryview], verify: bool
+    arena: AnyArena, blocks: Iterable[pb.LeasedBlock], buffers: list[Parts], verify: bool
 ) -> list[int | None]:
-    """Copy leased blocks out of the arena into their buffers; None for each miss."""
+    """Copy leased blocks out of the arena into their buffers (each block's parts filled
+    in order); None for each miss."""
     out: list[int | None] = []
-    for block, view in zip(blocks, views, strict=True):
+    for block, parts in zip(blocks, buffers, strict=True):
         if not block.found:
             out.append(None)
             continue
         size = block.size_bytes
-        check_fits(size, view)
-        view[:size] = arena.view[block.offset : block.offset + size]
-        if verify and xxhash.xxh3_64_intdigest(view[:size]) != block.xxh3_64:
+        check_fits(size, parts)
+        filled = scatter(arena.view[block.offset : block.offset + size], parts)
+        if verify and checksum(filled) != block.xxh3_64:
             raise DataLoss("block bytes changed in the shared arena; retry the get")
         out.append(size)
     return out
@@ -211,18 +218,60 @@ def release_request(lease_id: int, started_s: float, copied: list[int | None]) -
     )
 
 
-def copy_bytes(data: bytes | None, view: memoryview) -> int | None:
+def copy_bytes(data: bytes | None, parts: Parts) -> int | None:
     """The byte-path fallback of get_into: copy what get() returned."""
     if data is None:
         return None
-    check_fits(len(data), view)
-    view[: len(data)] = data
+    check_fits(len(data), parts)
+    scatter(memoryview(data), parts)
     return len(data)
 
 
-def check_fits(size: int, view: memoryview) -> None:
-    if size > view.nbytes:
-        raise InvalidArgument(f"buffer of {view.nbytes} bytes is too small for a {size}-byte block")
+def scatter(data: memoryview, parts: Parts) -> Parts:
+    """Copy `data` into `parts` in order; the filled prefixes of the parts."""
+    filled: Parts = []
+    offset = 0
+    for part in parts:
+        if offset == data.nbytes:
+            break
+        n = min(part.nbytes, data.nbytes - offset)
+        part[:n] = data[offset : offset + n]
+        filled.append(part[:n])
+        offset += n
+    return filled
+
+
+def checksum(parts: Parts) -> int:
+    """xxh3-64 of the parts as one byte string."""
+    if len(parts) == 1:
+        return xxhash.xxh3_64_intdigest(parts[0])
+    hasher = xxhash.xxh3_64()
+    for part in parts:
+        hasher.update(part)
+    return hasher.intdigest()
+
+
+def parts_bytes(parts: Parts) -> int:
+    return sum(part.nbytes for part in parts)
+
+
+def check_fits(size: int, parts: Parts) -> None:
+    room = parts_bytes(parts)
+    if size > room:
+        raise InvalidArgument(f"buffer of {room} bytes is too small for a {size}-byte block")
+
+
+def block_parts(obj: Any, writable: bool) -> Parts:
+    """A block's buffer as parts: one buffer, or a list/tuple of buffers that hold the
+    block back to back (for example one slice per layer of an engine's KV cache)."""
+    if isinstance(obj, list | tuple):
+        return [byte_view(part, writable) for part in obj]
+    return [byte_view(obj, writable)]
+
+
+def joined(parts: Parts) -> memoryview:
+    """One buffer with the parts' bytes (a copy only when there are several)."""
+    return parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
 
 
 def byte_view(obj: Any, writable: bool) -> memoryview:

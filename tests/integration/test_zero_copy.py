@@ -95,6 +95,36 @@ def test_batches_move_a_chain_in_one_round_trip(start_daemon: StartDaemon) -> No
             assert sink == blocks[i]
 
 
+def check_parts_roundtrip(client: kvtier.Client) -> None:
+    """A block given as several buffers (one per layer) is stored as their concatenation
+    and read back into several buffers, split wherever those buffers end."""
+    layers = [block_bytes(10 + i, 64 << 10) for i in range(4)]
+    whole = b"".join(layers)
+    assert client.put_many(NS, [("layered", layers)]) == [True]
+    assert client.get(NS, "layered") == whole
+    # The same bytes as one buffer: already there (the parts' checksum is the whole's).
+    assert client.put_many(NS, [("layered", whole)]) == [False]
+    sinks = [bytearray(100_000), bytearray(100_000), bytearray(70_000)]
+    assert client.get_many(NS, ["layered"], [sinks])[0] == len(whole)
+    assert b"".join(sinks)[: len(whole)] == whole
+    with pytest.raises(kvtier.InvalidArgument, match="too small"):
+        client.get_many(NS, ["layered"], [[bytearray(64 << 10), bytearray(64 << 10)]])
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_a_block_in_parts_round_trips(start_daemon: StartDaemon, transport: str) -> None:
+    tcp = transport == "tcp"
+    daemon = start_daemon(
+        dram="16MiB",
+        nvme="64MiB",
+        listen="127.0.0.1:0" if tcp else None,
+        env={"KVTIER_SERVER__TLS_INSECURE": "true"} if tcp else {},
+    )
+    with daemon.client() as client:
+        check_parts_roundtrip(client)
+        assert (client._arena is None) == tcp
+
+
 def test_leased_get_promotes_nvme_blocks_and_corrupt_records_miss(
     start_daemon: StartDaemon,
 ) -> None:
