@@ -1,0 +1,1 @@
+"""Engine integrations (each imports its engine; `import kvtier` imports none)."""
