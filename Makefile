@@ -56,8 +56,8 @@ soak: $(STAMP)
 check: proto-check lint typecheck systemd-check test
 
 lint: $(STAMP)
-	$(BIN)/ruff format --check kvtier tests scripts benchmarks
-	$(BIN)/ruff check kvtier tests scripts benchmarks
+	$(BIN)/ruff format --check kvtier tests scripts benchmarks examples
+	$(BIN)/ruff check kvtier tests scripts benchmarks examples
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -43,7 +43,8 @@ def store_prefix(
     model: torch.nn.Module,
     prefix: torch.Tensor,
     block_tokens: int,
-) -> list[bytes]:
+) -> DynamicCache:
+    """Prefill `prefix`, store its whole blocks; returns the cache it computed."""
     with torch.no_grad():
         cache = model(prefix, use_cache=True).past_key_values
     ids = prefix[0].tolist()
@@ -56,7 +57,7 @@ def store_prefix(
         for i in range(blocks)
     ]
     client.put_many(namespace, items)
-    return keys
+    return cache
 
 
 def load_prefix(
@@ -106,7 +107,9 @@ def load_prefix(
     return cache, tokens
 
 
-def generate(model: torch.nn.Module, ids: list[int], new_tokens: int, cache: DynamicCache | None = None) -> list[int]:
+def generate(
+    model: torch.nn.Module, ids: list[int], new_tokens: int, cache: DynamicCache | None = None
+) -> list[int]:
     prompt = torch.tensor([ids])
     with torch.no_grad():
         out = model.generate(
@@ -131,7 +134,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     model.eval()
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(1)
@@ -140,16 +143,24 @@ def main(argv: list[str]) -> int:
 
     reference = generate(model, ids, args.new_tokens)
     with kvtier.Client(args.target) as client:
-        store_prefix(
+        computed = store_prefix(
             client, namespace, model, torch.tensor([ids[: args.prefix_tokens]]), args.block_tokens
         )
         cache, cached = load_prefix(client, namespace, model, ids, args.block_tokens)
+    exact = all(
+        torch.equal(k[:, :, :cached], lk) and torch.equal(v[:, :, :cached], lv)
+        for (k, v), (lk, lv) in zip(layer_kv(computed), layer_kv(cache), strict=True)
+    )
     from_kvtier = generate(model, ids, args.new_tokens, cache)
     print(f"prompt {len(ids)} tokens; {cached} of them from kvtier")
+    print(f"KV from kvtier equal to the computed KV, bit for bit: {'yes' if exact else 'NO'}")
     print(f"recomputed: {reference}")
     print(f"via kvtier: {from_kvtier}")
-    if cached == 0 or from_kvtier != reference:
-        print("MISMATCH" if cached else "nothing was loaded from kvtier")
+    if cached == 0:
+        print("nothing was loaded from kvtier")
+        return 1
+    if not exact or from_kvtier != reference:
+        print("MISMATCH")
         return 1
     print("identical")
     return 0

@@ -16,7 +16,6 @@ logprobs, bit for bit, of vLLM alone whose own prefix cache was filled the same 
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 from collections.abc import Callable
@@ -26,37 +25,14 @@ from typing import Any
 import pytest
 
 from tests.conftest import DaemonProcess
+from tests.integration.conftest import DRIVER, ROOT
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-DRIVER = Path(__file__).with_name("vllm_driver.py")
 BLOCK_SIZE = 128
 PREFIX_TOKENS = 5 * BLOCK_SIZE
 SUFFIX_TOKENS = 200  # a sixth full block of each prompt's own, and a partial seventh
 StartDaemon = Callable[..., DaemonProcess]
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    if not VLLM_PYTHON.exists():
-        if os.environ.get("KVTIER_REQUIRE_VLLM") == "1":
-            pytest.fail(f"{VLLM_PYTHON} is missing: run `make vllm-env`")
-        pytest.skip(f"real vLLM not installed ({VLLM_PYTHON}): run `make vllm-env` first")
-    return VLLM_PYTHON
-
-
-@pytest.fixture(scope="module")
-def tiny_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("vllm") / "tiny-llama"
-    subprocess.run(
-        [str(vllm_python), str(DRIVER), "build-model", str(out)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return out
 
 
 def make_prompts(model: Path, count: int = 3, seed: int = 1) -> list[list[int]]:
