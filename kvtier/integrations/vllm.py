@@ -19,7 +19,9 @@ daemon down the engine runs as if there were no connector (logged once, retried 
 
 Extra config keys: `target` (default $KVTIER_TARGET, else the daemon's default socket),
 `token` (default $KVTIER_TOKEN), `timeout_s` (2), `retry_s` (5), `namespace` (default
-from the model, dtype, block size and KV layout), `load` / `save` (true).
+from the model, dtype, block size and KV layout), `load` / `save` (true), `fetch`:
+"plan" (the daemon's planner decides, default) or "always" (load every cached leading
+block, as cache-hit-only connectors do: a baseline to compare with).
 """
 
 from __future__ import annotations
@@ -131,6 +133,9 @@ class KVTierConnector(KVConnectorBase_V1):
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self._load = _truthy(extra.get("load", True))
         self._save = _truthy(extra.get("save", True))
+        self._fetch = str(extra.get("fetch", "plan"))
+        if self._fetch not in ("plan", "always"):
+            raise ValueError(f"fetch must be 'plan' or 'always', not {self._fetch!r}")
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             raise ValueError(f"{_ATTENTION_ONLY}; this one has {len(groups)}")
@@ -162,6 +167,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._kv_layers: list[torch.Tensor] | None = None
         self._load_errors: set[int] = set()
         self._forward_started_s = 0.0
+        self._prefilled = False
         logger.info(
             "kvtier connector (%s): namespace %s, %d-byte blocks",
             role.name.lower(),
@@ -189,19 +195,23 @@ class KVTierConnector(KVConnectorBase_V1):
         if client is None:
             return 0, False
         try:
-            plan = client.plan(
-                self.namespace,
-                state.keys[:usable],
-                self._block_size,
-                engine_cached_blocks=engine_blocks,
-                prompt_tokens=len(prompt),
-                kv_bytes_per_token=self._block_bytes // self._block_size,
-            )
+            if self._fetch == "always":  # every cached block, as cache-hit-only connectors do
+                end = client.lookup(self.namespace, state.keys[:usable]).prefix_blocks
+            else:
+                end = prefix_load_end(
+                    client.plan(
+                        self.namespace,
+                        state.keys[:usable],
+                        self._block_size,
+                        engine_cached_blocks=engine_blocks,
+                        prompt_tokens=len(prompt),
+                        kv_bytes_per_token=self._block_bytes // self._block_size,
+                    )
+                )
         except (KVTierError, OSError) as err:
             self._daemon.failed("plan a prefix load", err)
             return 0, False
         self._daemon.succeeded()
-        end = prefix_load_end(plan)
         if end <= engine_blocks:
             return 0, False
         state.load_from, state.load_to = engine_blocks, end
@@ -285,7 +295,10 @@ class KVTierConnector(KVConnectorBase_V1):
         forward_s = time.perf_counter() - self._forward_started_s
         if meta.saves:
             self._save_blocks(meta.saves)
-        if meta.prefill is not None and (client := self._daemon.client()) is not None:
+        if meta.prefill is not None and not self._prefilled:
+            # The engine's first prefill carries one-time costs (lazy set-up): not reported.
+            self._prefilled = True
+        elif meta.prefill is not None and (client := self._daemon.client()) is not None:
             try:
                 client.report_prefill(
                     self.namespace, meta.prefill.start_token, meta.prefill.end_token, forward_s
