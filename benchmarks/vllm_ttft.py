@@ -78,7 +78,7 @@ class Daemon:
 
 
 def run(
-    model: Path, prompts: Path, out: Path, target: str = "", fetch: str = "plan", warmup: int = 8
+    model: Path, prompts: Path, out: Path, warmup: int, target: str = "", fetch: str = "plan"
 ) -> list[dict[str, Any]]:
     cmd = [str(VLLM_PYTHON), str(DRIVER), "generate", "--model", str(model)]
     cmd += ["--prompts", str(prompts), "--out", str(out), "--max-tokens", "1"]
@@ -105,9 +105,18 @@ def summary(results: list[dict[str, Any]], cold_s: float | None) -> dict[str, An
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=3072)
-    parser.add_argument("--throttle-s", type=float, default=0.25, help="delay per NVMe read")
+    parser.add_argument(
+        "--throttle-s", type=float, nargs="+", default=[0.25, 1.0], help="delays per NVMe read"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=10,
+        help="throwaway prompts per engine (>= 9: the "
+        "daemon uses its own prefill estimate after 8 reports, the first is not reported)",
+    )
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--json", type=Path)
@@ -133,41 +142,50 @@ def main(argv: list[str]) -> int:
 
     rows: dict[str, dict[str, Any]] = {}
     print("cold ...", file=sys.stderr)
-    cold = summary(run(model, prompts_file, work / "cold.json"), None)
+    cold = summary(run(model, prompts_file, work / "cold.json", args.warmup), None)
     rows["cold (no connector)"] = cold
     daemon = Daemon(work).start()
     try:
         print("storing ...", file=sys.stderr)
-        run(model, prompts_file, work / "store.json", daemon.target)
+        run(model, prompts_file, work / "store.json", args.warmup, daemon.target)
         print("kvtier-DRAM ...", file=sys.stderr)
         rows["kvtier, blocks in DRAM"] = summary(
-            run(model, prompts_file, work / "dram.json", daemon.target), cold["ttft_median_s"]
+            run(model, prompts_file, work / "dram.json", args.warmup, daemon.target),
+            cold["ttft_median_s"],
         )
         daemon.stop()  # writes DRAM out: the blocks are on NVMe only after the restart
         daemon.start()
         print("kvtier-NVMe ...", file=sys.stderr)
         rows["kvtier, blocks on NVMe"] = summary(
-            run(model, prompts_file, work / "nvme.json", daemon.target), cold["ttft_median_s"]
+            run(model, prompts_file, work / "nvme.json", args.warmup, daemon.target),
+            cold["ttft_median_s"],
         )
-        for fetch in ("plan", "always"):
-            daemon.stop()
-            # Promoted blocks went to DRAM: a clean stop writes them out again.
-            daemon.env = {"KVTIER_FAILPOINTS": f"nvme.read=delay:{args.throttle_s}"}
-            daemon.start()
-            print(f"throttled NVMe, fetch={fetch} ...", file=sys.stderr)
-            label = (
-                "kvtier, NVMe throttled, planner decides"
-                if fetch == "plan"
-                else "kvtier, NVMe throttled, always fetch (hit-only baseline)"
-            )
-            rows[label] = summary(
-                run(model, prompts_file, work / f"throttled-{fetch}.json", daemon.target, fetch),
-                cold["ttft_median_s"],
-            )
-            rows[label]["planner"] = {
-                k: daemon.stats()[k]
-                for k in ("planned_fetch_blocks", "planned_recompute_blocks", "promotions")
-            }
+        for throttle_s in args.throttle_s:
+            for fetch in ("plan", "always"):
+                daemon.stop()
+                # Promoted blocks went to DRAM: a clean stop writes them out again.
+                daemon.env = {"KVTIER_FAILPOINTS": f"nvme.read=delay:{throttle_s}"}
+                daemon.start()
+                print(f"NVMe +{throttle_s} s/read, fetch={fetch} ...", file=sys.stderr)
+                label = f"kvtier, NVMe +{throttle_s * 1e3:.0f} ms/read, " + (
+                    "planner decides" if fetch == "plan" else "always fetch (hit-only baseline)"
+                )
+                rows[label] = summary(
+                    run(
+                        model,
+                        prompts_file,
+                        work / f"nvme-{throttle_s}-{fetch}.json",
+                        args.warmup,
+                        daemon.target,
+                        fetch,
+                    ),
+                    cold["ttft_median_s"],
+                )
+                stats = daemon.stats()
+                rows[label]["daemon"] = {
+                    k: stats[k]
+                    for k in ("planned_fetch_blocks", "planned_recompute_blocks", "promotions")
+                }
     finally:
         daemon.stop()
 
@@ -175,7 +193,7 @@ def main(argv: list[str]) -> int:
     print(
         f"\nvLLM {args.prompts} prompts x {args.prompt_tokens} tokens, tiny Llama "
         f"{args.layers} layers hidden {args.hidden} bf16 ({kv_bytes_per_token} KV bytes/token), "
-        "CPU backend, 1 thread"
+        f"CPU backend, 1 thread; each engine ran {args.warmup} throwaway prompts first"
     )
     print(f"{'scenario':58} {'TTFT median':>12} {'vs cold':>8}  tokens from kvtier")
     for name, row in rows.items():

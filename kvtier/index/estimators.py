@@ -127,6 +127,10 @@ class PrefillEstimator:
     ) -> None:
         self.seed = seed
         self._fit = _WeightedLeastSquares(3, decay)
+        # Without the per-step constant: what is left to fit when every observation has
+        # the same length (an engine whose prefills are all a block's suffix after a
+        # prefix hit makes the step constant and the per-token term indistinguishable).
+        self._fit_no_step = _WeightedLeastSquares(2, decay)
         self._min = min_observations
         self._gate = _OutlierGate(outlier_factor, min_observations)
 
@@ -137,12 +141,16 @@ class PrefillEstimator:
         if self._gate.admit(seconds, predicted, self._fit.count):
             x = [float(end_token - start_token), (end_token**2 - start_token**2) / 2, 1.0]
             self._fit.add(x, seconds)
+            self._fit_no_step.add(x[:2], seconds)
 
     def estimate(self) -> PrefillCost:
         if self._fit.count < self._min:
             return self.seed
         weights = self._fit.solve()
-        if weights is None or weights[0] <= 0:
-            return self.seed
-        a, c, step = weights
-        return PrefillCost(a_s_per_token=a, c_s_per_token2=max(c, 0.0), step_s=max(step, 0.0))
+        if weights is not None and weights[0] > 0 and weights[1] >= 0 and weights[2] >= 0:
+            a, c, step = weights
+            return PrefillCost(a_s_per_token=a, c_s_per_token2=c, step_s=step)
+        reduced = self._fit_no_step.solve()
+        if reduced is not None and reduced[0] > 0 and reduced[1] >= 0:
+            return PrefillCost(a_s_per_token=reduced[0], c_s_per_token2=reduced[1])
+        return self.seed

@@ -70,3 +70,22 @@ def test_noise_that_hides_the_size_dependence_still_replaces_a_wrong_seed() -> N
             est.observe(size, seconds)
     predicted = est.estimate().fetch_s(1 << 20)
     assert 1e-4 < predicted < 2e-3, predicted
+
+
+def test_suffix_only_prefills_still_teach_the_cost_of_a_whole_prompt() -> None:
+    """An engine with prefix hits reports only the last block of each prompt: every
+    observation has the same length, so the per-step constant cannot be told from the
+    per-token cost. The estimate must still price a whole prompt, not fall back to the
+    seed (here a GPU-class seed, 500x too cheap for this CPU engine)."""
+    a, c, step = 5e-4, 3.4e-6, 0.01
+
+    def true_s(start: int, end: int) -> float:
+        return a * (end - start) + c / 2 * (end**2 - start**2) + step
+
+    rng = random.Random(3)
+    est = PrefillEstimator(PrefillCost(a_s_per_token=1e-5, c_s_per_token2=1e-10))
+    for length in [1536, 2304, 3072, 768] * 3:
+        start = (length - 1) // 128 * 128
+        est.observe(start, length, true_s(start, length) * rng.uniform(0.95, 1.05))
+    whole = est.estimate().seconds(0, 2944)
+    assert whole == pytest.approx(true_s(0, 2944), rel=0.2)
