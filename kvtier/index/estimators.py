@@ -147,10 +147,10 @@ class PrefillEstimator:
         if self._fit.count < self._min:
             return self.seed
         weights = self._fit.solve()
-        if weights is not None and weights[0] > 0 and weights[1] >= 0 and weights[2] >= 0:
+        if weights is not None and weights[0] > 0:
             a, c, step = weights
-            return PrefillCost(a_s_per_token=a, c_s_per_token2=c, step_s=step)
+            return PrefillCost(a_s_per_token=a, c_s_per_token2=max(c, 0.0), step_s=max(step, 0.0))
         reduced = self._fit_no_step.solve()
-        if reduced is not None and reduced[0] > 0 and reduced[1] >= 0:
-            return PrefillCost(a_s_per_token=reduced[0], c_s_per_token2=reduced[1])
+        if reduced is not None and reduced[0] > 0:
+            return PrefillCost(a_s_per_token=reduced[0], c_s_per_token2=max(reduced[1], 0.0))
         return self.seed
