@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import kvtier
+
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 KVTIER = ROOT / ".venv" / "bin" / "kvtier"
@@ -70,9 +72,6 @@ class Daemon:
             self.proc = None
 
     def stats(self) -> dict[str, Any]:
-        sys.path.insert(0, str(ROOT))
-        import kvtier
-
         with kvtier.Client(self.target) as client:
             return client.stats()
 

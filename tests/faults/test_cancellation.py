@@ -18,6 +18,7 @@ from kvtier._session import Op
 from tests.conftest import DaemonProcess, block_bytes
 from tests.faults.harness import Report, Shadow, check_all, fired, still_serves, wait_for
 from tests.faults.test_clients import no_leak
+from tests.faults.test_nvme_faults import record_files
 
 StartDaemon = Callable[..., DaemonProcess]
 NS = "faults/cancel"
@@ -25,12 +26,8 @@ MiB = 1 << 20
 ENV = {"KVTIER_POLICY__NAME": "lru", "KVTIER_POLICY__ADMISSION": "write_back"}
 
 
-def record_files(daemon: DaemonProcess) -> int:
-    return len(list((daemon.nvme_path / "v1").glob("*/*.kvr")))
-
-
 def disk_matches_catalog(daemon: DaemonProcess, client: kvtier.Client) -> bool:
-    return bool(record_files(daemon) == client.stats()["tiers"]["nvme"]["blocks"])
+    return bool(len(record_files(daemon)) == client.stats()["tiers"]["nvme"]["blocks"])
 
 
 def settle(daemon: DaemonProcess, client: kvtier.Client) -> None:
