@@ -6,16 +6,28 @@ observations), so the fit follows a drive or an engine whose speed changes. Outl
 transfer that stalled behind a flush, a prefill that waited for a batch) are skipped: once
 the fit is warm, an observation more than `outlier_factor` times (or less than
 1/`outlier_factor` of) the prediction is dropped — unless `accept_after` arrive in a row,
-which means the path itself changed. Until enough observations arrive, the seed (a calibration or a
-configured profile) is the answer.
+which means the path itself changed: then the fit starts again from those observations
+(a drive throttled 100x would otherwise be averaged with the fast past for a long while).
+Until enough observations arrive, the seed (a calibration or a configured profile) is the
+answer.
 
     path:    seconds = alpha + bytes / bandwidth
     prefill: seconds = a*(e - s) + c*(e^2 - s^2)/2 + step       for tokens [s, e)
+
+Every weight is a cost, so none may be negative: the prefill fit is non-negative least
+squares (exact, over the subsets of its three terms), which keeps a per-token cost that
+noise would otherwise push below zero from being clamped after the fact (clamping one term
+of an unconstrained fit leaves the others fitted to a model that is no longer the one used).
 """
 
 from __future__ import annotations
 
+import itertools
+from typing import Literal
+
 from kvtier.index.planner import PrefillCost, TierCost
+
+Verdict = Literal["admit", "reject", "changed"]
 
 
 class _WeightedLeastSquares:
@@ -24,8 +36,13 @@ class _WeightedLeastSquares:
     def __init__(self, dims: int, decay: float) -> None:
         self.dims = dims
         self.decay = decay
+        self.reset()
+
+    def reset(self) -> None:
+        dims = self.dims
         self.xtx = [[0.0] * dims for _ in range(dims)]
         self.xty = [0.0] * dims
+        self.yty = 0.0
         self.count = 0
 
     def add(self, x: list[float], y: float) -> None:
@@ -35,12 +52,15 @@ class _WeightedLeastSquares:
             row = self.xtx[i]
             for j in range(self.dims):
                 row[j] = row[j] * d + x[i] * x[j]
+        self.yty = self.yty * d + y * y
         self.count += 1
 
-    def solve(self) -> list[float] | None:
-        """The fitted weights, or None while the system is singular (too few or same points)."""
-        n = self.dims
-        a = [[*row, self.xty[i]] for i, row in enumerate(self.xtx)]
+    def solve(self, columns: tuple[int, ...] | None = None) -> list[float] | None:
+        """The fitted weights over `columns` (default all; the others 0), or None while
+        that system is singular (too few or same points)."""
+        cols = tuple(range(self.dims)) if columns is None else columns
+        n = len(cols)
+        a = [[*(self.xtx[i][j] for j in cols), self.xty[i]] for i in cols]
         for col in range(n):
             pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
             scale = max(abs(a[r][col]) for r in range(n)) or 1.0
@@ -52,7 +72,29 @@ class _WeightedLeastSquares:
                     factor = a[r][col] / a[col][col]
                     for cc in range(col, n + 1):
                         a[r][cc] -= factor * a[col][cc]
-        return [a[i][n] / a[i][i] for i in range(n)]
+        weights = [0.0] * self.dims
+        for i, c in enumerate(cols):
+            weights[c] = a[i][n] / a[i][i]
+        return weights
+
+    def residual(self, w: list[float]) -> float:
+        """Weighted sum of squared errors of `w`: y'y - 2 w'X'y + w'X'X w."""
+        quad = sum(w[i] * w[j] * self.xtx[i][j] for i in range(self.dims) for j in range(self.dims))
+        return self.yty - 2 * sum(wi * b for wi, b in zip(w, self.xty, strict=True)) + quad
+
+    def solve_nonnegative(self) -> list[float] | None:
+        """Least squares with every weight >= 0: the best of the subset fits that come out
+        non-negative (the constrained optimum is the unconstrained one on its support)."""
+        best: tuple[float, list[float]] | None = None
+        for size in range(1, self.dims + 1):
+            for cols in itertools.combinations(range(self.dims), size):
+                w = self.solve(cols)
+                if w is None or min(w) < 0:
+                    continue
+                err = self.residual(w)
+                if best is None or err < best[0]:
+                    best = (err, w)
+        return None if best is None else best[1]
 
 
 class _OutlierGate:
@@ -63,15 +105,31 @@ class _OutlierGate:
         self.factor = factor
         self.warm_after = warm_after
         self.accept_after = accept_after
-        self.rejected_in_a_row = 0
+        self.rejected: list[tuple[list[float], float]] = []  # the far ones, in a row
 
-    def admit(self, observed: float, predicted: float, seen: int) -> bool:
+    def admit(self, x: list[float], observed: float, predicted: float, seen: int) -> Verdict:
         far = predicted > 0 and not predicted / self.factor <= observed <= predicted * self.factor
-        if seen >= self.warm_after and far and self.rejected_in_a_row < self.accept_after:
-            self.rejected_in_a_row += 1
-            return False
-        self.rejected_in_a_row = 0
-        return True
+        if not far or seen < self.warm_after:
+            self.rejected.clear()
+            return "admit"
+        if len(self.rejected) < self.accept_after:
+            self.rejected.append((x, observed))
+            return "reject"
+        return "changed"
+
+
+def _gated_add(
+    fit: _WeightedLeastSquares, gate: _OutlierGate, x: list[float], y: float, predicted: float
+) -> None:
+    verdict = gate.admit(x, y, predicted, fit.count)
+    if verdict == "reject":
+        return
+    if verdict == "changed":
+        fit.reset()
+        for old_x, old_y in gate.rejected:
+            fit.add(old_x, old_y)
+        gate.rejected.clear()
+    fit.add(x, y)
 
 
 class PathEstimator:
@@ -92,15 +150,23 @@ class PathEstimator:
     def observe(self, size_bytes: int, seconds: float) -> None:
         if size_bytes <= 0 or seconds <= 0:
             return
-        if self._gate.admit(seconds, self.estimate().fetch_s(size_bytes), self._fit.count):
-            self._fit.add([1.0, float(size_bytes)], seconds)
+        predicted = self.estimate().fetch_s(size_bytes)
+        _gated_add(self._fit, self._gate, [1.0, float(size_bytes)], seconds, predicted)
 
     def estimate(self) -> TierCost:
         if self._fit.count < self._min:
             return self.seed
         weights = self._fit.solve()
         if weights is None:
-            return self.seed  # all transfers one size: alpha and B are not separable
+            # Every transfer one size (an engine's blocks usually are): alpha and the
+            # bandwidth are not separable, but the cost at that size is known. Keep the
+            # seed's split between the two, scaled to what was measured.
+            sum_w, sum_size, sum_s = self._fit.xtx[0][0], self._fit.xtx[0][1], self._fit.xty[0]
+            seeded_s = self.seed.fetch_s(int(sum_size / sum_w)) if sum_w > 0 else 0.0
+            if sum_s <= 0 or seeded_s <= 0:
+                return self.seed
+            ratio = (sum_s / sum_w) / seeded_s
+            return TierCost(self.seed.bandwidth_bytes_per_s / ratio, self.seed.latency_s * ratio)
         if weights[1] > 0:
             alpha, per_byte = weights
             return TierCost(bandwidth_bytes_per_s=1 / per_byte, latency_s=max(alpha, 0.0))
@@ -127,10 +193,6 @@ class PrefillEstimator:
     ) -> None:
         self.seed = seed
         self._fit = _WeightedLeastSquares(3, decay)
-        # Without the per-step constant: what is left to fit when every observation has
-        # the same length (an engine whose prefills are all a block's suffix after a
-        # prefix hit makes the step constant and the per-token term indistinguishable).
-        self._fit_no_step = _WeightedLeastSquares(2, decay)
         self._min = min_observations
         self._gate = _OutlierGate(outlier_factor, min_observations)
 
@@ -138,19 +200,17 @@ class PrefillEstimator:
         if end_token <= start_token or seconds <= 0:
             return
         predicted = self.estimate().seconds(start_token, end_token)
-        if self._gate.admit(seconds, predicted, self._fit.count):
-            x = [float(end_token - start_token), (end_token**2 - start_token**2) / 2, 1.0]
-            self._fit.add(x, seconds)
-            self._fit_no_step.add(x[:2], seconds)
+        x = [float(end_token - start_token), (end_token**2 - start_token**2) / 2, 1.0]
+        _gated_add(self._fit, self._gate, x, seconds, predicted)
 
     def estimate(self) -> PrefillCost:
         if self._fit.count < self._min:
             return self.seed
-        weights = self._fit.solve()
-        if weights is not None and weights[0] > 0:
-            a, c, step = weights
-            return PrefillCost(a_s_per_token=a, c_s_per_token2=max(c, 0.0), step_s=max(step, 0.0))
-        reduced = self._fit_no_step.solve()
-        if reduced is not None and reduced[0] > 0:
-            return PrefillCost(a_s_per_token=reduced[0], c_s_per_token2=max(reduced[1], 0.0))
-        return self.seed
+        # Non-negative: a prefix hit makes an engine report only suffixes, every one the
+        # same length, where the step constant and the per-token cost trade off freely
+        # and an unconstrained fit drives one of them below zero.
+        weights = self._fit.solve_nonnegative()
+        if weights is None or weights[0] + weights[1] <= 0:
+            return self.seed  # no per-token cost in the data (yet)
+        a, c, step = weights
+        return PrefillCost(a_s_per_token=a, c_s_per_token2=c, step_s=step)

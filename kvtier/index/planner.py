@@ -50,6 +50,11 @@ class TierCost:
     def fetch_s(self, size_bytes: int) -> float:
         return self.latency_s + size_bytes / self.bandwidth_bytes_per_s
 
+    def in_parallel(self, streams: int) -> TierCost:
+        """The per-block cost of a run fetched `streams` at a time (the daemon's I/O
+        threads): amortized over the run, each stream's time overlaps the others'."""
+        return TierCost(self.bandwidth_bytes_per_s * streams, self.latency_s / streams)
+
     def then(self, after: TierCost) -> TierCost:
         """This transfer followed by `after` (e.g. NVMe -> DRAM, then DRAM -> engine)."""
         return TierCost(

@@ -11,7 +11,9 @@ Scheduler side: for a new request it computes the chained keys of the prompt's f
 blocks, asks the daemon's planner (`Plan`) which to fetch rather than recompute, and tells
 vLLM to load that prefix. Worker side: before the forward pass it copies those blocks from
 the shared arena straight into vLLM's KV tensors (one slice per layer, no staging copy);
-after it, it stores the prompt blocks the step completed the same way, and reports the
+after it, it hands the prompt blocks the step completed to a saver thread, which stores
+them the same way while the engine goes on with its next step (a finished request's
+blocks stay allocated until they are stored: vLLM's delayed free), and it reports the
 step's prefill time so the daemon's cost model learns this engine. A block that cannot be
 loaded (missing, corrupt, daemon gone) is reported to vLLM, which recomputes it; with the
 daemon down the engine runs as if there were no connector (logged once, retried every
@@ -28,8 +30,12 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import re
+import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -70,28 +76,49 @@ class PrefillStep:
     end_token: int
 
 
+Blocks = list[tuple[bytes, int]]  # (key, engine block id)
+
+
 @dataclass
 class KVTierMetadata(KVConnectorMetadata):
-    """One step's work for the worker: (key, engine block id) pairs to load before the
-    forward pass and to save after it."""
+    """One step's work for the worker: blocks to load before the forward pass, and per
+    request the blocks to save after it. `drain_saves`: vLLM freed a preempted request's
+    blocks this step, so saves still reading blocks must end before the forward pass
+    writes into them."""
 
-    loads: list[tuple[bytes, int]] = field(default_factory=list)
-    saves: list[tuple[bytes, int]] = field(default_factory=list)
+    loads: Blocks = field(default_factory=list)
+    saves: dict[str, Blocks] = field(default_factory=dict)
+    drain_saves: bool = False
     prefill: PrefillStep | None = None
+
+
+class _Outage:
+    """Whether a daemon outage has been logged: shared by the clients of one side (the
+    worker's and its saver's), so an outage is one warning, and so is the recovery."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._logged = False
+
+    def flip(self, logged: bool) -> bool:
+        """Set the state; True if that changed it (the caller logs)."""
+        with self._lock:
+            changed, self._logged = self._logged != logged, logged
+            return changed
 
 
 class _Daemon:
     """The client, with the engine's rule for a daemon that is down: skip kvtier (log once)
     and try again after `retry_s`, never stalling a step on it."""
 
-    def __init__(self, extra: dict[str, Any]) -> None:
+    def __init__(self, extra: dict[str, Any], outage: _Outage | None = None) -> None:
         self._target = extra.get("target") or os.environ.get("KVTIER_TARGET")
         self._token = extra.get("token")
         self._timeout_s = float(extra.get("timeout_s", 2.0))
         self._retry_s = float(extra.get("retry_s", 5.0))
         self._client: kvtier.Client | None = None
         self._down_until_s = 0.0
-        self._warned = False
+        self.outage = outage or _Outage()
 
     def client(self) -> kvtier.Client | None:
         if time.monotonic() < self._down_until_s:
@@ -102,27 +129,86 @@ class _Daemon:
 
     def failed(self, doing: str, err: Exception) -> None:
         self._down_until_s = time.monotonic() + self._retry_s
-        if not self._warned:
+        if self.outage.flip(True):
             logger.warning(
                 "kvtier: could not %s (%s); recomputing instead, retrying every %.0f s",
                 doing,
                 err,
                 self._retry_s,
             )
-            self._warned = True
         if self._client is not None:
             self._client.close()
             self._client = None
 
     def succeeded(self) -> None:
-        if self._warned:
+        if self.outage.flip(False):
             logger.warning("kvtier: the daemon answers again")
-            self._warned = False
 
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+class _Saver:
+    """Stores blocks on a thread of its own (with its own client), so a step does not wait
+    for the daemon. Tracks which requests have saves in flight: a finished request's
+    blocks are given back to vLLM (`finished`) only once everything it saved is stored."""
+
+    def __init__(self, daemon: _Daemon, save: Callable[[_Daemon, Blocks], None]) -> None:
+        self._daemon = daemon
+        self._save = save
+        self._jobs: queue.SimpleQueue[tuple[str, Blocks] | None] = queue.SimpleQueue()
+        self._lock = threading.Condition()
+        self._pending: Counter[str] = Counter()  # jobs queued or running, per request
+        self._in_flight = 0  # ... in all
+        self._tracked: set[str] = set()  # requests that saved anything (vLLM delays their free)
+        self._finishing: set[str] = set()  # ... and have finished in vLLM
+        self._thread = threading.Thread(target=self._run, name="kvtier-saver", daemon=True)
+        self._thread.start()
+
+    def submit(self, req_id: str, blocks: Blocks) -> None:
+        with self._lock:
+            self._pending[req_id] += 1
+            self._in_flight += 1
+            self._tracked.add(req_id)
+        self._jobs.put((req_id, blocks))
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Block until no save is in flight (False if `timeout_s` passed first)."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._in_flight == 0, timeout_s)
+
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Of the requests vLLM has finished, those whose blocks it may free now."""
+        with self._lock:
+            self._finishing |= finished_req_ids & self._tracked
+            done = {r for r in self._finishing if not self._pending[r]}
+            self._finishing -= done
+            self._tracked -= done
+            for r in done:
+                del self._pending[r]
+        return done
+
+    def close(self, timeout_s: float) -> None:
+        if not self.wait_idle(timeout_s):
+            logger.warning("kvtier: saves still in flight after %.0f s; not waiting", timeout_s)
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+        self._daemon.close()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            req_id, blocks = job
+            try:
+                self._save(self._daemon, blocks)
+            except Exception:  # a bug here must not leave vLLM's blocks held forever
+                logger.exception("kvtier: saving %d blocks failed", len(blocks))
+            finally:
+                with self._lock:
+                    self._pending[req_id] -= 1
+                    self._in_flight -= 1
+                    self._lock.notify_all()
 
 
 class KVTierConnector(KVConnectorBase_V1):
@@ -155,6 +241,7 @@ class KVTierConnector(KVConnectorBase_V1):
             rank,
             parallel.tensor_parallel_size,
         )
+        self._extra = extra
         self._daemon = _Daemon(extra)
         if getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "") == "fail":
             logger.warning(
@@ -163,7 +250,9 @@ class KVTierConnector(KVConnectorBase_V1):
             )
         # Scheduler side
         self._requests: dict[str, RequestState] = {}
+        self._saved: set[str] = set()  # requests with saves handed to the worker
         # Worker side
+        self._saver: _Saver | None = None
         self._kv_layers: list[torch.Tensor] | None = None
         self._load_errors: set[int] = set()
         self._forward_started_s = 0.0
@@ -253,8 +342,10 @@ class KVTierConnector(KVConnectorBase_V1):
             state = self._requests[req_id]
             if state.load_to > state.load_from:
                 meta.loads.extend(state.take_load())
-            if self._save:
-                meta.saves.extend(state.saves_after(computed + scheduled.get(req_id, 0)))
+            if self._save and (saves := state.saves_after(computed + scheduled.get(req_id, 0))):
+                meta.saves[req_id] = saves
+                self._saved.add(req_id)
+        meta.drain_saves = bool(getattr(scheduler_output, "preempted_req_ids", None))
         if len(steps) == 1 and len(scheduled) == 1:
             req_id, computed = steps[0]
             end = min(computed + scheduled[req_id], self._requests[req_id].prompt_tokens)
@@ -266,6 +357,9 @@ class KVTierConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
+        if request.request_id in self._saved:
+            self._saved.discard(request.request_id)
+            return True, None  # freed when the worker has stored its blocks (get_finished)
         return False, None
 
     # ---- worker side --------------------------------------------------------------------
@@ -277,6 +371,10 @@ class KVTierConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVTierMetadata)
         if self._kv_layers is None:
             self._kv_layers = self._layers_of(forward_context)
+        if meta.drain_saves and self._saver is not None:
+            # No timeout: a save still copying a block this step overwrites would store
+            # wrong bytes under its key. Each save is bounded by the client's deadline.
+            self._saver.wait_idle()
         if meta.loads:
             self._load_blocks(meta.loads)
         self._forward_started_s = time.perf_counter()
@@ -293,8 +391,11 @@ class KVTierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
         forward_s = time.perf_counter() - self._forward_started_s
-        if meta.saves:
-            self._save_blocks(meta.saves)
+        if meta.saves and self._saver is None:
+            self._saver = _Saver(_Daemon(self._extra, self._daemon.outage), self._save_blocks)
+        for req_id, blocks in meta.saves.items():
+            assert self._saver is not None
+            self._saver.submit(req_id, blocks)
         if meta.prefill is not None and not self._prefilled:
             # The engine's first prefill carries one-time costs (lazy set-up): not reported.
             self._prefilled = True
@@ -306,11 +407,18 @@ class KVTierConnector(KVConnectorBase_V1):
             except (KVTierError, OSError) as err:
                 self._daemon.failed("report a prefill time", err)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        if self._saver is None:
+            return None, None
+        return self._saver.finished(finished_req_ids) or None, None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.close(timeout_s=60.0)
         self._daemon.close()
 
     # ---- moving bytes -------------------------------------------------------------------
@@ -318,7 +426,7 @@ class KVTierConnector(KVConnectorBase_V1):
         assert self._kv_layers is not None
         return [layer[block_id] for layer in self._kv_layers]
 
-    def _load_blocks(self, loads: list[tuple[bytes, int]]) -> None:
+    def _load_blocks(self, loads: Blocks) -> None:
         client = self._daemon.client()
         got: list[int | None] = [None] * len(loads)
         if client is not None:
@@ -342,19 +450,20 @@ class KVTierConnector(KVConnectorBase_V1):
                 len(loads),
             )
 
-    def _save_blocks(self, saves: list[tuple[bytes, int]]) -> None:
-        client = self._daemon.client()
+    def _save_blocks(self, daemon: _Daemon, saves: Blocks) -> None:
+        """On the saver thread: a save that fails is a block not cached, nothing more."""
+        client = daemon.client()
         if client is None:
             return
         try:
             client.put_many(self.namespace, [(k, self._parts(b)) for k, b in saves])
-            self._daemon.succeeded()
+            daemon.succeeded()
         except AlreadyExists:
             # Recomputed KV may differ from the stored block in its last bits (another
             # split of the prompt): either is right, the stored one stays.
-            self._daemon.succeeded()
+            daemon.succeeded()
         except (KVTierError, OSError) as err:
-            self._daemon.failed("save blocks", err)
+            daemon.failed("save blocks", err)
 
     def _layers_of(self, forward_context: ForwardContext) -> list[torch.Tensor]:
         layers = forward_context.no_compile_layers

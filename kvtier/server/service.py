@@ -12,6 +12,7 @@ admitted, and refusing them would only keep DRAM pinned until the lease expires.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -59,6 +60,8 @@ TIER_TO_PB: dict[TierName | None, pb.Tier.ValueType] = {
 TIER_NAME_TO_PB: dict[str | None, pb.Tier.ValueType] = {
     (k.value if k else None): v for k, v in TIER_TO_PB.items()
 }
+
+logger = logging.getLogger(__name__)
 
 
 # Ops that finish work a Reserve or an Acquire was admitted for: never rate-limited.
@@ -415,6 +418,7 @@ class KVTierService:
             overlap,
             request.kv_bytes_per_token,
         )
+        logger.debug("plan %s, %d blocks: %s", request.namespace, len(keys), result.reason)
         return pb.PlanResponse(
             total_s=result.total_s,
             recompute_all_s=result.recompute_all_s,
@@ -439,6 +443,17 @@ class KVTierService:
         estimator = self._store.prefill_estimator(ns_id)
         estimator.observe(request.start_token, request.end_token, request.seconds)
         fit = estimator.estimate()
+        logger.debug(
+            "prefill %s tokens [%d, %d) took %.4f s; fit a=%.3g s/token c=%.3g s/token^2 "
+            "step=%.3g s",
+            request.namespace,
+            request.start_token,
+            request.end_token,
+            request.seconds,
+            fit.a_s_per_token,
+            fit.c_s_per_token2,
+            fit.step_s,
+        )
         return pb.ReportPrefillResponse(
             a_s_per_token=fit.a_s_per_token,
             c_s_per_token2=fit.c_s_per_token2,

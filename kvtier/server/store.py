@@ -401,7 +401,9 @@ class Store:
         to_engine = self.paths["dram"].estimate()
         if tier == TierName.DRAM.value:
             return to_engine
-        return self.paths[tier].estimate().then(to_engine)
+        # A fetched run's NVMe blocks are promoted io_threads at a time (see `acquire`);
+        # the engine then copies them one after another.
+        return self.paths[tier].estimate().in_parallel(self.io.threads).then(to_engine)
 
     async def flush(self) -> int:
         """Write every DRAM-only block to NVMe (most recent first); returns how many."""
@@ -562,7 +564,7 @@ class Store:
         header = self._record_header(entry)
         started_s = time.perf_counter()
         try:
-            buf, offset = await self.io.run(self.nvme.read, header)
+            (buf, offset), service_s = await self.io.run_timed(self.nvme.read, header)
         except (CorruptRecord, OSError) as err:
             self._on_bad_record(entry, header, err)
             self._unpin(entry)
@@ -572,9 +574,9 @@ class Store:
             self._unpin(entry)
             raise
         self.nvme_health.succeeded()
-        read_s = time.perf_counter() - started_s
-        self.paths["nvme"].observe(header.record_bytes, read_s)
-        self.telemetry.transfer("nvme", "client", header.record_bytes, read_s)
+        self.paths["nvme"].observe(header.record_bytes, service_s)
+        self.telemetry.transfer("nvme", "client", header.record_bytes, service_s)
+        read_s = time.perf_counter() - started_s  # what the client waited, queue included
         self._served(block_id, TierName.NVME, header.record_bytes, read_s)
         view = memoryview(buf)[offset : offset + entry.size_bytes]
         return BlockReader(self, entry, TierName.NVME, view, backing=buf)
@@ -795,42 +797,49 @@ class Store:
     ) -> tuple[int, list[LeasedSlot | None]]:
         """Pin blocks in DRAM (promoting NVMe-only ones) under one lease; None for a miss."""
         self._check_lease_room(session_id)
-        pinned: list[Entry] = []
-        slots: list[LeasedSlot | None] = []
-        promote_s = 0.0
+        found: list[tuple[Entry, TierName] | None] = []
         try:
             for block_id in block_ids:
                 entry = self.catalog.get(block_id)
                 if entry is None:
                     self._missed(block_id)
-                    slots.append(None)
+                    found.append(None)
                     continue
                 self.catalog.touch(entry)
                 self._used(entry)
                 self.catalog.pin(entry)
-                pinned.append(entry)
                 tier = entry.fastest_tier
-                if entry.dram_extent is None:
-                    started_s = time.perf_counter()
-                    promoted = await self._promote(entry)
-                    promote_s += time.perf_counter() - started_s
-                else:
-                    promoted = True
-                if not promoted:
-                    pinned.pop()
-                    self._unpin(entry)
-                    self._counters.misses += 1
-                    slots.append(None)
-                    continue
-                assert entry.dram_extent is not None and tier is not None
-                self._served(block_id, tier, entry.size_bytes, None)
-                slots.append(
-                    LeasedSlot(entry.dram_extent.offset, entry.size_bytes, entry.xxh3_64, tier)
-                )
+                assert tier is not None
+                found.append((entry, tier))
+            # NVMe-only blocks are read together: the I/O threads overlap their latencies
+            # (one after another, a run of 23 blocks at 250 ms each took 5.8 s, not 1.5).
+            promote = [e for e, _ in filter(None, found) if e.dram_extent is None]
+            started_s = time.perf_counter()
+            promoted = await asyncio.gather(*(self._promote(e) for e in promote))
+            promote_s = time.perf_counter() - started_s if promote else 0.0
         except BaseException:
-            for entry in pinned:
-                self._unpin(entry)
+            for item in found:
+                if item is not None:
+                    self._unpin(item[0])
             raise
+        failed = {e for e, ok in zip(promote, promoted, strict=True) if not ok}
+        pinned: list[Entry] = []
+        slots: list[LeasedSlot | None] = []
+        for block_id, item in zip(block_ids, found, strict=True):
+            if item is None:
+                slots.append(None)
+                continue
+            entry, tier = item
+            if entry in failed or entry.dram_extent is None:
+                self._unpin(entry)
+                self._counters.misses += 1
+                slots.append(None)
+                continue
+            pinned.append(entry)
+            self._served(block_id, tier, entry.size_bytes, None)
+            slots.append(
+                LeasedSlot(entry.dram_extent.offset, entry.size_bytes, entry.xxh3_64, tier)
+            )
         if not pinned:
             return 0, slots
         lease = self._new_lease(session_id)
@@ -952,11 +961,11 @@ class Store:
             return False
         extent = await self._reserve_dram(tenant_of(entry.block_id[0]), entry.size_bytes)
         view = arena.view(extent)
-        started_s = time.perf_counter()
         try:
-            await self.io.run(self.nvme.read_into, header, _payload(view, entry)[0])
+            _, read_s = await self.io.run_timed(
+                self.nvme.read_into, header, _payload(view, entry)[0]
+            )
             self.nvme_health.succeeded()
-            read_s = time.perf_counter() - started_s
             self.paths["nvme"].observe(header.record_bytes, read_s)
             self.telemetry.transfer("nvme", "dram", header.record_bytes, read_s)
         except (CorruptRecord, OSError) as err:

@@ -3,6 +3,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.index.estimators import PathEstimator, PrefillEstimator
 from kvtier.index.planner import PrefillCost, TierCost
@@ -32,11 +34,32 @@ def test_path_estimator_follows_a_change() -> None:
     assert est.estimate().bandwidth_bytes_per_s == pytest.approx(1e9, rel=0.1)
 
 
-def test_single_size_keeps_the_prior_bandwidth() -> None:
-    est = PathEstimator(seed=TierCost(2e9, 1e-4))
+def test_single_size_prices_that_size_as_measured_with_the_seed_shape() -> None:
+    # alpha and B are not separable from one size: the seed's split stays, scaled so the
+    # estimate at that size is what was measured (here a drive 50x slower than its seed).
+    seed = TierCost(2e9, 1e-4)
+    est = PathEstimator(seed=seed)
     for _ in range(50):
-        est.observe(1 << 20, 0.001)
-    assert est.estimate() == TierCost(2e9, 1e-4)  # alpha and B are not separable
+        est.observe(1 << 20, 0.03)
+    fitted = est.estimate()
+    assert fitted.fetch_s(1 << 20) == pytest.approx(0.03, rel=1e-6)
+    assert fitted.latency_s * fitted.bandwidth_bytes_per_s == pytest.approx(
+        seed.latency_s * seed.bandwidth_bytes_per_s, rel=1e-6
+    )
+
+
+def test_a_throttled_path_is_learned_from_its_new_reads_not_averaged_with_the_old() -> None:
+    # Calibrated fast at many sizes, then every read of the engine's one block size takes
+    # 250 ms (a throttled or remote drive): once the gate accepts that the path changed,
+    # the estimate is the new cost, not a line through the old points and the new ones.
+    est = PathEstimator(seed=TierCost(1e9, 0.0))
+    sizes = [64 << 10, 256 << 10, 1 << 20, 4 << 20]
+    for size in sizes * 10:
+        est.observe(size, 50e-6 + size / 2e9)
+    block = 2 << 20
+    for _ in range(15):
+        est.observe(block, 0.25)
+    assert est.estimate().fetch_s(block) == pytest.approx(0.25, rel=0.1)
 
 
 def test_prefill_estimator_recovers_a_c_step() -> None:
@@ -89,3 +112,45 @@ def test_suffix_only_prefills_still_teach_the_cost_of_a_whole_prompt() -> None:
         est.observe(start, length, true_s(start, length) * rng.uniform(0.95, 1.05))
     whole = est.estimate().seconds(0, 2944)
     assert whole == pytest.approx(true_s(0, 2944), rel=0.2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    a=st.floats(0, 1e-3),
+    c=st.floats(0, 1e-6),
+    step=st.floats(0, 0.05),
+    spans=st.lists(st.tuples(st.integers(0, 64), st.integers(1, 64)), min_size=8, max_size=40),
+    noise=st.lists(st.floats(0.5, 2.0), min_size=40, max_size=40),
+)
+def test_prefill_fit_is_non_negative_and_no_worse_than_any_non_negative_truth(
+    a: float,
+    c: float,
+    step: float,
+    spans: list[tuple[int, int]],
+    noise: list[float],
+) -> None:
+    """Whatever the reports (noisy, all one length, all from 0), the fit has no negative
+    cost and fits them at least as well as the truth that made them (a non-negative
+    candidate), so it is the non-negative least-squares optimum, not a clamped one."""
+    truth = PrefillCost(a, c, step)
+    est = PrefillEstimator(PrefillCost(1e-5, 1e-10), outlier_factor=1e9)
+    observed: list[tuple[int, int, float]] = []
+    for (start_blocks, length_blocks), factor in zip(spans, noise, strict=False):
+        start, end = start_blocks * 128, (start_blocks + length_blocks) * 128
+        seconds = truth.seconds(start, end) * factor
+        if seconds > 0:
+            est.observe(start, end, seconds)
+            observed.append((start, end, seconds))
+    fit = est.estimate()
+    assert min(fit.a_s_per_token, fit.c_s_per_token2, fit.step_s) >= 0
+    if len(observed) < 8 or fit == est.seed:
+        return
+
+    def weighted_error(cost: PrefillCost) -> float:
+        n = len(observed)
+        return sum(
+            0.98 ** (n - 1 - i) * (cost.seconds(s, e) - y) ** 2
+            for i, (s, e, y) in enumerate(observed)
+        )
+
+    assert weighted_error(fit) <= weighted_error(truth) * (1 + 1e-6) + 1e-18

@@ -164,3 +164,36 @@ def test_plan_over_the_session_socket_equals_plan_over_grpc(start_daemon: StartD
             client.report_prefill(NS, 100, 50, 0.1)
         fit = client.report_prefill(NS, 0, 512, 0.05)
         assert fit.a_s_per_token > 0
+
+
+def test_a_run_of_slow_nvme_blocks_is_read_in_parallel_and_priced_as_it_was_read(
+    start_daemon: StartDaemon,
+) -> None:
+    """Every NVMe read takes 50 ms (a throttled drive): a zero-copy get of a run of 32
+    blocks overlaps them on the I/O threads, and after one such run the plan prices the
+    next run near what it really takes — not at the calibrated speed, not one read after
+    another, not with the wait for a free thread counted as the drive's time."""
+    delay_s, run, size = 0.05, 32, 256 << 10
+    daemon = start_daemon(
+        dram="64MiB",
+        nvme="256MiB",
+        env={"KVTIER_FAILPOINTS": f"nvme.read=delay:{delay_s}", "KVTIER_NVME__IO_THREADS": "4"},
+    )
+    chains = [kvtier.chain_keys(NS, [[c, i] * (TPB // 2) for i in range(run)]) for c in (1, 2)]
+    with daemon.client() as client:
+        for chain in chains:
+            for i, key in enumerate(chain):
+                client.put(NS, key, block_bytes(i, size))
+    daemon.restart()  # the blocks now live on NVMe only
+    with daemon.client() as client:
+        taken_s = []
+        for chain in chains:
+            assert client.lookup(NS, chain).tiers == ["nvme"] * run
+            predicted_s = sum(client.plan(NS, chain, TPB).fetch_s)
+            started = time.perf_counter()
+            got = client.get_many(NS, chain, [bytearray(size) for _ in range(run)])
+            taken_s.append(time.perf_counter() - started)
+            assert got == [size] * run
+        assert taken_s[0] < run * delay_s / 2, taken_s  # overlapped, not serial (1.6 s)
+        # The second run was planned with what the first taught.
+        assert taken_s[1] / 2.5 < predicted_s < taken_s[1] * 2.5, (predicted_s, taken_s)

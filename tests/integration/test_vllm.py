@@ -50,6 +50,7 @@ def run_vllm(
     name: str,
     target: str = "",
     multiprocess: bool = False,
+    extra: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     prompts_file = workdir / f"{name}-prompts.json"
     prompts_file.write_text(json.dumps(prompts))
@@ -60,6 +61,7 @@ def run_vllm(
         cmd += ["--target", target]
     if multiprocess:
         cmd.append("--multiprocess")
+    cmd += extra
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     log = proc.stdout + proc.stderr
     (workdir / f"{name}.log").write_text(log)
@@ -153,6 +155,29 @@ def test_vllm_through_kvtier_gives_identical_output(
     for name, run in runs.items():
         assert [t for t, _ in outputs(run)] == [t for t, _ in outputs(cold)], name
         assert outputs(run) == outputs(expected[name]), name
+
+
+def test_saving_does_not_hold_the_engine_step(
+    vllm_python: Path, tiny_model: Path, start_daemon: StartDaemon, workdir: Path
+) -> None:
+    """The daemon takes 0.5 s to commit each block: the connector's saves run beside the
+    engine, so the time to first token is that of an engine that saves nothing (a save in
+    the step would add 3 s), and every block is stored all the same (the finished request's
+    blocks are held until then, and the engine waits for the saves before it exits)."""
+    prompt = make_prompts(tiny_model, count=1)[0]
+    blocks = loadable_tokens(prompt) // BLOCK_SIZE
+    delay_s = 0.5
+    daemon = start_daemon(env={"KVTIER_FAILPOINTS": f"store.commit=delay:{delay_s}"})
+    ttft_s: dict[str, float] = {}
+    for save in (0, 1):
+        flags = ("--max-tokens", "1", "--save", str(save), "--timeout-s", "30")
+        run = run_vllm(
+            vllm_python, tiny_model, [prompt], workdir, f"save{save}", daemon.target, extra=flags
+        )
+        ttft_s[f"save{save}"] = run["results"][0]["elapsed_s"]
+    assert ttft_s["save1"] < ttft_s["save0"] + blocks * delay_s / 2, ttft_s
+    with daemon.client() as client:
+        assert client.stats()["tiers"]["dram"]["blocks"] == blocks
 
 
 def run_reference(

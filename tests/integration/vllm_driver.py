@@ -122,6 +122,7 @@ def generate(args: argparse.Namespace) -> None:
                 "load": args.load,
                 "save": args.save,
                 "retry_s": 0.5,
+                "timeout_s": args.timeout_s,
                 "fetch": args.fetch,
             },
         )
@@ -129,15 +130,30 @@ def generate(args: argparse.Namespace) -> None:
     llm = make_llm(args.model, kv_config)
     start_s = time.perf_counter() - started_s
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-    warmup(llm, args.warmup, max(len(p) for p in prompts) if prompts else 0, vocab)
+    warmup(
+        llm, args.warmup, max(len(p) for p in prompts) if prompts else 0, vocab, args.multiprocess
+    )
     results = []
     for ids in prompts:
-        llm.reset_prefix_cache()  # a hit must come from kvtier, not vLLM's own cache
+        reset_prefix_cache(llm, args.multiprocess)  # a hit must come from kvtier, not vLLM's
         results.append(run_prompt(llm, ids, args.max_tokens))
     Path(args.out).write_text(json.dumps({"engine_start_s": start_s, "results": results}))
 
 
-def warmup(llm: Any, prompts: int, max_tokens_in: int, vocab: int) -> None:
+def reset_prefix_cache(llm: Any, multiprocess: bool, timeout_s: float = 120.0) -> None:
+    """Empty vLLM's prefix cache. It refuses while a finished request's blocks are still
+    held (the connector frees them once their saves are stored): an engine in its own
+    process steps on by itself until then; one in this process is stepped here."""
+    deadline_s = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline_s:
+            raise RuntimeError(f"vLLM's prefix cache still held blocks after {timeout_s} s")
+        if not multiprocess:
+            llm.llm_engine.step()
+        time.sleep(0.01)
+
+
+def warmup(llm: Any, prompts: int, max_tokens_in: int, vocab: int, multiprocess: bool) -> None:
     """Prompts of random tokens, up to `max_tokens_in` long, run and thrown away: the
     engine's one-time costs are paid, and the daemon has the prefill timings it needs
     to estimate recompute costs (it uses its own after 8) before anything is measured."""
@@ -146,7 +162,7 @@ def warmup(llm: Any, prompts: int, max_tokens_in: int, vocab: int) -> None:
     rng = random.Random(12345)
     for i in range(prompts):
         length = max(BLOCK_SIZE, max_tokens_in * (i % 4 + 1) // 4)
-        llm.reset_prefix_cache()
+        reset_prefix_cache(llm, multiprocess)
         run_prompt(llm, [rng.randrange(4, vocab) for _ in range(length)], 1)
 
 
@@ -184,6 +200,7 @@ def main(argv: list[str]) -> None:
     g.add_argument("--multiprocess", action="store_true")
     g.add_argument("--fetch", choices=["plan", "always"], default="plan")
     g.add_argument("--warmup", type=int, default=0, help="throwaway prompts run first")
+    g.add_argument("--timeout-s", type=float, default=2.0, help="the connector's RPC deadline")
     r = sub.add_parser("reference")
     r.add_argument("--model", required=True)
     r.add_argument("--prompts", required=True)

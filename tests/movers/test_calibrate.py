@@ -64,9 +64,12 @@ async def test_calibration_replaces_absurd_seeds(tmp_path: Path) -> None:
     paths, _ = store.estimates()
     for name in ("dram", "nvme"):
         assert 1e7 < paths[name].bandwidth_bytes_per_s < 1e12, (name, paths[name])
-    # An NVMe block reaches the engine through both paths: slower than either alone.
+    # An NVMe block reaches the engine through both paths: slower than the copy alone, and
+    # than its read amortized over the I/O threads that read a fetched run together.
     size = 1 << 20
-    assert store.path_cost("nvme").fetch_s(size) > max(c.fetch_s(size) for c in paths.values())
+    nvme_s = store.path_cost("nvme").fetch_s(size)
+    assert nvme_s > paths["dram"].fetch_s(size)
+    assert nvme_s > paths["nvme"].fetch_s(size) / store.io.threads
     await store.close()
 
 
