@@ -107,7 +107,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=3072)
     parser.add_argument(
-        "--throttle-s", type=float, nargs="+", default=[0.25, 1.0], help="delays per NVMe read"
+        "--throttle-s",
+        type=float,
+        nargs="+",
+        default=[0.25, 1.0, 4.0],
+        help="delays per NVMe read",
     )
     parser.add_argument(
         "--warmup",

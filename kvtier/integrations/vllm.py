@@ -366,18 +366,25 @@ class KVTierConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_layers = [_block_major(kv_caches[name], name) for name in self._layer_names]
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # Called before the forward pass; start_load_kv is not when a step loads nothing
+        # (vLLM then calls it after the forward, to keep asynchronous loads off the path).
+        super().bind_connector_metadata(connector_metadata)
+        meta = connector_metadata
+        if isinstance(meta, KVTierMetadata) and meta.drain_saves and self._saver is not None:
+            # No timeout: a save still copying a block this step overwrites would store
+            # wrong bytes under its key. Each save is bounded by the client's deadline.
+            self._saver.wait_idle()
+        self._forward_started_s = time.perf_counter()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
         if self._kv_layers is None:
             self._kv_layers = self._layers_of(forward_context)
-        if meta.drain_saves and self._saver is not None:
-            # No timeout: a save still copying a block this step overwrites would store
-            # wrong bytes under its key. Each save is bounded by the client's deadline.
-            self._saver.wait_idle()
-        if meta.loads:
+        if meta.loads:  # a step with loads has them before its forward pass
             self._load_blocks(meta.loads)
-        self._forward_started_s = time.perf_counter()
+            self._forward_started_s = time.perf_counter()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # every layer was loaded in start_load_kv

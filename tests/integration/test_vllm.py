@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -178,6 +179,29 @@ def test_saving_does_not_hold_the_engine_step(
     assert ttft_s["save1"] < ttft_s["save0"] + blocks * delay_s / 2, ttft_s
     with daemon.client() as client:
         assert client.stats()["tiers"]["dram"]["blocks"] == blocks
+
+
+def test_the_engine_reports_what_its_prefills_take(
+    vllm_python: Path, tiny_model: Path, start_daemon: StartDaemon, workdir: Path
+) -> None:
+    """The daemon's cost model learns from the prefill times the connector reports: for
+    prompts computed from scratch (nothing to load, nothing saved), each report is close to
+    the time to first token the engine measured for it. vLLM times a step with no loads
+    differently (it starts them after the forward pass): that once made every report 0."""
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    rng = random.Random(5)
+    lengths = [3 * BLOCK_SIZE + 20, 5 * BLOCK_SIZE + 40, 7 * BLOCK_SIZE + 60]
+    prompts = [[rng.randrange(4, vocab) for _ in range(n)] for n in lengths]
+    daemon = start_daemon(env={"KVTIER_LOG__LEVEL": "debug"})
+    flags = ("--max-tokens", "1", "--save", "0", "--warmup", "1")
+    run = run_vllm(vllm_python, tiny_model, prompts, workdir, "timed", daemon.target, extra=flags)
+    reported = {
+        int(m.group(1)): float(m.group(2))
+        for m in re.finditer(r"prefill \S+ tokens \[0, (\d+)\) took ([0-9.]+) s", daemon.log())
+    }
+    for n, result in zip(lengths, run["results"], strict=True):
+        assert n in reported, (n, reported)
+        assert 0.5 * result["elapsed_s"] < reported[n] <= result["elapsed_s"], (n, reported, result)
 
 
 def run_reference(
