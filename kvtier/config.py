@@ -115,6 +115,17 @@ class LimitsConfig(_Section):
         description="most blocks one Plan may cover (prompt_tokens / tokens_per_block): the "
         "plan is computed on the event loop and answered in one message",
     )
+    event_history: int = Field(
+        65536,
+        gt=0,
+        description="residency events kept, so a watcher that reconnects gets the ones it "
+        "missed (older: it resyncs from a snapshot)",
+    )
+    event_backlog: int = Field(
+        16384,
+        gt=0,
+        description="events a watcher may fall behind before it is told to resync",
+    )
     requests_per_s: float = Field(
         0.0,
         ge=0,

@@ -1083,3 +1083,142 @@ class ReportPrefillResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportPrefillResponse: _TypeAlias = ReportPrefillResponse  # noqa: Y015
+
+@_typing.final
+class SnapshotRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    """empty: every namespace of the caller's tenant"""
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SnapshotRequest: _TypeAlias = SnapshotRequest  # noqa: Y015
+
+@_typing.final
+class SnapshotResponse(_message.Message):
+    """Blocks in batches; every message carries the same epoch and seq: the state after event
+    `seq`, so WatchEvents(epoch, after_seq = seq) continues it without a gap.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.str
+    seq: _builtins.int
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockInfo]: ...
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.str = ...,
+        seq: _builtins.int = ...,
+        blocks: _abc.Iterable[Global___BlockInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "epoch", b"epoch", "seq", b"seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SnapshotResponse: _TypeAlias = SnapshotResponse  # noqa: Y015
+
+@_typing.final
+class WatchEventsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    AFTER_SEQ_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    """empty: every namespace of the caller's tenant"""
+    epoch: _builtins.str
+    """empty: events from now on (the first message says the epoch)"""
+    after_seq: _builtins.int
+    """with epoch: resume after this event"""
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        epoch: _builtins.str = ...,
+        after_seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_seq", b"after_seq", "epoch", b"epoch", "namespace", b"namespace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchEventsRequest: _TypeAlias = WatchEventsRequest  # noqa: Y015
+
+@_typing.final
+class BlockEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    TIERS_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    namespace: _builtins.str
+    key: _builtins.bytes
+    @_builtins.property
+    def tiers(self) -> _containers.RepeatedScalarFieldContainer[Global___Tier.ValueType]:
+        """every tier holding it now, fastest first; empty: gone"""
+
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        namespace: _builtins.str = ...,
+        key: _builtins.bytes = ...,
+        tiers: _abc.Iterable[Global___Tier.ValueType] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "namespace", b"namespace", "seq", b"seq", "tiers", b"tiers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlockEvent: _TypeAlias = BlockEvent  # noqa: Y015
+
+@_typing.final
+class WatchEventsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    RESYNC_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.str
+    resync: _builtins.bool
+    """The events asked for are gone (older than the daemon keeps, a restart, or this
+    watcher fell too far behind): drop the index, take a Snapshot, watch from its seq.
+    The stream ends after this message.
+    """
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockEvent]: ...
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.str = ...,
+        events: _abc.Iterable[Global___BlockEvent] | None = ...,
+        resync: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "events", b"events", "resync", b"resync"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchEventsResponse: _TypeAlias = WatchEventsResponse  # noqa: Y015

@@ -80,6 +80,16 @@ class KVTierStub:
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.ReportPrefillRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ReportPrefillResponse.FromString,
                 _registered_method=True)
+        self.Snapshot = channel.unary_stream(
+                '/kvtier.v1.KVTier/Snapshot',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.SnapshotResponse.FromString,
+                _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/kvtier.v1.KVTier/WatchEvents',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.WatchEventsResponse.FromString,
+                _registered_method=True)
         self.Attach = channel.unary_unary(
                 '/kvtier.v1.KVTier/Attach',
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.AttachRequest.SerializeToString,
@@ -174,6 +184,22 @@ class KVTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Snapshot(self, request, context):
+        """Residency events, for routers that index which node holds which prefix: list with
+        Snapshot, then WatchEvents from its (epoch, seq); each event is a block's new set of
+        tiers (empty: gone). A watcher that reconnects with its last (epoch, seq) gets exactly
+        what it missed, or `resync` when that is gone (see kvtier/server/events.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Attach(self, request, context):
         """---- zero-copy path for clients on the same node (UNIX socket targets only) ----
         Open a session: returns where to fetch the shared arena's file descriptor (over
@@ -258,6 +284,16 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.ReportPrefill,
                     request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ReportPrefillRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_kvtier__pb2.ReportPrefillResponse.SerializeToString,
+            ),
+            'Snapshot': grpc.unary_stream_rpc_method_handler(
+                    servicer.Snapshot,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.SnapshotRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.SnapshotResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.WatchEventsRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.WatchEventsResponse.SerializeToString,
             ),
             'Attach': grpc.unary_unary_rpc_method_handler(
                     servicer.Attach,
@@ -528,6 +564,60 @@ class KVTier:
             '/kvtier.v1.KVTier/ReportPrefill',
             kvtier_dot_v1_dot_kvtier__pb2.ReportPrefillRequest.SerializeToString,
             kvtier_dot_v1_dot_kvtier__pb2.ReportPrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Snapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvtier.v1.KVTier/Snapshot',
+            kvtier_dot_v1_dot_kvtier__pb2.SnapshotRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.SnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvtier.v1.KVTier/WatchEvents',
+            kvtier_dot_v1_dot_kvtier__pb2.WatchEventsRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.WatchEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -61,6 +61,13 @@ class KVTierStub:
     """An engine reports how long a prefill of tokens [start, end) took; the daemon's prefill
     estimate for that namespace's model learns from it.
     """
+    Snapshot: _grpc.UnaryStreamMultiCallable[_kvtier_pb2.SnapshotRequest, _kvtier_pb2.SnapshotResponse]
+    """Residency events, for routers that index which node holds which prefix: list with
+    Snapshot, then WatchEvents from its (epoch, seq); each event is a block's new set of
+    tiers (empty: gone). A watcher that reconnects with its last (epoch, seq) gets exactly
+    what it missed, or `resync` when that is gone (see kvtier/server/events.py).
+    """
+    WatchEvents: _grpc.UnaryStreamMultiCallable[_kvtier_pb2.WatchEventsRequest, _kvtier_pb2.WatchEventsResponse]
     Attach: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.AttachRequest, _kvtier_pb2.AttachResponse]
     """---- zero-copy path for clients on the same node (UNIX socket targets only) ----
     Open a session: returns where to fetch the shared arena's file descriptor (over
@@ -101,6 +108,13 @@ class KVTierAsyncStub(KVTierStub):
     """An engine reports how long a prefill of tokens [start, end) took; the daemon's prefill
     estimate for that namespace's model learns from it.
     """
+    Snapshot: _aio.UnaryStreamMultiCallable[_kvtier_pb2.SnapshotRequest, _kvtier_pb2.SnapshotResponse]  # type: ignore[assignment]
+    """Residency events, for routers that index which node holds which prefix: list with
+    Snapshot, then WatchEvents from its (epoch, seq); each event is a block's new set of
+    tiers (empty: gone). A watcher that reconnects with its last (epoch, seq) gets exactly
+    what it missed, or `resync` when that is gone (see kvtier/server/events.py).
+    """
+    WatchEvents: _aio.UnaryStreamMultiCallable[_kvtier_pb2.WatchEventsRequest, _kvtier_pb2.WatchEventsResponse]  # type: ignore[assignment]
     Attach: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.AttachRequest, _kvtier_pb2.AttachResponse]  # type: ignore[assignment]
     """---- zero-copy path for clients on the same node (UNIX socket targets only) ----
     Open a session: returns where to fetch the shared arena's file descriptor (over
@@ -192,6 +206,25 @@ class KVTierServicer(metaclass=_abc_1.ABCMeta):
         """An engine reports how long a prefill of tokens [start, end) took; the daemon's prefill
         estimate for that namespace's model learns from it.
         """
+
+    @_abc_1.abstractmethod
+    def Snapshot(
+        self,
+        request: _kvtier_pb2.SnapshotRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_kvtier_pb2.SnapshotResponse], _abc.AsyncIterator[_kvtier_pb2.SnapshotResponse]]:
+        """Residency events, for routers that index which node holds which prefix: list with
+        Snapshot, then WatchEvents from its (epoch, seq); each event is a block's new set of
+        tiers (empty: gone). A watcher that reconnects with its last (epoch, seq) gets exactly
+        what it missed, or `resync` when that is gone (see kvtier/server/events.py).
+        """
+
+    @_abc_1.abstractmethod
+    def WatchEvents(
+        self,
+        request: _kvtier_pb2.WatchEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_kvtier_pb2.WatchEventsResponse], _abc.AsyncIterator[_kvtier_pb2.WatchEventsResponse]]: ...
 
     @_abc_1.abstractmethod
     def Attach(

@@ -156,6 +156,34 @@ class BlockStat:
 
 
 @dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A node's blocks (of one namespace, or all of the tenant's) as of event `seq`."""
+
+    epoch: str
+    seq: int
+    blocks: list[BlockStat]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockEvent:
+    """A block's new set of tiers, fastest first (empty: it is gone from the node)."""
+
+    seq: int
+    namespace: str
+    key: bytes
+    tiers: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    """Events from WatchEvents. `resync`: those asked for are gone; take a snapshot."""
+
+    epoch: str
+    events: list[BlockEvent]
+    resync: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class PlanResult:
     """The daemon's fetch-or-recompute decision for a chain (see kvtier.index.planner):
     blocks [0, engine_blocks) are held by the engine, [fetch_start, fetch_end) fetched,
@@ -237,6 +265,22 @@ def block_stat(info: pb.BlockInfo) -> BlockStat:
         xxh3_64=info.xxh3_64,
         tiers=[t for t in (PB_TO_TIER[x] for x in info.tiers) if t],
         generation=info.generation,
+    )
+
+
+def event_batch(resp: pb.WatchEventsResponse) -> EventBatch:
+    return EventBatch(
+        epoch=resp.epoch,
+        events=[
+            BlockEvent(
+                seq=e.seq,
+                namespace=e.namespace,
+                key=e.key,
+                tiers=[t for t in (PB_TO_TIER[x] for x in e.tiers) if t],
+            )
+            for e in resp.events
+        ],
+        resync=resp.resync,
     )
 
 

@@ -18,13 +18,16 @@ from kvtier.client._common import (
     PB_TO_TIER,
     BlockStat,
     Buffer,
+    EventBatch,
     GetAssembler,
     PemSource,
     PlanResult,
+    Snapshot,
     as_key,
     auth_metadata,
     block_stat,
     channel_security,
+    event_batch,
     make_calls,
     normalize_target,
     plan_request,
@@ -173,6 +176,48 @@ class Client:
                 yield block_stat(entry.info)
         except grpc.RpcError as err:
             raise translate(err) from None
+
+    def snapshot(self, namespace: str = "") -> Snapshot:
+        """Every block of `namespace` (empty: of every namespace of this tenant) and its
+        tiers, as of event `seq`: watch_events(epoch, seq) continues from it."""
+        blocks: list[BlockStat] = []
+        epoch, seq = "", 0
+        try:
+            for resp in self._stub.Snapshot(
+                pb.SnapshotRequest(namespace=namespace),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
+            ):
+                epoch, seq = resp.epoch, resp.seq
+                blocks.extend(block_stat(info) for info in resp.blocks)
+        except grpc.RpcError as err:
+            raise translate(err) from None
+        return Snapshot(epoch, seq, blocks)
+
+    def watch_events(
+        self,
+        namespace: str = "",
+        epoch: str = "",
+        after_seq: int = 0,
+        timeout_s: float | None = None,
+    ) -> Iterator[EventBatch]:
+        """Residency events as they happen (the first batch may be empty: it says the
+        epoch). With `epoch` and `after_seq` (from a snapshot or the last event seen) it
+        resumes exactly there, or yields one batch with `resync` and ends. Runs until the
+        daemon stops, `timeout_s` passes (then DEADLINE_EXCEEDED), or the caller stops
+        iterating."""
+        call = self._stub.WatchEvents(
+            pb.WatchEventsRequest(namespace=namespace, epoch=epoch, after_seq=after_seq),
+            timeout=timeout_s,
+            metadata=self._metadata,
+        )
+        try:
+            for resp in call:
+                yield event_batch(resp)
+        except grpc.RpcError as err:
+            raise translate(err) from None
+        finally:
+            call.cancel()
 
     def delete(self, namespace: str, key: bytes | str) -> bool:
         """True if a block was removed, False if there was none."""

@@ -16,7 +16,7 @@ Lifecycle of an entry:
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -76,7 +76,10 @@ class LookupResult:
 class Catalog:
     """key -> residency, with one recency order per tier (least recently used first)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[BlockId, list[TierName]], None] | None = None) -> None:
+        # Told each time a block's set of tiers changes (added, copied, dropped, removed:
+        # then []), for the residency events routers index.
+        self._on_change = on_change
         self._entries: dict[BlockId, Entry] = {}
         self._dram_lru: OrderedDict[BlockId, None] = OrderedDict()
         self._nvme_lru: OrderedDict[BlockId, None] = OrderedDict()
@@ -107,6 +110,11 @@ class Catalog:
         if entry.nvme_record_bytes:
             self._nvme_lru[entry.block_id] = None
             self._nvme_add(entry.block_id, entry.nvme_record_bytes)
+        self._changed(entry)
+
+    def _changed(self, entry: Entry, gone: bool = False) -> None:
+        if self._on_change is not None:
+            self._on_change(entry.block_id, [] if gone else entry.tiers)
 
     def set_nvme(self, entry: Entry, record_bytes: int) -> None:
         if entry.nvme_record_bytes:
@@ -115,6 +123,7 @@ class Catalog:
         if self._entries.get(entry.block_id) is entry:
             self._nvme_lru[entry.block_id] = None
             self._nvme_add(entry.block_id, record_bytes)
+            self._changed(entry)
 
     def set_dram(self, entry: Entry, extent: Extent) -> None:
         """A copy was promoted into DRAM (the entry keeps its NVMe record too)."""
@@ -124,6 +133,7 @@ class Catalog:
         if self._entries.get(entry.block_id) is entry:
             self._dram_lru[entry.block_id] = None
             self.dram_used_bytes += extent.size_bytes
+            self._changed(entry)
 
     def drop_dram(self, entry: Entry) -> Extent | None:
         """Forget the DRAM copy; returns its extent for the caller to free."""
@@ -136,6 +146,7 @@ class Catalog:
             self.dram_used_bytes -= extent.size_bytes
             if not entry.nvme_record_bytes:
                 self._forget(entry)
+            self._changed(entry)
         return extent
 
     def drop_nvme(self, entry: Entry) -> int:
@@ -149,6 +160,7 @@ class Catalog:
             self._nvme_add(entry.block_id, -record_bytes)
             if entry.dram_extent is None:
                 self._forget(entry)
+            self._changed(entry)
         return record_bytes
 
     def remove(self, entry: Entry) -> None:
@@ -164,6 +176,7 @@ class Catalog:
         if entry.nvme_record_bytes:
             self._nvme_add(entry.block_id, -entry.nvme_record_bytes)
         entry.doomed = True
+        self._changed(entry, gone=True)
 
     def _nvme_add(self, block_id: BlockId, delta_bytes: int) -> None:
         self.nvme_used_bytes += delta_bytes

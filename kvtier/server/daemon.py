@@ -251,6 +251,7 @@ class Daemon:
         self.notifier.send(STOPPING=1, STATUS="stopping: draining in-flight calls")
         heartbeat.cancel()
         self.draining = True
+        store.events.close()  # event streams never end by themselves: end them now
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=cfg.server.stop_timeout_s / 2)
         if arena is not None:

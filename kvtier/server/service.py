@@ -45,6 +45,7 @@ from kvtier.index.catalog import BlockId, Entry, TierName
 from kvtier.index.planner import OVERLAPS
 from kvtier.keys import DEFAULT_TENANT, check_key, check_namespace, hash_token, namespace_id
 from kvtier.server.arena_socket import ArenaSocket
+from kvtier.server.events import BlockEvent, Resync
 from kvtier.server.ratelimit import RateLimiter
 from kvtier.server.store import LeasedSlot, Store
 from kvtier.server.telemetry import Telemetry
@@ -62,6 +63,7 @@ TIER_NAME_TO_PB: dict[str | None, pb.Tier.ValueType] = {
 }
 
 logger = logging.getLogger(__name__)
+EVENT_BATCH = 1024  # blocks or events per streamed message (well under 4 MiB)
 
 
 # Ops that finish work a Reserve or an Acquire was admitted for: never rate-limited.
@@ -317,6 +319,68 @@ class KVTierService:
                 yield pb.ListEntry(info=self._info(entry))
                 if request.limit and count >= request.limit:
                     break
+
+    def _namespace_filter(self, tenant: str, namespace: str) -> Callable[[str], bool]:
+        """Which namespace ids a Snapshot or WatchEvents of `namespace` (empty: all of the
+        tenant's) covers: never another tenant's."""
+        if namespace:
+            ns_id = self._ns_id(tenant, namespace)
+            return lambda candidate: candidate == ns_id
+        if self._draining():
+            raise Unavailable("kvtier is shutting down")
+        prefix = namespace_id(tenant, "")
+        return lambda candidate: candidate.startswith(prefix)
+
+    async def Snapshot(
+        self,
+        request: pb.SnapshotRequest,
+        context: Ctx,
+    ) -> AsyncIterator[pb.SnapshotResponse]:
+        async with _status(context):
+            accepts = self._namespace_filter(self._caller(context), request.namespace)
+            events = self._store.events
+            # Built before the first yield (no await between): exactly the state at `seq`.
+            epoch, seq = events.epoch, events.seq
+            blocks = [
+                self._info(e) for e in self._store.catalog.entries() if accepts(e.block_id[0])
+            ]
+            for start in range(0, max(len(blocks), 1), EVENT_BATCH):
+                yield pb.SnapshotResponse(
+                    epoch=epoch, seq=seq, blocks=blocks[start : start + EVENT_BATCH]
+                )
+
+    async def WatchEvents(
+        self,
+        request: pb.WatchEventsRequest,
+        context: Ctx,
+    ) -> AsyncIterator[pb.WatchEventsResponse]:
+        async with _status(context):
+            accepts = self._namespace_filter(self._caller(context), request.namespace)
+            events = self._store.events
+            try:
+                watcher = events.watch(accepts, request.epoch, request.after_seq)
+            except Resync as why:
+                logger.info("a watcher must resync: %s", why)
+                yield pb.WatchEventsResponse(epoch=events.epoch, resync=True)
+                return
+            try:
+                # The first message, even with nothing to say: the watcher learns the epoch
+                # and that it is registered (a change made after it will reach it).
+                batch = watcher.queued(EVENT_BATCH)
+                while True:
+                    yield pb.WatchEventsResponse(
+                        epoch=events.epoch, events=[_event(e) for e in batch]
+                    )
+                    try:
+                        batch = await watcher.next_batch(EVENT_BATCH)
+                    except Resync as why:
+                        logger.info("a watcher must resync: %s", why)
+                        yield pb.WatchEventsResponse(epoch=events.epoch, resync=True)
+                        return
+                    if not batch:  # closed: the daemon is stopping
+                        return
+            finally:
+                events.unwatch(watcher)
 
     async def Delete(
         self,
@@ -647,6 +711,16 @@ async def _refuse_undecodable(name: str, request: Any, context: Ctx) -> None:
             f"the {name} request is not a valid protobuf message ({request.error}): "
             "send bytes serialized from kvtier.v1 messages (strings must be UTF-8)",
         )
+
+
+def _event(event: BlockEvent) -> pb.BlockEvent:
+    ns_id, key = event.block_id
+    return pb.BlockEvent(
+        seq=event.seq,
+        namespace=ns_id.partition("|")[2],
+        key=key,
+        tiers=[TIER_TO_PB[t] for t in event.tiers],
+    )
 
 
 def _counted(telemetry: Telemetry, name: str, fn: Any, streaming: bool) -> Any:

@@ -50,6 +50,7 @@ from kvtier.index.profiles import MODELS
 from kvtier.keys import tenant_of
 from kvtier.movers.calibrate import CALIBRATION_NS_ID, calibrate
 from kvtier.movers.io import IoPool, aligned_buffer
+from kvtier.server.events import EventLog
 from kvtier.server.health import TierHealth
 from kvtier.server.telemetry import Telemetry
 from kvtier.sizes import human_size
@@ -241,7 +242,8 @@ class Store:
 
     def __init__(self, config: Config) -> None:
         self.config = config.resolved()
-        self.catalog = Catalog()
+        self.events = EventLog(self.config.limits.event_history, self.config.limits.event_backlog)
+        self.catalog = Catalog(self.events.record)
         # One arena per tenant: a client maps its tenant's arena and nothing else.
         self.arenas: dict[str, DramTier] = {
             tenant: DramTier(size, self.config.dram.prefault)

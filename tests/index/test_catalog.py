@@ -4,7 +4,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
-from kvtier.index.catalog import Catalog, Entry, TierName
+from kvtier.index.catalog import BlockId, Catalog, Entry, TierName
+from kvtier.server.events import EventLog
 from kvtier.tiers.allocator import Extent
 
 NS = "default|m/l"
@@ -18,7 +19,9 @@ class CatalogMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.catalog = Catalog()
+        self.events = EventLog(keep=1 << 20)
+        self.catalog = Catalog(self.events.record)
+        self.replayed: dict[BlockId, tuple[TierName, ...]] = {}
         self.offset = 0
         self.generation = 0
 
@@ -61,6 +64,26 @@ class CatalogMachine(RuleBasedStateMachine):
     @rule(entry=entries)
     def remove(self, entry: Entry) -> None:
         self.catalog.remove(entry)
+
+    @rule(entry=entries)
+    def promote(self, entry: Entry) -> None:
+        if self.catalog.is_live(entry) and entry.dram_extent is None:
+            self.catalog.set_dram(entry, Extent(self.offset, 4096))
+            self.offset += 4096
+
+    @invariant()
+    def the_events_replayed_are_the_catalog(self) -> None:
+        """What a router rebuilds from the events alone is exactly what the node holds."""
+        watcher = self.events.watch(lambda _: True, self.events.epoch, 0)
+        for event in watcher.queued(1 << 20):
+            if event.tiers:
+                self.replayed[event.block_id] = event.tiers
+            else:
+                self.replayed.pop(event.block_id, None)
+        self.events.unwatch(watcher)
+        held = {e.block_id: tuple(e.tiers) for e in self.catalog.entries()}
+        assert self.replayed == held
+        self.replayed = {}  # replayed from 0 each time: the whole history must add up
 
     @rule(keys=st.lists(KEYS, max_size=6))
     def lookup_is_a_prefix(self, keys: list[bytes]) -> None:

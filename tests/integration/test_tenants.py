@@ -47,6 +47,7 @@ def test_a_client_of_tenant_b_cannot_read_tenant_a_blocks(daemon: DaemonProcess)
         assert b.lookup(NS, ["k", "more0"]).tiers == [None, None]
         assert b.stat(NS, "k") is None
         assert list(b.list()) == []
+        assert b.snapshot().blocks == [] and b.snapshot(NS).blocks == []
         assert b.delete(NS, "k") is False
         # b's mapping is b's own arena: a different size, and none of a's bytes in it.
         b.put_from(NS, "own", b"b's bytes")

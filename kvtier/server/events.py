@@ -1,0 +1,127 @@
+"""Block residency events: which blocks this node holds, and in which tiers, as it changes.
+
+A router keeps an index of which node holds which prefix from these (list, then watch,
+as Kubernetes clients do): `Snapshot` gives the blocks and the sequence number of the
+last event they reflect; `WatchEvents` streams every later change. Each event is a
+block's whole new state — the tiers holding it, empty when it is gone — so applying one
+twice, or one the snapshot already reflects, does no harm.
+
+Resuming without going stale: every event has a sequence number, and the log keeps the
+last `keep` of them, under an epoch chosen at each start. A watcher that reconnects with
+(epoch, last seq seen) gets exactly the events it missed; if those are no longer kept,
+the daemon restarted (a new epoch: its DRAM tier is gone, its NVMe tier recovered), or
+the watcher fell `backlog` events behind, it is told to resync — drop its index, take a
+snapshot, watch from there — rather than silently missing a change.
+
+Runs on the event loop (like the catalog that feeds it): no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kvtier.index.catalog import BlockId, TierName
+
+
+@dataclass(frozen=True, slots=True)
+class BlockEvent:
+    seq: int
+    block_id: BlockId
+    tiers: tuple[TierName, ...]  # every tier holding it now, fastest first; () = gone
+
+
+class Resync(Exception):
+    """The events a watcher asked for are gone: it must take a snapshot again."""
+
+
+class Watcher:
+    """One watching stream's queue of events (those its filter accepts)."""
+
+    def __init__(self, accepts: Callable[[str], bool], backlog: int) -> None:
+        self.accepts = accepts
+        self._backlog = backlog
+        self._queue: collections.deque[BlockEvent] = collections.deque()
+        self._ready = asyncio.Event()
+        self.fell_behind = False
+        self.closed = False
+
+    def offer(self, event: BlockEvent) -> None:
+        if self.fell_behind or not self.accepts(event.block_id[0]):
+            return
+        if len(self._queue) >= self._backlog:
+            self.fell_behind = True
+            self._queue.clear()
+        else:
+            self._queue.append(event)
+        self._ready.set()
+
+    def replay(self, events: Iterable[BlockEvent]) -> None:
+        """Queue missed events (not bounded by the backlog: the history is)."""
+        self._queue.extend(e for e in events if self.accepts(e.block_id[0]))
+        self._ready.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self._ready.set()
+
+    def queued(self, max_events: int) -> list[BlockEvent]:
+        """What is queued now, without waiting."""
+        return [self._queue.popleft() for _ in range(min(max_events, len(self._queue)))]
+
+    async def next_batch(self, max_events: int) -> list[BlockEvent]:
+        """The next events (waits for at least one); [] once closed; Resync if it fell behind."""
+        while not self._queue and not self.fell_behind and not self.closed:
+            self._ready.clear()
+            await self._ready.wait()
+        if self.fell_behind:
+            raise Resync(f"the watcher fell more than {self._backlog} events behind")
+        return self.queued(max_events)
+
+
+class EventLog:
+    """The node's residency events: a bounded history for resuming, and live watchers."""
+
+    def __init__(self, keep: int = 65536, backlog: int = 16384) -> None:
+        self.epoch = uuid.uuid4().hex
+        self.seq = 0
+        self._keep = keep
+        self._backlog = backlog
+        self._recent: collections.deque[BlockEvent] = collections.deque(maxlen=keep)
+        self._watchers: set[Watcher] = set()
+
+    def record(self, block_id: BlockId, tiers: list[TierName]) -> None:
+        """A block's set of tiers changed (the catalog calls this)."""
+        self.seq += 1
+        event = BlockEvent(self.seq, block_id, tuple(tiers))
+        self._recent.append(event)
+        for watcher in self._watchers:
+            watcher.offer(event)
+
+    def watch(self, accepts: Callable[[str], bool], epoch: str, after_seq: int) -> Watcher:
+        """A watcher of the events after (epoch, after_seq) — or of those from now on when
+        `epoch` is empty — with the missed ones already queued; Resync if they are gone."""
+        watcher = Watcher(accepts, self._backlog)
+        if epoch:
+            if epoch != self.epoch:
+                raise Resync("the daemon restarted since (another epoch)")
+            if after_seq > self.seq:
+                raise Resync(f"seq {after_seq} is ahead of this daemon's last event ({self.seq})")
+            oldest = self._recent[0].seq if self._recent else self.seq + 1
+            if after_seq + 1 < oldest:
+                raise Resync(f"events after seq {after_seq} are no longer kept (only {self._keep})")
+            watcher.replay(e for e in self._recent if e.seq > after_seq)
+        self._watchers.add(watcher)
+        return watcher
+
+    def unwatch(self, watcher: Watcher) -> None:
+        self._watchers.discard(watcher)
+
+    def close(self) -> None:
+        """End every watching stream (the daemon is stopping)."""
+        for watcher in self._watchers:
+            watcher.close()
+        self._watchers.clear()

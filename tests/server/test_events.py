@@ -1,0 +1,66 @@
+"""The residency event log: resuming exactly, or being told to resync — never a gap."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.index.catalog import TierName
+from kvtier.server.events import EventLog, Resync
+
+DRAM, NVME = TierName.DRAM, TierName.NVME
+
+
+def everything(_: str) -> bool:
+    return True
+
+
+async def test_a_watcher_gets_what_happens_after_it_registers() -> None:
+    log = EventLog()
+    log.record(("t|a", b"k0"), [DRAM])
+    watcher = log.watch(everything, "", 0)
+    log.record(("t|a", b"k1"), [DRAM])
+    log.record(("t|a", b"k1"), [NVME])
+    log.record(("t|a", b"k0"), [])
+    batch = await watcher.next_batch(10)
+    assert [(e.seq, e.block_id[1], e.tiers) for e in batch] == [
+        (2, b"k1", (DRAM,)),
+        (3, b"k1", (NVME,)),
+        (4, b"k0", ()),
+    ]
+
+
+async def test_a_resumed_watcher_gets_exactly_what_it_missed_in_its_namespace() -> None:
+    log = EventLog()
+    for i in range(6):
+        log.record((f"t|{'ab'[i % 2]}", bytes([i])), [DRAM])
+    watcher = log.watch(lambda ns: ns == "t|a", log.epoch, 2)
+    log.record(("t|a", b"live"), [NVME])
+    log.record(("t|b", b"other"), [NVME])
+    got = [(e.seq, e.block_id) for e in await watcher.next_batch(100)]
+    assert got == [(3, ("t|a", b"\2")), (5, ("t|a", b"\4")), (7, ("t|a", b"live"))]
+
+
+@pytest.mark.parametrize(
+    ("epoch", "after_seq", "why"),
+    [("another", 3, "restarted"), ("", 1, "no longer kept"), ("", 99, "ahead")],
+)
+def test_a_watcher_that_cannot_resume_is_told_to_resync(
+    epoch: str, after_seq: int, why: str
+) -> None:
+    log = EventLog(keep=4)
+    for i in range(10):
+        log.record(("t|a", bytes([i])), [DRAM])
+    with pytest.raises(Resync, match=why):
+        log.watch(everything, epoch or log.epoch, after_seq)
+    log.watch(everything, log.epoch, 6)  # the oldest kept is 7: resumable
+
+
+async def test_a_watcher_that_falls_behind_must_resync_and_closing_ends_the_others() -> None:
+    log = EventLog(backlog=3)
+    slow, other = log.watch(everything, "", 0), log.watch(lambda ns: ns == "t|b", "", 0)
+    for i in range(4):
+        log.record(("t|a", bytes([i])), [DRAM])
+    with pytest.raises(Resync, match="fell more than 3"):
+        await slow.next_batch(10)
+    log.close()
+    assert await other.next_batch(10) == []
