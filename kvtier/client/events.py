@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 
 from kvtier.client._common import EventBatch, Snapshot
 from kvtier.client.sync import Client
@@ -81,6 +82,12 @@ class BlockIndex:
     def tiers(self, namespace: str, key: bytes) -> list[str]:
         with self._lock:
             return list(self.blocks.get((namespace, key), []))
+
+    def chain_tiers(self, namespace: str, keys: Sequence[bytes]) -> list[str | None]:
+        """Per key: the fastest tier holding it, or None (`kvtier.routing.NodeState`)."""
+        with self._lock:
+            held = [self.blocks.get((namespace, k)) for k in keys]
+            return [tiers[0] if tiers else None for tiers in held]
 
     def prefix_blocks(self, namespace: str, keys: list[bytes]) -> int:
         """How many leading blocks of a chain the node holds (in any tier)."""

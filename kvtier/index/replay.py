@@ -320,7 +320,8 @@ class Replay:
         self.dram.insert(block, self._infos[block])
 
     # ---- one request ----------------------------------------------------------------
-    def step(self, index: int, request: Request) -> None:
+    def step(self, index: int, request: Request) -> float:
+        """Serve one request; returns its planned prefill seconds (fetch + recompute)."""
         cfg, t = self.config, self.totals
         if self.future is not None:
             self.future.advance(index)
@@ -373,6 +374,7 @@ class Replay:
             if entry.dram_extent is None:
                 t.promotions += 1
                 self._put_dram(block, entry)
+        return result.total_s
 
     def run(self) -> dict[str, Any]:
         every = max(len(self.requests) // max(self.config.samples, 1), 1)
@@ -463,6 +465,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-hour-cost", type=float, default=2.0, help="USD per GPU-hour")
     p.add_argument("--json", action="store_true", help="one JSON object (a list for several)")
     p.add_argument("--plot", type=Path, help="PNG: hit ratio and tier occupancy over time")
+    fleet = p.add_argument_group("fleet (--nodes > 1: capacities are per node)")
+    fleet.add_argument("--nodes", type=int, default=1, help="simulated nodes, one engine each")
+    fleet.add_argument(
+        "--routing",
+        action="append",
+        choices=["sticky", "round-robin", "prefix-aware", "all"],
+        help="repeatable; default all",
+    )
+    fleet.add_argument(
+        "--ttft-slo", type=float, default=2.0, help="seconds; goodput = share of requests within"
+    )
+    fleet.add_argument(
+        "--speedup", type=float, default=1.0, help="arrivals this many times faster (more load)"
+    )
 
 
 def configs(args: argparse.Namespace) -> Iterator[ReplayConfig]:
@@ -526,6 +542,8 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as err:
         print(f"kvtier replay: {err}", file=sys.stderr)
         return 2
+    if args.nodes > 1 or args.routing:
+        return fleet_main(args, requests)
     runs = [replay(cfg, requests) for cfg in configs(args)]
     if args.plot:
         plot(args.plot, runs)
@@ -549,5 +567,51 @@ def main(args: argparse.Namespace) -> int:
             f"{r['tiers']['nvme']['hits']:>10} {r['prefill_seconds_saved']:>10.1f} "
             f"{r['fetch_regret_seconds']:>10.2f} {r['lost_reuse']:>10} "
             f"{human_size(r['nvme_bytes_written']):>13} {r['usd_saved']:>8.2f}"
+        )
+    return 0
+
+
+def fleet_main(args: argparse.Namespace, requests: list[Request]) -> int:
+    from kvtier.index import fleet
+
+    if args.nodes < 1 or args.speedup <= 0 or args.ttft_slo <= 0:
+        print("kvtier replay: --nodes, --speedup and --ttft-slo must be > 0", file=sys.stderr)
+        return 2
+    policies = [p for p in (args.policy or ["kvtier"]) if p != "all"] or ["kvtier"]
+    if ORACLE in policies:
+        print("kvtier replay: the oracle policy cannot run in a fleet", file=sys.stderr)
+        return 2
+    args.policy = policies[:1]
+    node_config = next(configs(args))
+    routings = args.routing or ["all"]
+    names = list(fleet.ROUTINGS) if "all" in routings else list(dict.fromkeys(routings))
+    runs = [
+        fleet.fleet_replay(
+            node_config,
+            fleet.FleetConfig(args.nodes, name, args.ttft_slo, args.speedup),
+            requests,
+        )
+        for name in names
+    ]
+    if args.plot:
+        fleet.plot(args.plot, runs)
+    reports = [r for r, _ in runs]
+    if args.json:
+        print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
+        return 0
+    print(
+        f"{len(requests)} requests over {args.nodes} nodes (arrivals x{args.speedup:g}), each "
+        f"DRAM {node_config.dram_blocks} + NVMe {node_config.nvme_blocks} blocks, policy "
+        f"{node_config.policy}; SLO: TTFT <= {args.ttft_slo:g} s"
+    )
+    print(
+        f"{'routing':<13} {'goodput':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'hit ratio':>9} "
+        f"{'saved (s)':>10} {'load max/mean':>13}"
+    )
+    for r in reports:
+        print(
+            f"{r['routing']:<13} {r['goodput']:>8.1%} {r['ttft_p50_s']:>8.2f}s "
+            f"{r['ttft_p99_s']:>8.2f}s {r['block_hit_ratio']:>9.1%} "
+            f"{r['prefill_seconds_saved']:>10.0f} {r['load_max_over_mean']:>13.2f}"
         )
     return 0

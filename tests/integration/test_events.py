@@ -73,6 +73,9 @@ def test_an_index_follows_puts_demotions_deletes_resumes_and_restarts(
             wait_until(lambda: index.blocks == held(client))
         assert index.resyncs == 0 and index.seq > seq_before
         assert index.prefix_blocks(NS, [b"before", b"after", keys[0]]) == 2
+        assert index.chain_tiers(NS, [b"after", keys[0], keys[19]]) == [
+            client.lookup(NS, [k]).tiers[0] for k in (b"after", keys[0], keys[19])
+        ]
     # A restart (DRAM written out, served from NVMe): the old epoch cannot resume; the
     # index resyncs from a snapshot and matches the node again.
     daemon.restart()
