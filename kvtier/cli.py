@@ -195,6 +195,32 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_events(args: argparse.Namespace) -> int:
+    """Residency events as JSON lines (what a router's index follows), until --count."""
+    epoch, _, seq = (args.resume or "").partition(":")
+    seen = 0
+    with _client(args) as client:
+        for batch in client.watch_events(args.namespace or "", epoch, int(seq or 0)):
+            if batch.resync:
+                print(json.dumps({"epoch": batch.epoch, "resync": True}), flush=True)
+                return 0
+            for event in batch.events:
+                line = {
+                    "epoch": batch.epoch,
+                    "seq": event.seq,
+                    "namespace": event.namespace,
+                    "key": _show_key(event.key),
+                    "tiers": event.tiers,
+                }
+                print(json.dumps(line), flush=True)
+                seen += 1
+                if args.count and seen >= args.count:
+                    return 0
+            if not batch.events and not seen:
+                print(json.dumps({"epoch": batch.epoch, "watching": True}), flush=True)
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from kvtier.index import whatif
 
@@ -392,6 +418,12 @@ def build_parser() -> argparse.ArgumentParser:
     lookup.add_argument("keys", nargs="+")
     lookup.add_argument("--json", action="store_true")
     lookup.set_defaults(func=cmd_lookup)
+
+    events = client_cmd("events", "follow residency events (JSON lines)", with_key=False)
+    events.add_argument("namespace", nargs="?", help="only this namespace")
+    events.add_argument("--count", type=int, default=0, help="exit after this many events")
+    events.add_argument("--resume", help="EPOCH:SEQ of the last event seen: resume after it")
+    events.set_defaults(func=cmd_events)
 
     stats = client_cmd("stats", "daemon and tier statistics", with_key=False)
     stats.add_argument("--json", action="store_true")

@@ -18,13 +18,16 @@ from kvtier.client._common import (
     PB_TO_TIER,
     BlockStat,
     Buffer,
+    EventBatch,
     GetAssembler,
     PemSource,
     PlanResult,
+    Snapshot,
     as_key,
     auth_metadata,
     block_stat,
     channel_security,
+    event_batch,
     make_calls,
     normalize_target,
     plan_request,
@@ -175,6 +178,43 @@ class AsyncClient:
         except grpc.RpcError as err:
             raise translate(err) from None
         return bool(resp.deleted)
+
+    async def snapshot(self, namespace: str = "") -> Snapshot:
+        """As `Client.snapshot`: the blocks and their tiers as of event `seq`."""
+        blocks: list[BlockStat] = []
+        epoch, seq = "", 0
+        try:
+            async for resp in self._stub.Snapshot(
+                pb.SnapshotRequest(namespace=namespace),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
+            ):
+                epoch, seq = resp.epoch, resp.seq
+                blocks.extend(block_stat(info) for info in resp.blocks)
+        except grpc.RpcError as err:
+            raise translate(err) from None
+        return Snapshot(epoch, seq, blocks)
+
+    async def watch_events(
+        self,
+        namespace: str = "",
+        epoch: str = "",
+        after_seq: int = 0,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[EventBatch]:
+        """As `Client.watch_events`: residency events as they happen, resumable."""
+        call = self._stub.WatchEvents(
+            pb.WatchEventsRequest(namespace=namespace, epoch=epoch, after_seq=after_seq),
+            timeout=timeout_s,
+            metadata=self._metadata,
+        )
+        try:
+            async for resp in call:
+                yield event_batch(resp)
+        except grpc.RpcError as err:
+            raise translate(err) from None
+        finally:
+            call.cancel()
 
     async def stats(self) -> dict[str, Any]:
         try:

@@ -75,6 +75,21 @@ def test_redis_cli_style_session(start_daemon: StartDaemon, tmp_path: Path) -> N
     bad = kvtier("put", *t, "bad namespace", "k", "--value", "x", check=False)
     assert bad.returncode == 2 and b"InvalidArgument" in bad.stderr
 
+    # Residency events since the start, as JSON lines: the session above, in order.
+    with daemon.client() as client:
+        epoch = client.snapshot().epoch
+    out = kvtier("events", *t, "m/l", "--resume", f"{epoch}:0", "--count", "4").stdout
+    events = [json.loads(line) for line in out.decode().splitlines()]
+    assert [(e["key"], e["tiers"]) for e in events] == [
+        ("blk-1", ["dram"]),
+        ("hex:00ff", ["dram"]),
+        ("from-stdin", ["dram"]),
+        ("blk-1", []),
+    ]
+    assert all(e["epoch"] == epoch for e in events)
+    stale = kvtier("events", *t, "--resume", "not-this-epoch:3").stdout
+    assert json.loads(stale) == {"epoch": epoch, "resync": True}
+
 
 def test_client_commands_fail_clearly_without_a_daemon(tmp_path: Path) -> None:
     result = kvtier("stats", "--target", f"unix://{tmp_path}/none.sock", check=False)

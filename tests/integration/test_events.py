@@ -102,3 +102,17 @@ def test_a_watch_sees_only_its_namespace_and_ends_when_the_daemon_stops(
         daemon.terminate()
         assert list(stream) == []  # the stream ends, it does not hang the stop
         assert time.monotonic() - started < 10
+
+
+async def test_the_async_client_snapshots_and_resumes(start_daemon: StartDaemon) -> None:
+    daemon = start_daemon()
+    async with kvtier.AsyncClient(daemon.target) as client:
+        await client.put(NS, b"a", b"1")
+        snap = await client.snapshot(NS)
+        assert [(b.key, b.tiers) for b in snap.blocks] == [(b"a", ["dram"])]
+        await client.put(NS, b"b", b"2")
+        await client.delete(NS, b"a")
+        stream = client.watch_events(NS, snap.epoch, snap.seq)
+        batch = await stream.__anext__()
+        assert [(e.key, e.tiers) for e in batch.events] == [(b"b", ["dram"]), (b"a", [])]
+        await stream.aclose()
