@@ -268,6 +268,14 @@ def block_stat(info: pb.BlockInfo) -> BlockStat:
     )
 
 
+def snapshot_of(responses: list[pb.SnapshotResponse]) -> Snapshot:
+    """One Snapshot from its streamed batches (each carries the same epoch and seq)."""
+    last = responses[-1] if responses else pb.SnapshotResponse()
+    return Snapshot(
+        last.epoch, last.seq, [block_stat(info) for resp in responses for info in resp.blocks]
+    )
+
+
 def event_batch(resp: pb.WatchEventsResponse) -> EventBatch:
     return EventBatch(
         epoch=resp.epoch,

@@ -33,6 +33,7 @@ from kvtier.client._common import (
     plan_request,
     plan_result,
     put_messages,
+    snapshot_of,
     stats_dict,
     translate,
 )
@@ -181,19 +182,12 @@ class AsyncClient:
 
     async def snapshot(self, namespace: str = "") -> Snapshot:
         """As `Client.snapshot`: the blocks and their tiers as of event `seq`."""
-        blocks: list[BlockStat] = []
-        epoch, seq = "", 0
+        request = pb.SnapshotRequest(namespace=namespace)
         try:
-            async for resp in self._stub.Snapshot(
-                pb.SnapshotRequest(namespace=namespace),
-                timeout=self.timeout_s,
-                metadata=self._metadata,
-            ):
-                epoch, seq = resp.epoch, resp.seq
-                blocks.extend(block_stat(info) for info in resp.blocks)
+            call = self._stub.Snapshot(request, timeout=self.timeout_s, metadata=self._metadata)
+            return snapshot_of([resp async for resp in call])
         except grpc.RpcError as err:
             raise translate(err) from None
-        return Snapshot(epoch, seq, blocks)
 
     async def watch_events(
         self,

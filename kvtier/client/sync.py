@@ -33,6 +33,7 @@ from kvtier.client._common import (
     plan_request,
     plan_result,
     put_messages,
+    snapshot_of,
     stats_dict,
     translate,
 )
@@ -180,19 +181,12 @@ class Client:
     def snapshot(self, namespace: str = "") -> Snapshot:
         """Every block of `namespace` (empty: of every namespace of this tenant) and its
         tiers, as of event `seq`: watch_events(epoch, seq) continues from it."""
-        blocks: list[BlockStat] = []
-        epoch, seq = "", 0
+        request = pb.SnapshotRequest(namespace=namespace)
         try:
-            for resp in self._stub.Snapshot(
-                pb.SnapshotRequest(namespace=namespace),
-                timeout=self.timeout_s,
-                metadata=self._metadata,
-            ):
-                epoch, seq = resp.epoch, resp.seq
-                blocks.extend(block_stat(info) for info in resp.blocks)
+            call = self._stub.Snapshot(request, timeout=self.timeout_s, metadata=self._metadata)
+            return snapshot_of(list(call))
         except grpc.RpcError as err:
             raise translate(err) from None
-        return Snapshot(epoch, seq, blocks)
 
     def watch_events(
         self,
