@@ -237,13 +237,9 @@ class Catalog:
         prefix = tiers.index(None) if None in tiers else len(tiers)
         return LookupResult(prefix_blocks=prefix, tiers=tiers)
 
-    def entries(self, ns_id: str | None = None, ns_prefix: str | None = None) -> Iterator[Entry]:
-        for (ns, _key), entry in list(self._entries.items()):
-            if ns_id is not None and ns != ns_id:
-                continue
-            if ns_prefix is not None and not ns.startswith(ns_prefix):
-                continue
-            yield entry
+    def entries(self) -> Iterator[Entry]:
+        """Every live entry (a copy of the list: callers may await between items)."""
+        yield from list(self._entries.values())
 
     def count(self, tier: TierName) -> int:
         return len(self._dram_lru) if tier is TierName.DRAM else len(self._nvme_lru)

@@ -536,6 +536,13 @@ def plot(path: Path, runs: list[tuple[dict[str, Any], list[dict[str, float]]]]) 
     fig.savefig(path, dpi=110)
 
 
+def _printed_json(args: argparse.Namespace, reports: list[dict[str, Any]]) -> bool:
+    """With --json: print the reports (one object, or a list for several) and say so."""
+    if args.json:
+        print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
+    return bool(args.json)
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         requests = read_trace(args.trace)
@@ -548,8 +555,7 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         plot(args.plot, runs)
     reports = [r for r, _ in runs]
-    if args.json:
-        print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
+    if _printed_json(args, reports):
         return 0
     print(
         f"{len(requests)} requests, {reports[0]['block_refs']} block references; DRAM "
@@ -596,8 +602,7 @@ def fleet_main(args: argparse.Namespace, requests: list[Request]) -> int:
     if args.plot:
         fleet.plot(args.plot, runs)
     reports = [r for r, _ in runs]
-    if args.json:
-        print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
+    if _printed_json(args, reports):
         return 0
     print(
         f"{len(requests)} requests over {args.nodes} nodes (arrivals x{args.speedup:g}), each "

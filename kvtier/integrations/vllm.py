@@ -160,8 +160,7 @@ class _Saver:
         self._save = save
         self._jobs: queue.SimpleQueue[tuple[str, Blocks] | None] = queue.SimpleQueue()
         self._lock = threading.Condition()
-        self._pending: Counter[str] = Counter()  # jobs queued or running, per request
-        self._in_flight = 0  # ... in all
+        self._pending: Counter[str] = Counter()  # jobs queued or running, per request (> 0)
         self._tracked: set[str] = set()  # requests that saved anything (vLLM delays their free)
         self._finishing: set[str] = set()  # ... and have finished in vLLM
         self._thread = threading.Thread(target=self._run, name="kvtier-saver", daemon=True)
@@ -170,14 +169,13 @@ class _Saver:
     def submit(self, req_id: str, blocks: Blocks) -> None:
         with self._lock:
             self._pending[req_id] += 1
-            self._in_flight += 1
             self._tracked.add(req_id)
         self._jobs.put((req_id, blocks))
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Block until no save is in flight (False if `timeout_s` passed first)."""
         with self._lock:
-            return self._lock.wait_for(lambda: self._in_flight == 0, timeout_s)
+            return self._lock.wait_for(lambda: not self._pending, timeout_s)
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Of the requests vLLM has finished, those whose blocks it may free now."""
@@ -186,8 +184,6 @@ class _Saver:
             done = {r for r in self._finishing if not self._pending[r]}
             self._finishing -= done
             self._tracked -= done
-            for r in done:
-                del self._pending[r]
         return done
 
     def close(self, timeout_s: float) -> None:
@@ -207,7 +203,8 @@ class _Saver:
             finally:
                 with self._lock:
                     self._pending[req_id] -= 1
-                    self._in_flight -= 1
+                    if not self._pending[req_id]:
+                        del self._pending[req_id]  # no key left at 0: empty means idle
                     self._lock.notify_all()
 
 

@@ -307,22 +307,16 @@ class KVTierService:
         context: Ctx,
     ) -> AsyncIterator[pb.ListEntry]:
         async with _status(context):
-            tenant = self._caller(context)
-            if request.namespace:
-                ns_id = self._ns_id(tenant, request.namespace)
-                entries = self._store.catalog.entries(ns_id=ns_id)
-            else:
-                if self._draining():
-                    raise Unavailable("kvtier is shutting down")
-                entries = self._store.catalog.entries(ns_prefix=namespace_id(tenant, ""))
+            accepts = self._namespace_filter(self._caller(context), request.namespace)
+            entries = (e for e in self._store.catalog.entries() if accepts(e.block_id[0]))
             for count, entry in enumerate(entries, start=1):
                 yield pb.ListEntry(info=self._info(entry))
                 if request.limit and count >= request.limit:
                     break
 
     def _namespace_filter(self, tenant: str, namespace: str) -> Callable[[str], bool]:
-        """Which namespace ids a Snapshot or WatchEvents of `namespace` (empty: all of the
-        tenant's) covers: never another tenant's."""
+        """Which namespace ids a List, Snapshot or WatchEvents of `namespace` (empty: all
+        of the tenant's) covers: never another tenant's."""
         if namespace:
             ns_id = self._ns_id(tenant, namespace)
             return lambda candidate: candidate == ns_id
@@ -357,13 +351,9 @@ class KVTierService:
         async with _status(context):
             accepts = self._namespace_filter(self._caller(context), request.namespace)
             events = self._store.events
+            watcher = None
             try:
                 watcher = events.watch(accepts, request.epoch, request.after_seq)
-            except Resync as why:
-                logger.info("a watcher must resync: %s", why)
-                yield pb.WatchEventsResponse(epoch=events.epoch, resync=True)
-                return
-            try:
                 # The first message, even with nothing to say: the watcher learns the epoch
                 # and that it is registered (a change made after it will reach it).
                 batch = watcher.queued(EVENT_BATCH)
@@ -371,16 +361,15 @@ class KVTierService:
                     yield pb.WatchEventsResponse(
                         epoch=events.epoch, events=[_event(e) for e in batch]
                     )
-                    try:
-                        batch = await watcher.next_batch(EVENT_BATCH)
-                    except Resync as why:
-                        logger.info("a watcher must resync: %s", why)
-                        yield pb.WatchEventsResponse(epoch=events.epoch, resync=True)
+                    batch = await watcher.next_batch(EVENT_BATCH)  # []: the daemon is stopping
+                    if not batch:
                         return
-                    if not batch:  # closed: the daemon is stopping
-                        return
+            except Resync as why:  # resuming was not possible, or the watcher fell behind
+                logger.info("a watcher must resync: %s", why)
+                yield pb.WatchEventsResponse(epoch=events.epoch, resync=True)
             finally:
-                events.unwatch(watcher)
+                if watcher is not None:
+                    events.unwatch(watcher)
 
     async def Delete(
         self,
