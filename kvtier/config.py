@@ -197,6 +197,62 @@ class NvmeConfig(_Section):
     )
 
 
+class RemoteConfig(_Section):
+    backend: Literal["none", "redis", "mooncake"] = Field(
+        "none",
+        description="a store shared by the cluster's nodes, below NVMe: any node fetches what "
+        "another stored (none: no remote tier)",
+    )
+    url: str = Field(
+        "",
+        description="redis: redis://host:port/db or unix:///path.sock; mooncake: the master "
+        "host:port",
+    )
+    metadata_server: str = Field(
+        "", description="mooncake: its metadata server (http://host:port/metadata)"
+    )
+    local_hostname: str = Field(
+        "127.0.0.1", description="mooncake: this node's address as the store's peers reach it"
+    )
+    protocol: str = Field("tcp", description="mooncake: transfer protocol (tcp or rdma)")
+    buffer_bytes: ByteSize = Field(
+        64 << 20, ge=1 << 20, description="mooncake: this client's transfer buffer"
+    )
+    segment_bytes: ByteSize = Field(
+        0,
+        ge=0,
+        description="mooncake: memory this node lends the store (0: the store's own "
+        "servers hold everything)",
+    )
+    admission: Literal["write_through", "on_evict"] = Field(
+        "write_through",
+        description="write_through: every new block is also put remotely (others can fetch "
+        "it at once); on_evict: a block is put remotely when it leaves this node's DRAM",
+    )
+    io_threads: int = Field(4, gt=0, le=256, description="remote requests in flight")
+    timeout_s: float = Field(2.0, gt=0, description="one remote request's deadline")
+    max_probe_blocks: int = Field(
+        256,
+        ge=0,
+        description="blocks a Plan may ask the remote store about after the local prefix "
+        "(one round trip for all of them)",
+    )
+    codec: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="byte-shuffle + lz4 on remote records: auto = only while measured codec "
+        "speed and ratio make a fetch faster than sending the bytes as they are",
+    )
+    codec_element_bytes: int = Field(
+        2, ge=1, le=8, description="element size the shuffle groups bytes by (2: fp16/bf16)"
+    )
+    offline_after_errors: int = Field(
+        5, gt=0, description="consecutive errors that take the remote tier offline"
+    )
+    offline_retry_s: float = Field(
+        10.0, gt=0, description="while offline, how often the remote store is tried again"
+    )
+
+
 class PlannerConfig(_Section):
     default_model: str = Field(
         "llama3-8b",
@@ -210,6 +266,12 @@ class PlannerConfig(_Section):
         2e9, gt=0, description="seed for NVMe -> engine bandwidth, refined from real reads"
     )
     nvme_latency_s: float = Field(200e-6, ge=0, description="seed for NVMe -> engine latency")
+    remote_bandwidth_bytes_per_s: float = Field(
+        1e9, gt=0, description="seed for remote store -> DRAM bandwidth, refined from real reads"
+    )
+    remote_latency_s: float = Field(
+        500e-6, ge=0, description="seed for remote store -> DRAM latency per request"
+    )
     calibration_s: float = Field(
         0.5,
         ge=0,
@@ -331,6 +393,7 @@ class Config(_Section):
     limits: LimitsConfig = Field(default_factory=lambda: LimitsConfig())
     dram: DramConfig = Field(default_factory=lambda: DramConfig())
     nvme: NvmeConfig = Field(default_factory=lambda: NvmeConfig())
+    remote: RemoteConfig = Field(default_factory=lambda: RemoteConfig())
     log: LogConfig = Field(default_factory=lambda: LogConfig())
     planner: PlannerConfig = Field(default_factory=lambda: PlannerConfig())
     policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig())

@@ -16,7 +16,8 @@ Points: nvme.write (before a record's temporary file is opened), nvme.pwrite (ea
 call), nvme.rename (record written, not yet visible), nvme.read, nvme.remove,
 nvme.tombstone, nvme.compact (start-up: the tombstone log rewritten, not yet swapped
 in), store.evict (a block written to NVMe, its DRAM copy not yet freed),
-store.commit (a put's bytes received, not yet in the catalog).
+store.commit (a put's bytes received, not yet in the catalog), remote.get (a fetch from
+the remote tier, inside its timed read: a delay there is a slow network to the planner).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ POINTS = frozenset(
         "nvme.compact",
         "store.evict",
         "store.commit",
+        "remote.get",
     }
 )
 _ERRNOS = {"eio": errno.EIO, "enospc": errno.ENOSPC, "efbig": errno.EFBIG}

@@ -38,6 +38,8 @@ class _TierEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Tier.ValueType],
     TIER_HBM: _Tier.ValueType  # 1
     TIER_DRAM: _Tier.ValueType  # 2
     TIER_NVME: _Tier.ValueType  # 3
+    TIER_REMOTE: _Tier.ValueType  # 4
+    """the store the cluster's nodes share (remote.backend)"""
 
 class Tier(_Tier, metaclass=_TierEnumTypeWrapper): ...
 
@@ -46,6 +48,8 @@ TIER_UNSPECIFIED: Tier.ValueType  # 0
 TIER_HBM: Tier.ValueType  # 1
 TIER_DRAM: Tier.ValueType  # 2
 TIER_NVME: Tier.ValueType  # 3
+TIER_REMOTE: Tier.ValueType  # 4
+"""the store the cluster's nodes share (remote.backend)"""
 Global___Tier: _TypeAlias = Tier  # noqa: Y015
 
 @_typing.final
@@ -505,6 +509,8 @@ class StatsResponse(_message.Message):
     NVME_ADMITTED_FIELD_NUMBER: _builtins.int
     NVME_NOT_ADMITTED_FIELD_NUMBER: _builtins.int
     POLICY_FIELD_NUMBER: _builtins.int
+    REMOTE_PUTS_FIELD_NUMBER: _builtins.int
+    REMOTE_FETCHES_FIELD_NUMBER: _builtins.int
     hits: _builtins.int
     misses: _builtins.int
     puts: _builtins.int
@@ -531,6 +537,9 @@ class StatsResponse(_message.Message):
     nvme_not_admitted: _builtins.int
     policy: _builtins.str
     """eviction policy in use (policy.name)"""
+    remote_puts: _builtins.int
+    """The remote tier (remote.backend): blocks this node put there, and fetched from it."""
+    remote_fetches: _builtins.int
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierStats]: ...
     def __init__(
@@ -556,10 +565,12 @@ class StatsResponse(_message.Message):
         nvme_admitted: _builtins.int = ...,
         nvme_not_admitted: _builtins.int = ...,
         policy: _builtins.str = ...,
+        remote_puts: _builtins.int = ...,
+        remote_fetches: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum_failures", b"checksum_failures", "demotions", b"demotions", "dropped_blocks", b"dropped_blocks", "fetch_regret_s", b"fetch_regret_s", "hits", b"hits", "leases", b"leases", "lost_reuse", b"lost_reuse", "misses", b"misses", "nvme_admitted", b"nvme_admitted", "nvme_direct_io", b"nvme_direct_io", "nvme_not_admitted", b"nvme_not_admitted", "planned_fetch_blocks", b"planned_fetch_blocks", "planned_recompute_blocks", b"planned_recompute_blocks", "policy", b"policy", "promotions", b"promotions", "puts", b"puts", "recompute_avoided_s", b"recompute_avoided_s", "tiers", b"tiers", "uptime_s", b"uptime_s", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum_failures", b"checksum_failures", "demotions", b"demotions", "dropped_blocks", b"dropped_blocks", "fetch_regret_s", b"fetch_regret_s", "hits", b"hits", "leases", b"leases", "lost_reuse", b"lost_reuse", "misses", b"misses", "nvme_admitted", b"nvme_admitted", "nvme_direct_io", b"nvme_direct_io", "nvme_not_admitted", b"nvme_not_admitted", "planned_fetch_blocks", b"planned_fetch_blocks", "planned_recompute_blocks", b"planned_recompute_blocks", "policy", b"policy", "promotions", b"promotions", "puts", b"puts", "recompute_avoided_s", b"recompute_avoided_s", "remote_fetches", b"remote_fetches", "remote_puts", b"remote_puts", "tiers", b"tiers", "uptime_s", b"uptime_s", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -35,6 +35,7 @@ PB_TO_TIER: dict[int, str | None] = {
     pb.TIER_HBM: "hbm",
     pb.TIER_DRAM: "dram",
     pb.TIER_NVME: "nvme",
+    pb.TIER_REMOTE: "remote",
 }
 Buffer = bytes | bytearray | memoryview
 # PEM bytes, PEM text, or the path of a PEM file.
@@ -366,6 +367,8 @@ def stats_dict(resp: pb.StatsResponse) -> dict[str, Any]:
         "nvme_admitted": resp.nvme_admitted,
         "nvme_not_admitted": resp.nvme_not_admitted,
         "policy": resp.policy,
+        "remote_puts": resp.remote_puts,
+        "remote_fetches": resp.remote_fetches,
         "tiers": {
             t.name: {
                 "used_bytes": t.used_bytes,

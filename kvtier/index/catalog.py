@@ -30,6 +30,7 @@ class TierName(StrEnum):
     HBM = "hbm"
     DRAM = "dram"
     NVME = "nvme"
+    REMOTE = "remote"  # a store the cluster shares: never a catalog entry's own copy
 
 
 @dataclass(slots=True, eq=False)
@@ -46,6 +47,7 @@ class Entry:
     doomed: bool = False
     demoting: bool = False
     read_errors: int = 0  # I/O errors reading its NVMe record (not checksum failures)
+    in_remote: bool = False  # this node put it in, or fetched it from, the remote tier
 
     @property
     def tiers(self) -> list[TierName]:

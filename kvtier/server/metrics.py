@@ -60,6 +60,14 @@ class StoreCollector(Collector):
         )
         yield GaugeMetricFamily("kvtier_leases", "Zero-copy leases held now", value=s.leases)
         yield CounterMetricFamily(
+            "kvtier_remote_puts", "Blocks this node put into the remote tier", value=s.remote_puts
+        )
+        yield CounterMetricFamily(
+            "kvtier_remote_fetches",
+            "Blocks fetched from the remote tier (verified) into DRAM",
+            value=s.remote_fetches,
+        )
+        yield CounterMetricFamily(
             "kvtier_promotions", "Blocks copied NVMe -> DRAM for leased gets", value=s.promotions
         )
         yield CounterMetricFamily(

@@ -57,6 +57,7 @@ TIER_TO_PB: dict[TierName | None, pb.Tier.ValueType] = {
     TierName.HBM: pb.TIER_HBM,
     TierName.DRAM: pb.TIER_DRAM,
     TierName.NVME: pb.TIER_NVME,
+    TierName.REMOTE: pb.TIER_REMOTE,
 }
 TIER_NAME_TO_PB: dict[str | None, pb.Tier.ValueType] = {
     (k.value if k else None): v for k, v in TIER_TO_PB.items()
@@ -282,7 +283,7 @@ class KVTierService:
         async with _status(context):
             ns_id = self._ns_id(self._caller(context), request.namespace)
             keys = [check_key(k, self._limits.max_key_bytes) for k in request.keys]
-            result = self._store.lookup(ns_id, keys)
+            result = await self._store.lookup(ns_id, keys)
             return pb.LookupResponse(
                 prefix_blocks=result.prefix_blocks,
                 tiers=[TIER_NAME_TO_PB[t] for t in result.tiers],
@@ -421,6 +422,8 @@ class KVTierService:
             promotions=s.promotions,
             recompute_avoided_s=s.recompute_avoided_s,
             fetch_regret_s=s.fetch_regret_s,
+            remote_puts=s.remote_puts,
+            remote_fetches=s.remote_fetches,
             planned_fetch_blocks=s.planned_fetch_blocks,
             planned_recompute_blocks=s.planned_recompute_blocks,
             lost_reuse=s.lost_reuse,
@@ -462,7 +465,7 @@ class KVTierService:
                 f"blocks, more than limits.max_plan_blocks={self._limits.max_plan_blocks}: "
                 "plan the prompt in parts or raise the limit"
             )
-        result, (tiers, fetch_s, recompute_s) = self._store.plan(
+        result, (tiers, fetch_s, recompute_s) = await self._store.plan(
             ns_id,
             keys,
             tpb,

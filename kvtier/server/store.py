@@ -52,6 +52,7 @@ from kvtier.movers.calibrate import CALIBRATION_NS_ID, calibrate
 from kvtier.movers.io import IoPool, aligned_buffer
 from kvtier.server.events import EventLog
 from kvtier.server.health import TierHealth
+from kvtier.server.remote_link import RemoteLink
 from kvtier.server.telemetry import Telemetry
 from kvtier.sizes import human_size
 from kvtier.tiers.allocator import Extent, round_up
@@ -60,6 +61,7 @@ from kvtier.tiers.nvme import ALIGN_BYTES, NvmeTier, RecordHeader, header_size_f
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+K = TypeVar("K")
 PLANNED_BLOCKS_KEPT = 1 << 16
 
 
@@ -104,11 +106,13 @@ class StoreStats:
     admitted: int = 0
     not_admitted: int = 0
     eviction_reasons: dict[tuple[str, str], int] = field(default_factory=dict)
+    remote_puts: int = 0
+    remote_fetches: int = 0
 
 
 @dataclass(slots=True)
 class _Counters:
-    hits: dict[str, int] = field(default_factory=lambda: {"dram": 0, "nvme": 0})
+    hits: dict[str, int] = field(default_factory=lambda: {"dram": 0, "nvme": 0, "remote": 0})
     evictions: dict[str, int] = field(default_factory=lambda: {"dram": 0, "nvme": 0})
     # (tier, reason): demoted (the copy lives on in NVMe), dropped (gone from every tier),
     # capacity (an NVMe record removed for room), corrupt (failed verification)
@@ -126,6 +130,8 @@ class _Counters:
     lost_reuse: int = 0
     admitted: int = 0
     not_admitted: int = 0
+    remote_puts: int = 0
+    remote_fetches: int = 0
 
 
 def _payload(extent_view: memoryview, entry: Entry) -> list[memoryview]:
@@ -289,6 +295,18 @@ class Store:
                 TierCost(planner_cfg.nvme_bandwidth_bytes_per_s, planner_cfg.nvme_latency_s)
             ),
         }
+        # The remote tier (kvtier/tiers/remote.py): "remote" is the verified fetch of a
+        # value from the shared store into the arena, timed on its I/O thread.
+        self.remote: RemoteLink | None = None
+        self._remote_fetches: dict[BlockId, asyncio.Future[Entry | None]] = {}
+        if self.config.remote.backend != "none":
+            self.paths["remote"] = PathEstimator(
+                TierCost(planner_cfg.remote_bandwidth_bytes_per_s, planner_cfg.remote_latency_s)
+            )
+            self.remote = RemoteLink(
+                self.config.remote,
+                lambda: self.paths["remote"].estimate().bandwidth_bytes_per_s,
+            )
         self._prefill: dict[str, PrefillEstimator] = {}
         # What to keep where (kvtier/index/policy.py): one eviction order per tenant arena
         # and one for the shared NVMe tier, valued with the planner's current costs.
@@ -323,6 +341,8 @@ class Store:
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         self._expiry_task = asyncio.ensure_future(self._expire_leases_forever())
+        if self.remote is not None:
+            await self.remote.open()
         if self.nvme is None:
             return
         report = await self.io.run(self.nvme.open)
@@ -403,9 +423,10 @@ class Store:
         to_engine = self.paths["dram"].estimate()
         if tier == TierName.DRAM.value:
             return to_engine
-        # A fetched run's NVMe blocks are promoted io_threads at a time (see `acquire`);
-        # the engine then copies them one after another.
-        return self.paths[tier].estimate().in_parallel(self.io.threads).then(to_engine)
+        # A fetched run's NVMe (remote) blocks are promoted io_threads (remote.io_threads)
+        # at a time (see `acquire`); the engine then copies them one after another.
+        threads = self.remote.io.threads if self.remote and tier == "remote" else self.io.threads
+        return self.paths[tier].estimate().in_parallel(threads).then(to_engine)
 
     async def flush(self) -> int:
         """Write every DRAM-only block to NVMe (most recent first); returns how many."""
@@ -442,6 +463,8 @@ class Store:
             self._end_lease(lease_id)
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        if self.remote is not None:
+            await self.remote.close()
         if self.nvme is not None:
             # Records are complete files once renamed; this makes them survive a power
             # loss too, so a restart after a clean stop finds every one of them.
@@ -513,6 +536,8 @@ class Store:
                 await self._tombstone(existing)
                 if self.catalog.is_live(existing):  # else look again: someone replaced it
                     self._discard(existing)
+                    if self.remote is not None:
+                        self.remote.delete(writer.block_id)  # ordered before the new put
             pending = self._removing.get(writer.block_id, 0)
             if pending <= buried:
                 break
@@ -533,6 +558,8 @@ class Store:
         self._dram_order[tenant_of(entry.block_id[0])].insert(entry.block_id, self._info(entry))
         if self.policies.admission.on_insert and self.nvme is not None:
             self._spawn(self._write_through(entry))
+        if self.remote is not None and self.config.remote.admission == "write_through":
+            self._spawn(self._put_remote(entry))
         self._counters.puts += 1
         self._signal_space()  # a new block is a victim a waiting put may take
         return PutResult(writer.size_bytes, digest, TierName.DRAM, already_present=False)
@@ -548,16 +575,20 @@ class Store:
     # ---- get, lookup, delete ------------------------------------------------------------
     async def open_block(self, block_id: BlockId) -> BlockReader | None:
         entry = self.catalog.get(block_id)
-        if entry is None:
+        tier = TierName.DRAM
+        if entry is None and self.remote is not None:
+            entry = await self._from_remote(block_id)
+            tier = TierName.REMOTE
+        if entry is None or not self.catalog.is_live(entry):
             self._missed(block_id)
             return None
         self.catalog.touch(entry)
         self._used(entry)
         self.catalog.pin(entry)
         if entry.dram_extent is not None:
-            self._served(block_id, TierName.DRAM, entry.size_bytes, None)
+            self._served(block_id, tier, entry.size_bytes, None)
             view = self.arena_of(block_id).view(entry.dram_extent)[: entry.size_bytes]
-            return BlockReader(self, entry, TierName.DRAM, view)
+            return BlockReader(self, entry, tier, view)
         assert self.nvme is not None and entry.nvme_record_bytes
         if not self.nvme_health.online:
             self._unpin(entry)
@@ -583,16 +614,38 @@ class Store:
         view = memoryview(buf)[offset : offset + entry.size_bytes]
         return BlockReader(self, entry, TierName.NVME, view, backing=buf)
 
-    def lookup(self, ns_id: str, keys: list[bytes]) -> LookupResult:
+    async def lookup(self, ns_id: str, keys: list[bytes]) -> LookupResult:
         result = self.catalog.lookup(ns_id, keys)
         self._learn_chain(ns_id, keys, result.tiers)
-        return result
+        if self.remote is None or result.prefix_blocks == len(keys):
+            return result
+        tiers = await self._remote_tiers(ns_id, keys, result.tiers)
+        prefix = tiers.index(None) if None in tiers else len(tiers)
+        return LookupResult(prefix_blocks=prefix, tiers=tiers)
+
+    async def _remote_tiers(
+        self, ns_id: str, keys: list[bytes], tiers: list[str | None]
+    ) -> list[str | None]:
+        """`tiers` with "remote" for the blocks missing here that the remote store holds:
+        those after the local prefix, at most remote.max_probe_blocks, in one round trip."""
+        assert self.remote is not None
+        missing = [i for i, t in enumerate(tiers) if t is None]
+        missing = missing[: self.config.remote.max_probe_blocks]
+        found = await self.remote.probe([(ns_id, keys[i]) for i in missing])
+        out = list(tiers)
+        for i, held in zip(missing, found, strict=True):
+            if held:
+                out[i] = TierName.REMOTE.value
+        return out
 
     def stat(self, block_id: BlockId) -> Entry | None:
         return self.catalog.get(block_id)
 
     async def delete(self, block_id: BlockId) -> bool:
         entry = self.catalog.get(block_id)
+        if self.remote is not None:
+            # Awaited: once acknowledged, no node fetches the deleted value.
+            await self.remote.delete(block_id)
         if entry is None:
             return False
         await self._tombstone(entry)
@@ -645,6 +698,20 @@ class Store:
                     self.nvme_health.errors_total,
                 )
             )
+        if self.remote is not None:
+            # The store keeps its own capacity: what this node put there, and its hits.
+            tiers.append(
+                TierUsage(
+                    "remote",
+                    0,
+                    0,
+                    0,
+                    c.hits["remote"],
+                    0,
+                    self.remote.health.online,
+                    self.remote.failures,
+                )
+            )
         return StoreStats(
             tiers=tiers,
             hits=sum(c.hits.values()),
@@ -665,6 +732,8 @@ class Store:
             admitted=c.admitted,
             not_admitted=c.not_admitted,
             eviction_reasons=dict(c.eviction_reasons),
+            remote_puts=c.remote_puts,
+            remote_fetches=c.remote_fetches,
         )
 
     # ---- deciding: fetch or recompute ------------------------------------------------------
@@ -681,7 +750,7 @@ class Store:
             )
         return self._prefill[key]
 
-    def plan(
+    async def plan(
         self,
         ns_id: str,
         keys: list[bytes],
@@ -694,15 +763,10 @@ class Store:
         """The plan for a chain, with its per-block tiers, fetch and recompute seconds."""
         tiers = self.catalog.lookup(ns_id, keys).tiers
         self._learn_chain(ns_id, keys, tiers)
+        if self.remote is not None and None in tiers:
+            tiers = await self._remote_tiers(ns_id, keys, tiers)
         if not kv_bytes_per_token:
-            first = next(
-                (
-                    self.catalog.get((ns_id, k))
-                    for k, t in zip(keys, tiers, strict=True)
-                    if t is not None
-                ),
-                None,
-            )
+            first = next((e for k in keys if (e := self.catalog.get((ns_id, k))) is not None), None)
             model = ns_id.partition("|")[2].split("/", 1)[0]
             profile = MODELS.get(model, MODELS[self.config.planner.default_model])
             kv_bytes_per_token = (
@@ -800,11 +864,13 @@ class Store:
         """Pin blocks in DRAM (promoting NVMe-only ones) under one lease; None for a miss."""
         self._check_lease_room(session_id)
         found: list[tuple[Entry, TierName] | None] = []
+        started_s = time.perf_counter()
         try:
+            absent: list[int] = []  # not here: perhaps in the remote tier
             for block_id in block_ids:
                 entry = self.catalog.get(block_id)
                 if entry is None:
-                    self._missed(block_id)
+                    absent.append(len(found))
                     found.append(None)
                     continue
                 self.catalog.touch(entry)
@@ -814,12 +880,26 @@ class Store:
                 assert tier is not None
                 found.append((entry, tier))
             # NVMe-only blocks are read together: the I/O threads overlap their latencies
-            # (one after another, a run of 23 blocks at 250 ms each took 5.8 s, not 1.5).
+            # (one after another, a run of 23 blocks at 250 ms each took 5.8 s, not 1.5);
+            # so are remote ones.
             promote = [e for e, _ in filter(None, found) if e.dram_extent is None]
-            started_s = time.perf_counter()
+            from_remote = [block_ids[i] for i in absent] if self.remote is not None else []
             # A promotion that failed leaves its block without a DRAM extent: read below.
-            await asyncio.gather(*(self._promote(e) for e in promote))
-            promote_s = time.perf_counter() - started_s if promote else 0.0
+            _, fetched = await asyncio.gather(
+                asyncio.gather(*(self._promote(e) for e in promote)),
+                asyncio.gather(*(self._from_remote(b) for b in from_remote)),
+            )
+            by_index = dict(zip(absent, fetched, strict=False))
+            for i in absent:
+                entry = by_index.get(i)
+                if entry is None or not self.catalog.is_live(entry):
+                    self._missed(block_ids[i])
+                    continue
+                self.catalog.touch(entry)
+                self._used(entry)
+                self.catalog.pin(entry)
+                found[i] = (entry, TierName.REMOTE)
+            promote_s = time.perf_counter() - started_s if promote or from_remote else 0.0
         except BaseException:
             for item in found:
                 if item is not None:
@@ -933,17 +1013,9 @@ class Store:
                 logger.warning("reclaimed %d expired leases", len(expired))
 
     async def _promote(self, entry: Entry) -> bool:
-        """Copy a pinned NVMe-only block into DRAM (verified); False if it cannot be.
-
-        One promotion per block, shared by its callers and run to its end even when they
-        are cancelled: the read fills an extent on an I/O thread, which must end attached
-        to the block or freed, never half-way."""
-        promotion = self._promotions.get(entry)
-        if promotion is None:
-            promotion = self._spawn(self._promote_pinned(entry))
-            self._promotions[entry] = promotion
-            promotion.add_done_callback(lambda _: self._promotions.pop(entry, None))
-        return await asyncio.shield(promotion)
+        """Copy a pinned NVMe-only block into DRAM (verified); False if it cannot be. One
+        promotion per block at a time (`_once`)."""
+        return await self._once(self._promotions, entry, lambda: self._promote_pinned(entry))
 
     async def _promote_pinned(self, entry: Entry) -> bool:
         # Its own pin: a cancelled caller unpins, and the block must not be freed under it.
@@ -982,6 +1054,88 @@ class Store:
             self._dram_order[tenant_of(entry.block_id[0])].insert(entry.block_id, self._info(entry))
         self._counters.promotions += 1
         return True
+
+    # ---- the remote tier ------------------------------------------------------------------
+    async def _from_remote(self, block_id: BlockId) -> Entry | None:
+        """Fetch a block this node does not hold from the remote tier into DRAM (verified)
+        and catalogue it; None for a miss. One fetch per block at a time (`_once`)."""
+        return await self._once(
+            self._remote_fetches, block_id, lambda: self._fetch_remote(block_id)
+        )
+
+    async def _fetch_remote(self, block_id: BlockId) -> Entry | None:
+        assert self.remote is not None
+        tenant = tenant_of(block_id[0])
+        arena = self.arena(tenant)
+        largest = min(self.config.limits.max_block_bytes, arena.capacity_bytes)
+        try:
+            fetched = await self.remote.fetch(block_id, largest)
+        except CorruptRecord as err:
+            self._bad_remote_value(block_id, err)
+            return None
+        if fetched is None:
+            return None
+        extent = await self._reserve_dram(tenant, fetched.payload_bytes)
+        view = arena.view(extent)
+        try:
+            fill_s = await self.remote.fill(fetched, view)
+        except BaseException as err:
+            arena.free(extent)
+            self._signal_space()
+            if not isinstance(err, CorruptRecord):
+                raise
+            self._bad_remote_value(block_id, err)
+            return None
+        finally:
+            view.release()
+        read_s = fetched.fetch_s + fill_s
+        self.paths["remote"].observe(fetched.payload_bytes, read_s)
+        self.telemetry.transfer("remote", "dram", len(fetched.value), read_s)
+        existing = self.catalog.get(block_id)
+        if existing is not None:  # put here while it was on its way: keep that one
+            arena.free(extent)
+            self._signal_space()
+            return existing
+        header = fetched.header
+        entry = Entry(
+            block_id,
+            header.payload_bytes,
+            header.xxh3_64,
+            self._take_generation(),
+            dram_extent=extent,
+            in_remote=True,
+        )
+        self.catalog.add(entry)
+        self.policies.accessed(entry.block_id, self._info(entry))
+        self._dram_order[tenant].insert(entry.block_id, self._info(entry))
+        self._counters.remote_fetches += 1
+        return entry
+
+    def _bad_remote_value(self, block_id: BlockId, err: CorruptRecord) -> None:
+        assert self.remote is not None
+        self._counters.checksum_failures += 1
+        self._spawn(self.remote.discard_bad(block_id, err))
+
+    async def _put_remote(self, entry: Entry) -> None:
+        """Put a block's DRAM copy into the remote tier (pinned meanwhile)."""
+        assert self.remote is not None
+        if entry.dram_extent is None or entry.in_remote or not self.catalog.is_live(entry):
+            return
+        self.catalog.pin(entry)
+        view = self.arena_of(entry.block_id).view(entry.dram_extent)
+        try:
+            started_s = time.perf_counter()
+            if await self.remote.put(
+                entry.block_id, entry.generation, view[: entry.size_bytes], entry.xxh3_64
+            ):
+                entry.in_remote = True
+                self._counters.remote_puts += 1
+                self.telemetry.transfer(
+                    "dram", "remote", entry.size_bytes, time.perf_counter() - started_s
+                )
+        finally:
+            view.release()
+            self._unpin(entry)
 
     # ---- making room --------------------------------------------------------------------
     async def _reserve_dram(self, tenant: str, size_bytes: int) -> Extent:
@@ -1050,6 +1204,8 @@ class Store:
 
     async def _evict_from_dram(self, entry: Entry) -> None:
         try:
+            if self.remote is not None and self.config.remote.admission == "on_evict":
+                await self._put_remote(entry)
             wanted = self.nvme is not None and not entry.nvme_record_bytes
             if wanted and not self.policies.admission.admit_on_evict(
                 entry.block_id, self._info(entry)
@@ -1380,6 +1536,22 @@ class Store:
         step, so one stopped half-way would leave a record on disk, or an extent, that
         nothing knows of."""
         return await asyncio.shield(asyncio.gather(*(self._spawn(w) for w in works)))
+
+    def _once(
+        self,
+        running: dict[K, asyncio.Future[T]],
+        key: K,
+        work: Callable[[], Coroutine[Any, Any, T]],
+    ) -> asyncio.Future[T]:
+        """One run of `work` per key at a time, shared by every caller and run to its end
+        even when they are cancelled (it fills an extent on an I/O thread, which must end
+        attached to its block or freed, never half-way)."""
+        task = running.get(key)
+        if task is None:
+            task = self._spawn(work())
+            running[key] = task
+            task.add_done_callback(lambda _: running.pop(key, None))
+        return asyncio.shield(task)
 
     def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.ensure_future(coro)

@@ -94,11 +94,12 @@ class RecordHeader:
         return self.header_bytes + round_up(self.payload_bytes, ALIGN_BYTES)
 
 
-def header_size_for(ns_id: str, key: bytes) -> int:
+def header_size_for(ns_id: str, key: bytes, align_bytes: int = ALIGN_BYTES) -> int:
     """A record's header region. The seal's room is counted whether or not the tier
-    encrypts, so a block's size on disk (what capacity is charged) never depends on it."""
+    encrypts, so a block's size on disk (what capacity is charged) never depends on it.
+    On disk it fills whole pages (O_DIRECT); over a network (the remote tier) 8 bytes do."""
     body_bytes = _FIXED.size + len(ns_id.encode()) + len(key) + SEAL.size + _CHECKSUM.size
-    return round_up(body_bytes, ALIGN_BYTES)
+    return round_up(body_bytes, align_bytes)
 
 
 def record_size_for(ns_id: str, key: bytes, payload_bytes: int) -> int:
@@ -155,7 +156,7 @@ class ParsedHeader:
     seal: Seal | None
 
 
-def parse_header(data: bytes | memoryview) -> ParsedHeader:
+def parse_header(data: bytes | memoryview, align_bytes: int = ALIGN_BYTES) -> ParsedHeader:
     """Parse and verify a header region without a key; CorruptRecord says what is wrong."""
     if len(data) < _FIXED.size:
         raise CorruptRecord("record shorter than its fixed header")
@@ -180,7 +181,7 @@ def parse_header(data: bytes | memoryview) -> ParsedHeader:
     sealed = bool(flags & FLAG_SEALED)
     # Records written before the seal's room was reserved have none: fine unless sealed.
     least = _FIXED.size + ns_len + key_len + (SEAL.size if sealed else 0) + _CHECKSUM.size
-    if header_bytes % ALIGN_BYTES or header_bytes < least:
+    if header_bytes % align_bytes or header_bytes < least:
         raise CorruptRecord("bad header length")
     if len(data) < header_bytes:
         raise CorruptRecord("truncated header")

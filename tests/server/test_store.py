@@ -105,7 +105,7 @@ async def test_a_pinned_block_is_never_evicted_or_reused(tmp_path: Path) -> None
     assert reader is not None
     for i in range(12):  # 12 MiB through a 4 MiB arena while the reader holds its pin
         await put(store, f"f{i}".encode(), block_bytes(100 + i, 1 << 20))
-    assert store.lookup(NS, [b"pinned"]).tiers == ["dram"]
+    assert (await store.lookup(NS, [b"pinned"])).tiers == ["dram"]
     assert b"".join(bytes(c) for c in reader.chunks(65536)) == block_bytes(1, 1 << 20)
     # Deleting it while it is read: gone from lookups at once, memory freed at close.
     used = store.arena("default").used_bytes
@@ -171,7 +171,7 @@ async def test_flush_writes_dram_only_blocks(tmp_path: Path) -> None:
         await put(store, f"f{i}".encode(), block_bytes(i, 500_000))
     assert await store.flush() == 5
     assert await store.flush() == 0
-    assert set(store.lookup(NS, [f"f{i}".encode() for i in range(5)]).tiers) == {"dram"}
+    assert set((await store.lookup(NS, [f"f{i}".encode() for i in range(5)])).tiers) == {"dram"}
     await store.close()
     again = Store(make_config(tmp_path, 8 << 20, 64 << 20))
     await again.start()
@@ -232,8 +232,8 @@ async def test_a_planned_fetch_slower_than_recompute_is_regret(tmp_path: Path) -
     await store.start()
     for i in range(4):
         await put(store, f"g{i}".encode(), block_bytes(i, 1 << 20))
-    assert store.lookup(NS, [b"g0"]).tiers == ["nvme"]
-    result, _costs = store.plan(NS, [b"g0"], 16, 16, 0, "none", 0)
+    assert (await store.lookup(NS, [b"g0"])).tiers == ["nvme"]
+    result, _costs = await store.plan(NS, [b"g0"], 16, 16, 0, "none", 0)
     assert result.fetch_blocks in (0, 1)
     store._planned[(NS, b"g0")] = 1e-9  # as if the plan had expected a near-free recompute
     assert await get(store, b"g0") == block_bytes(0, 1 << 20)

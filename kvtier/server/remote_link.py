@@ -1,0 +1,190 @@
+"""The store's side of the remote tier: its I/O threads, its health, the codec decision,
+and the order of operations on one block (the moving half; the store decides).
+
+Every operation the store starts on a block's remote value (put, delete) runs after the
+previous one on the same block has finished, so a delete acknowledged before an overwrite
+cannot land after the new value and remove it, and an old value's put cannot land after a
+delete. Fetches are not ordered: any value they find is verified, old or new.
+
+Errors never reach a client: a store that cannot be reached is a miss (and, after
+`remote.offline_after_errors` in a row, the tier is offline until a probe gets through).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from kvtier.config import RemoteConfig
+from kvtier.errors import CorruptRecord
+from kvtier.index.catalog import BlockId
+from kvtier.movers.io import IoPool
+from kvtier.server.health import TierHealth
+from kvtier.tiers.remote import Fetched, RemoteTier
+
+logger = logging.getLogger(__name__)
+_PROBE_NAME = ("kvtier-probe|", b"probe")
+
+
+class RemoteLink:
+    """Create, `await open()`, use from the event loop, `await close()`."""
+
+    def __init__(self, config: RemoteConfig, bandwidth_bytes_per_s: Callable[[], float]) -> None:
+        self.config = config
+        self.io = IoPool(config.io_threads, name="kvtier-remote")
+        self.health = TierHealth("remote", config.offline_after_errors)
+        self.tier: RemoteTier | None = None
+        # The path's measured bandwidth, for the codec decision (the store's estimator).
+        self._bandwidth = bandwidth_bytes_per_s
+        self._tails: dict[BlockId, asyncio.Future[Any]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._watcher: asyncio.Task[None] | None = None
+        self.failures = 0  # operations that failed (counted whether or not it went offline)
+
+    async def open(self) -> None:
+        """Connect (a client library missing or a store refusing us is a ConfigError)."""
+        self.tier = await self.io.run(RemoteTier.from_config, self.config)
+        self._watcher = asyncio.ensure_future(self._watch_forever())
+        logger.info(
+            "remote tier: %s at %s (admission %s, codec %s)",
+            self.tier.name,
+            self.config.url,
+            self.config.admission,
+            self.config.codec,
+        )
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.io.close()
+        if self.tier is not None:
+            self.tier.close()
+
+    @property
+    def online(self) -> bool:
+        return self.tier is not None and self.health.online
+
+    # ---- reads --------------------------------------------------------------------------
+    async def probe(self, block_ids: Sequence[BlockId]) -> list[bool]:
+        """Which of these blocks the store holds (one round trip); all False if it cannot
+        say."""
+        if not block_ids or not self.online:
+            return [False] * len(block_ids)
+        assert self.tier is not None
+        try:
+            found = await self.io.run(self.tier.exists, block_ids)
+        except OSError as err:
+            self._failed(err, "look up blocks")
+            return [False] * len(block_ids)
+        self.health.succeeded()
+        return found
+
+    async def fetch(self, block_id: BlockId, max_payload_bytes: int) -> Fetched | None:
+        """The block's value, header verified; None for a miss (absent, bad, unreachable).
+        Raises CorruptRecord for a value that failed verification (the caller counts it)."""
+        if not self.online:
+            return None
+        assert self.tier is not None
+        try:
+            fetched = await self.io.run(self.tier.fetch, *block_id, max_payload_bytes)
+        except OSError as err:
+            self._failed(err, "fetch a block")
+            return None
+        self.health.succeeded()
+        return fetched
+
+    async def fill(self, fetched: Fetched, dest: memoryview) -> float:
+        """Decode and verify into `dest` on an I/O thread; seconds it took."""
+        assert self.tier is not None
+        _, fill_s = await self.io.run_timed(self.tier.fill, fetched, dest)
+        return fill_s
+
+    # ---- writes, in order per block -----------------------------------------------------
+    def put(self, block_id: BlockId, generation: int, payload: memoryview, xxh3_64: int) -> Any:
+        """Put a block's value after its earlier operations; returns an awaitable that is
+        True once stored. `payload` must stay valid until then (the caller pins it)."""
+        return self._after(block_id, lambda: self._put(block_id, generation, payload, xxh3_64))
+
+    def delete(self, block_id: BlockId) -> Any:
+        return self._after(block_id, lambda: self._delete(block_id))
+
+    async def _put(
+        self, block_id: BlockId, generation: int, payload: memoryview, xxh3_64: int
+    ) -> bool:
+        if not self.online:
+            return False
+        assert self.tier is not None
+        encoded = self.tier.use_codec(self._bandwidth())
+        try:
+            await self.io.run(self.tier.write, *block_id, generation, payload, xxh3_64, encoded)
+        except OSError as err:
+            self._failed(err, "put a block")
+            return False
+        self.health.succeeded()
+        return True
+
+    async def _delete(self, block_id: BlockId) -> bool:
+        if not self.online:
+            return False  # a stale value left behind is verified, never trusted blindly
+        assert self.tier is not None
+        try:
+            await self.io.run(self.tier.delete, *block_id)
+        except OSError as err:
+            self._failed(err, "delete a block")
+            return False
+        self.health.succeeded()
+        return True
+
+    def _after(
+        self, block_id: BlockId, work: Callable[[], Coroutine[Any, Any, bool]]
+    ) -> asyncio.Future[bool]:
+        previous = self._tails.get(block_id)
+
+        async def chained() -> bool:
+            if previous is not None:
+                await asyncio.gather(previous, return_exceptions=True)
+            return await work()
+
+        task = asyncio.ensure_future(chained())
+        self._tails[block_id] = task
+        self._tasks.add(task)
+
+        def done(t: asyncio.Future[bool]) -> None:
+            self._tasks.discard(task)
+            if self._tails.get(block_id) is t:
+                del self._tails[block_id]
+
+        task.add_done_callback(done)
+        return task
+
+    async def discard_bad(self, block_id: BlockId, err: CorruptRecord) -> None:
+        """A value that failed verification is useless to every node: remove it."""
+        logger.warning("remote value failed verification (%s); served as a miss and removed", err)
+        await self.delete(block_id)
+
+    # ---- health -------------------------------------------------------------------------
+    def _failed(self, err: OSError, doing: str) -> None:
+        self.failures += 1
+        if self.health.online:
+            logger.warning("remote tier: could not %s: %s", doing, err)
+        self.health.failed(err)
+
+    async def _watch_forever(self) -> None:
+        interval_s = self.config.offline_retry_s
+        while True:
+            await asyncio.sleep(interval_s)
+            if self.health.online or self.tier is None:
+                continue
+            try:
+                await self.io.run(self.tier.exists, [_PROBE_NAME])
+            except OSError as err:
+                logger.info("remote tier still unreachable: %s", err)
+                continue
+            self.health.recovered()
