@@ -8,6 +8,19 @@ model applied per node (kvtier.index.planner), so a node holding the prefix on a
 throttled tier is not preferred over an idle node that recomputes faster, and a busy
 node's cache is weighed against its queue rather than pinning the conversation to it.
 
+The sum is the request's own time to first token. Under load the choice also costs
+everyone else: prefill work added to a node delays the requests that arrive behind it
+while it is busy. With the node's engine busy a fraction u of the time, a second of work
+there holds up the queue for about 1 / (1 - u) seconds (the busy period it starts or
+extends, as in an M/G/1 queue), so nodes are ranked by
+
+    wait + total / (1 - u)
+
+which is the plain TTFT on an idle fleet and, on a loaded one, weighs the prefill a node's
+cache saves against its queue — rather than recomputing a long cached prefix on an idle
+node for a slightly earlier first token while the fleet pays for it (measured on the
+shared trace: BENCHMARKS.md, fleet replay). `u` is capped at MAX_UTILIZATION.
+
 Each node's residency comes from its events (kvtier.client.events.BlockIndex.chain_tiers)
 or, in a simulation, from its catalog.
 """
@@ -18,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.index.planner import Overlap, Plan, PlanRequest, PrefillCost, TierCost, plan
+
+MAX_UTILIZATION = 0.9  # a second of work counts at most 10 seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +45,7 @@ class NodeState:
     prefill: PrefillCost  # its engine's prefill cost for the request's model
     cached_tiers: Callable[[Sequence[bytes]], Sequence[str | None]]  # per key: tier or None
     load_s: float = 0.0  # prefill work it has done lately: breaks ties (cold prompts spread)
+    utilization: float = 0.0  # its engine's busy fraction lately (0..1): see the module
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +87,8 @@ def choose_node(
     kv_bytes_per_token: int,
     overlap: Overlap = "none",
 ) -> Choice:
-    """The node with the smallest estimated time to first token (ties: the shorter wait,
-    then the lighter load, then the first listed)."""
+    """The node with the smallest wait + total / (1 - utilization) (see the module; ties:
+    the shorter wait, then the lighter load, then the first listed)."""
     if not nodes:
         raise ValueError("no nodes to route to")
     best: tuple[float, float, float, int] | None = None
@@ -82,7 +98,9 @@ def choose_node(
             node, keys, prompt_tokens, tokens_per_block, kv_bytes_per_token, overlap
         )
         plans[node.name] = (ttft_s, node_plan)
-        rank = (ttft_s, node.wait_s, node.load_s, order)
+        busy = min(max(node.utilization, 0.0), MAX_UTILIZATION)
+        cost_s = max(node.wait_s, 0.0) + node_plan.total_s / (1 - busy)
+        rank = (cost_s, node.wait_s, node.load_s, order)
         if best is None or rank < best:
             best = rank
     assert best is not None

@@ -15,17 +15,29 @@ that node holds, recompute the rest); its time to first token is that wait plus 
 share of requests whose TTFT meets the SLO), TTFT percentiles, each node's prefill work
 and the max/mean of it, the hit ratio and prefill seconds saved, and per-node utilization
 over time for the plot.
+
+With a remote tier (`FleetConfig.remote_blocks` > 0): one `SharedRemote` store, LRU over
+a block count, behind every node's NVMe. Each block a node prefills is written through to
+it and becomes readable to every node when that prefill ends (not before: a node cannot
+fetch what another is still computing); a node plans blocks it lacks but the store holds
+as tier `remote` at `ReplayConfig.remote`'s cost, and stores what it fetches locally. The
+prefix-aware router sees the same residency, so a prefix held remotely is fetchable on
+every node. Not modelled: contention for the store's own bandwidth (each node's path is
+priced alone), and the nodes' eviction policy does not yet value the remote as a
+fallback (a block leaving NVMe is priced as recomputed).
 """
 
 from __future__ import annotations
 
 import statistics
 import zlib
-from collections.abc import Callable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvtier.index.replay import NS, ORACLE, Replay, ReplayConfig, Request
+from kvtier.index.planner import TierCost
+from kvtier.index.replay import ORACLE, Replay, ReplayConfig, Request
 from kvtier.routing import NodeState, choose_node
 
 Routing = Literal["sticky", "round-robin", "prefix-aware"]
@@ -39,6 +51,87 @@ class FleetConfig:
     ttft_slo_s: float = 2.0
     speedup: float = 1.0  # arrivals this many times faster than the trace's
     samples: int = 100  # windows of the utilization series
+    remote_blocks: int = 0  # capacity of the shared remote tier (0: no remote tier)
+    utilization_window_s: float = 60.0  # how far back a node's busy fraction looks
+
+
+class SharedRemote:
+    """One remote store shared by every node (e.g. Mooncake Store), LRU over a block count.
+
+    Per request: the fleet sets `now_s` (the routing decision at arrival, then the plan at
+    the node's start), the serving node's `NodeRemote` asks `holds` and `read`s what its
+    plan fetches (refreshing it) and queues its `write`s; once that node's prefill end is
+    known the fleet `commit`s them, readable from then on. Never holds more than
+    `capacity_blocks`: a commit evicts the least recently written or read first."""
+
+    def __init__(self, capacity_blocks: int, block_bytes: int) -> None:
+        if capacity_blocks <= 0:
+            raise ValueError("capacity_blocks must be > 0")
+        self.capacity_blocks = capacity_blocks
+        self.block_bytes = block_bytes
+        self.now_s = 0.0
+        self._ready_s: OrderedDict[bytes, float] = OrderedDict()  # key -> readable from
+        self.hits = 0
+        self.blocks_written = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._ready_s)
+
+    def holds(self, key: bytes) -> bool:
+        ready_s = self._ready_s.get(key)
+        return ready_s is not None and ready_s <= self.now_s
+
+    def read(self, key: bytes) -> None:
+        self._ready_s.move_to_end(key)
+        self.hits += 1
+
+    def commit(self, keys: Sequence[bytes], ready_s: float) -> None:
+        """Store `keys` (written through by a node), readable from `ready_s`."""
+        for key in keys:
+            old_s = self._ready_s.get(key)
+            if old_s is None:
+                self.blocks_written += 1
+            self._ready_s[key] = ready_s if old_s is None else min(old_s, ready_s)
+            self._ready_s.move_to_end(key)
+        while len(self._ready_s) > self.capacity_blocks:
+            self._ready_s.popitem(last=False)
+            self.evictions += 1
+
+    def report(self, cost: TierCost) -> dict[str, Any]:
+        return {
+            "capacity_blocks": self.capacity_blocks,
+            "bandwidth_bytes_per_s": cost.bandwidth_bytes_per_s,
+            "latency_s": cost.latency_s,
+            "hits": self.hits,
+            "bytes_read": self.hits * self.block_bytes,
+            "blocks_written": self.blocks_written,
+            "bytes_written": self.blocks_written * self.block_bytes,
+            "evictions": self.evictions,
+            "blocks_held": len(self._ready_s),
+        }
+
+
+class NodeRemote:
+    """One node's view of the `SharedRemote` (a `kvtier.index.replay.RemoteTier`): reads
+    go through, writes wait in `pending` for the fleet to commit with their ready time."""
+
+    def __init__(self, shared: SharedRemote) -> None:
+        self.shared = shared
+        self.pending: list[bytes] = []
+
+    def holds(self, key: bytes) -> bool:
+        return self.shared.holds(key)
+
+    def read(self, key: bytes) -> None:
+        self.shared.read(key)
+
+    def write(self, key: bytes) -> None:
+        self.pending.append(key)
+
+    def commit(self, ready_s: float) -> None:
+        self.shared.commit(self.pending, ready_s)
+        self.pending = []
 
 
 def sticky_node(request: Request, nodes: int) -> int:
@@ -57,14 +150,21 @@ def fleet_replay(
         raise ValueError("the oracle policy needs the whole future of one node; not in a fleet")
     if fleet.routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}")
+    if fleet.remote_blocks < 0:
+        raise ValueError("remote_blocks must be >= 0")
     cfg = node_config
-    sims = [Replay(cfg, list(requests)) for _ in range(fleet.nodes)]
+    shared = SharedRemote(fleet.remote_blocks, cfg.block_bytes) if fleet.remote_blocks else None
+    views = [NodeRemote(shared) if shared is not None else None for _ in range(fleet.nodes)]
+    sims = [Replay(cfg, list(requests), view) for view in views]
     free_at_s = [0.0] * fleet.nodes
     work_s = [0.0] * fleet.nodes
     busy: list[tuple[int, float, float]] = []  # (node, start, seconds)
+    recent: list[deque[tuple[float, float]]] = [deque() for _ in range(fleet.nodes)]
     ttft_s: list[float] = []
     for index, request in enumerate(requests):
         now_s = request.timestamp_ms / 1e3 / fleet.speedup
+        if shared is not None:
+            shared.now_s = now_s
         if fleet.routing == "sticky":
             node = sticky_node(request, fleet.nodes)
         elif fleet.routing == "round-robin":
@@ -74,10 +174,11 @@ def fleet_replay(
                 NodeState(
                     name=str(i),
                     wait_s=max(free_at_s[i] - now_s, 0.0),
-                    tier_costs={"dram": cfg.dram, "nvme": cfg.nvme},
+                    tier_costs=sim.tier_costs,
                     prefill=cfg.prefill,
-                    cached_tiers=_residency(sim),
+                    cached_tiers=sim.residency,
                     load_s=work_s[i],
+                    utilization=_busy_fraction(recent[i], now_s, fleet.utilization_window_s),
                 )
                 for i, sim in enumerate(sims)
             ]
@@ -92,17 +193,31 @@ def fleet_replay(
                     cfg.overlap,
                 ).node
             )
-        prefill_s = sims[node].step(index, request)
         start_s = max(now_s, free_at_s[node])
+        if shared is not None:
+            shared.now_s = start_s  # the node plans when its engine starts the request
+        prefill_s = sims[node].step(index, request)
+        view = views[node]
+        if view is not None:
+            view.commit(start_s + prefill_s)
         free_at_s[node] = start_s + prefill_s
         work_s[node] += prefill_s
         busy.append((node, start_s, prefill_s))
+        recent[node].append((start_s, start_s + prefill_s))
         ttft_s.append(start_s - now_s + prefill_s)
-    return _report(cfg, fleet, sims, work_s, ttft_s), _utilization(fleet, busy)
+    report = _report(cfg, fleet, sims, work_s, ttft_s)
+    report["remote"] = shared.report(cfg.remote) if shared is not None else None
+    return report, _utilization(fleet, busy)
 
 
-def _residency(sim: Replay) -> Callable[[Sequence[bytes]], Sequence[str | None]]:
-    return lambda keys: sim.catalog.lookup(NS, list(keys)).tiers
+def _busy_fraction(intervals: deque[tuple[float, float]], now_s: float, window_s: float) -> float:
+    """Share of the last `window_s` a node's engine spent prefilling (what a router reads
+    from a node's metrics); forgets intervals that ended before the window."""
+    low_s = now_s - window_s
+    while intervals and intervals[0][1] <= low_s:
+        intervals.popleft()
+    spent_s = sum(max(0.0, min(end, now_s) - max(start, low_s)) for start, end in intervals)
+    return spent_s / window_s
 
 
 def _report(
@@ -133,10 +248,18 @@ def _report(
         "block_hit_ratio": hits / max(refs, 1),
         "prefill_seconds_saved": sum(s.totals.saved_s for s in sims),
         "prefill_seconds_without_cache": sum(s.totals.recompute_all_s for s in sims),
+        "fetch_regret_seconds": sum(s.totals.regret_s for s in sims),
         "node_prefill_seconds": work_s,
         "load_max_over_mean": max(work_s) / mean_work if mean_work > 0 else 1.0,
         "dram_blocks_per_node": cfg.dram_blocks,
         "nvme_blocks_per_node": cfg.nvme_blocks,
+        "tiers": {
+            name: {
+                "hits": sum(s.totals.tiers[name].hits for s in sims),
+                "bytes_read": sum(s.totals.tiers[name].bytes_read for s in sims),
+            }
+            for name in sims[0].totals.tiers
+        },
     }
 
 
@@ -173,8 +296,9 @@ def plot(path: Any, runs: list[tuple[dict[str, Any], list[dict[str, Any]]]]) -> 
             ax.plot(xs, [p["busy"][node] for p in series], label=f"node {node}", linewidth=1)
         ax.set_ylim(0, 1.05)
         ax.set_ylabel("busy")
+        remote = " + remote" if report.get("remote") else ""
         ax.set_title(
-            f"{report['routing']}: goodput {report['goodput']:.1%} "
+            f"{report['routing']}{remote}: goodput {report['goodput']:.1%} "
             f"(TTFT <= {report['ttft_slo_s']:g} s), load max/mean "
             f"{report['load_max_over_mean']:.2f}",
             fontsize="medium",

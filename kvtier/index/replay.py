@@ -15,6 +15,11 @@ A simulated clock and no bytes: each request of a Mooncake-format trace (`timest
 Policies: `lru`, `s3fifo`, `kvtier` (kvtier/index/policy.py) and `oracle`: Belady with
 the future known (evict the block used again farthest in the future, among the farthest
 few the one saving least; admit to NVMe only blocks used again), the upper bound.
+
+In a fleet (kvtier/index/fleet.py) a node may also have a `RemoteTier` behind its NVMe,
+shared with the other nodes: blocks it lacks but the remote holds are planned as tier
+`remote` at the remote path's cost, fetched ones are then stored locally like any other,
+and blocks it prefilled are written through to the remote.
 """
 
 from __future__ import annotations
@@ -23,10 +28,10 @@ import argparse
 import heapq
 import json
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvtier.index.catalog import Catalog, Entry, TierName
 from kvtier.index.planner import (
@@ -55,6 +60,7 @@ NS = "replay|trace"
 NEVER = float("inf")
 ORACLE = "oracle"
 ORACLE_CANDIDATES = 16
+REMOTE = "remote"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +110,9 @@ class ReplayConfig:
     )
     dram: TierCost = field(default_factory=lambda: TierCost(50e9, 10e-6))
     nvme: TierCost = field(default_factory=lambda: TierCost(7e9, 100e-6))
+    # remote -> engine, used only with a RemoteTier: a cluster-network store over TCP
+    # (Mooncake Store's get: ~1-1.7 GB/s on our machine); ~45 ms a 64 MiB block
+    remote: TierCost = field(default_factory=lambda: TierCost(1.5e9, 300e-6))
     overlap: Overlap = "none"
     gpu_hour_usd: float = 2.0
     samples: int = 200  # points of the over-time series (for --plot)
@@ -133,6 +142,20 @@ class _Totals:
     tiers: dict[str, _TierFigures] = field(
         default_factory=lambda: {"dram": _TierFigures(), "nvme": _TierFigures()}
     )
+
+
+class RemoteTier(Protocol):
+    """A tier shared by every node of a fleet, behind this node's NVMe, as this node sees it.
+
+    During `Replay.step`: `holds` for each block the node lacks (readable now?), then
+    `read` for each block the plan fetches from it, then `write` for each block the node
+    prefilled (write-through). The fleet owns when written blocks become readable."""
+
+    def holds(self, key: bytes) -> bool: ...
+
+    def read(self, key: bytes) -> None: ...
+
+    def write(self, key: bytes) -> None: ...
 
 
 class _Future:
@@ -222,11 +245,18 @@ class OraclePolicy(TierPolicy):
 
 
 class Replay:
-    """The two tiers of one daemon, driven by a trace."""
+    """The two tiers of one daemon (in a fleet, and its view of a shared remote), driven by
+    a trace."""
 
-    def __init__(self, config: ReplayConfig, requests: list[Request]) -> None:
+    def __init__(
+        self, config: ReplayConfig, requests: list[Request], remote: RemoteTier | None = None
+    ) -> None:
         self.config = config
         self.requests = requests
+        self.remote = remote
+        self.tier_costs = {"dram": config.dram, "nvme": config.nvme}
+        if remote is not None:
+            self.tier_costs[REMOTE] = config.remote
         self.catalog = Catalog()
         self.model = ValueModel(
             config.tokens_per_block,
@@ -255,6 +285,8 @@ class Replay:
         self.admission = self.policies.admission
         self.ghosts = self.policies.ghosts
         self.totals = _Totals()
+        if remote is not None:
+            self.totals.tiers[REMOTE] = _TierFigures()
         self.series: list[dict[str, float]] = []
         self._infos: dict[int, BlockInfo] = {}
 
@@ -319,6 +351,20 @@ class Replay:
             self.catalog.set_dram(entry, extent)
         self.dram.insert(block, self._infos[block])
 
+    def residency(self, keys: Sequence[bytes]) -> list[str | None]:
+        """Per key: the tier this node would fetch it from (its own first, then the
+        remote), or None."""
+        return self._with_remote(self.catalog.lookup(NS, list(keys)).tiers, keys)
+
+    def _with_remote(self, local: list[str | None], keys: Sequence[bytes]) -> list[str | None]:
+        remote = self.remote
+        if remote is None:
+            return local
+        return [
+            tier if tier is not None or not remote.holds(key) else REMOTE
+            for tier, key in zip(local, keys, strict=True)
+        ]
+
     # ---- one request ----------------------------------------------------------------
     def step(self, index: int, request: Request) -> float:
         """Serve one request; returns its planned prefill seconds (fetch + recompute)."""
@@ -327,10 +373,11 @@ class Replay:
             self.future.advance(index)
         chain = request.hash_ids
         keys = [self._bid(b)[1] for b in chain]
-        tiers = self.catalog.lookup(NS, keys).tiers
+        local = self.catalog.lookup(NS, keys).tiers
+        tiers = self._with_remote(local, keys)
         t.block_refs += len(chain)
-        for block, tier in zip(chain, tiers, strict=True):
-            if tier is None and self.ghosts.take(block):
+        for block, local_tier, tier in zip(chain, local, tiers, strict=True):
+            if local_tier is None and self.ghosts.take(block) and tier is None:
                 t.lost_reuse += 1
         prompt_tokens = max(request.input_tokens, 1)
         result = plan(
@@ -339,7 +386,7 @@ class Replay:
                 tokens_per_block=cfg.tokens_per_block,
                 kv_bytes_per_token=cfg.kv_bytes_per_token,
                 cached_tiers=tiers,
-                tier_costs={"dram": cfg.dram, "nvme": cfg.nvme},
+                tier_costs=self.tier_costs,
                 prefill=cfg.prefill,
                 overlap=cfg.overlap,
             )
@@ -357,12 +404,18 @@ class Replay:
             figures.hits += 1
             figures.bytes_read += cfg.block_bytes
             t.regret_s += max(fetch_s[i] - recompute_s[i], 0.0)
+            if tier == REMOTE:
+                assert self.remote is not None
+                self.remote.read(keys[i])
         # The engine now holds the whole prompt: store what is missing, refresh the rest.
         for i, block in enumerate(chain):
             if block not in self._infos:
                 parent = chain[i - 1] if i else None
                 self._infos[block] = BlockInfo(cfg.block_bytes, i, parent, len(chain) - 1 - i)
             self.policies.accessed(block, self._infos[block])
+            prefilled = local[i] is None and not result.fetch_start <= i < result.fetch_end
+            if self.remote is not None and prefilled:
+                self.remote.write(keys[i])  # write-through
             entry = self._entry(block)
             if entry is None:
                 self._put_dram(block, None)
@@ -418,7 +471,8 @@ class Replay:
                     "hits": f.hits,
                     "hit_ratio": f.hits / max(t.block_refs, 1),
                     "bytes_read": f.bytes_read,
-                    "capacity_blocks": cfg.dram_blocks if name == "dram" else cfg.nvme_blocks,
+                    # the remote's is the fleet's (kvtier.index.fleet.SharedRemote)
+                    "capacity_blocks": {"dram": cfg.dram_blocks, "nvme": cfg.nvme_blocks}.get(name),
                 }
                 for name, f in t.tiers.items()
             },
@@ -479,6 +533,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     fleet.add_argument(
         "--speedup", type=float, default=1.0, help="arrivals this many times faster (more load)"
     )
+    fleet.add_argument(
+        "--remote",
+        default="",
+        metavar="CAPACITY",
+        help="a remote tier shared by every node behind its NVMe: blocks or a size (40000, "
+        "2.5TiB); default none",
+    )
+    # Defaults of the same class as DRAM's and NVMe's: a GPU node's 100 Gb/s RDMA NIC (what
+    # Mooncake Store's transfer engine is built for), at an effective 10 GB/s.
+    fleet.add_argument("--remote-bandwidth", default="10GB/s", help="remote -> engine, bytes/s")
+    fleet.add_argument("--remote-latency", type=float, default=50e-6, help="seconds per fetch")
 
 
 def configs(args: argparse.Namespace) -> Iterator[ReplayConfig]:
@@ -503,6 +568,7 @@ def configs(args: argparse.Namespace) -> Iterator[ReplayConfig]:
             prefill=PrefillCost(profile.a_s_per_token, profile.c_s_per_token2),
             dram=TierCost(parse_rate(args.dram_bandwidth), args.dram_latency),
             nvme=TierCost(parse_rate(args.nvme_bandwidth), args.nvme_latency),
+            remote=TierCost(parse_rate(args.remote_bandwidth), args.remote_latency),
             overlap=args.overlap,
             gpu_hour_usd=args.gpu_hour_cost,
         )
@@ -549,7 +615,7 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as err:
         print(f"kvtier replay: {err}", file=sys.stderr)
         return 2
-    if args.nodes > 1 or args.routing:
+    if args.nodes > 1 or args.routing or args.remote:
         return fleet_main(args, requests)
     runs = [replay(cfg, requests) for cfg in configs(args)]
     if args.plot:
@@ -589,12 +655,19 @@ def fleet_main(args: argparse.Namespace, requests: list[Request]) -> int:
         return 2
     args.policy = policies[:1]
     node_config = next(configs(args))
+    try:
+        remote_blocks = _blocks(args.remote, node_config.block_bytes) if args.remote else 0
+    except ValueError as err:
+        print(f"kvtier replay: --remote: {err}", file=sys.stderr)
+        return 2
     routings = args.routing or ["all"]
     names = list(fleet.ROUTINGS) if "all" in routings else list(dict.fromkeys(routings))
     runs = [
         fleet.fleet_replay(
             node_config,
-            fleet.FleetConfig(args.nodes, name, args.ttft_slo, args.speedup),
+            fleet.FleetConfig(
+                args.nodes, name, args.ttft_slo, args.speedup, remote_blocks=remote_blocks
+            ),
             requests,
         )
         for name in names
@@ -609,14 +682,22 @@ def fleet_main(args: argparse.Namespace, requests: list[Request]) -> int:
         f"DRAM {node_config.dram_blocks} + NVMe {node_config.nvme_blocks} blocks, policy "
         f"{node_config.policy}; SLO: TTFT <= {args.ttft_slo:g} s"
     )
+    if remote_blocks:
+        cost = node_config.remote
+        print(
+            f"shared remote tier: {remote_blocks} blocks, "
+            f"{cost.bandwidth_bytes_per_s / 1e9:g} GB/s + {cost.latency_s * 1e6:g} us "
+            f"per block ({cost.fetch_s(node_config.block_bytes) * 1e3:.1f} ms a block)"
+        )
     print(
         f"{'routing':<13} {'goodput':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'hit ratio':>9} "
-        f"{'saved (s)':>10} {'load max/mean':>13}"
+        f"{'saved (s)':>10} {'load max/mean':>13} {'remote hits':>11}"
     )
     for r in reports:
         print(
             f"{r['routing']:<13} {r['goodput']:>8.1%} {r['ttft_p50_s']:>8.2f}s "
             f"{r['ttft_p99_s']:>8.2f}s {r['block_hit_ratio']:>9.1%} "
-            f"{r['prefill_seconds_saved']:>10.0f} {r['load_max_over_mean']:>13.2f}"
+            f"{r['prefill_seconds_saved']:>10.0f} {r['load_max_over_mean']:>13.2f} "
+            f"{r['remote']['hits'] if r['remote'] else '-':>11}"
         )
     return 0
