@@ -230,6 +230,12 @@ class RemoteConfig(_Section):
         "it at once); on_evict: a block is put remotely when it leaves this node's DRAM",
     )
     io_threads: int = Field(4, gt=0, le=256, description="remote requests in flight")
+    max_pending_bytes: ByteSize = Field(
+        256 << 20,
+        ge=1 << 20,
+        description="values waiting to be put remotely, at most (beyond it a block is not "
+        "put: a slow store must not hold up this node's DRAM or memory)",
+    )
     timeout_s: float = Field(2.0, gt=0, description="one remote request's deadline")
     max_probe_blocks: int = Field(
         256,

@@ -6,6 +6,15 @@ previous one on the same block has finished, so a delete acknowledged before an 
 cannot land after the new value and remove it, and an old value's put cannot land after a
 delete. Fetches are not ordered: any value they find is verified, old or new.
 
+A put is two steps: `encode` copies the block out of DRAM into its value (the caller pins
+the block for that copy only), `send` puts the value. So a slow store holds values in
+memory, bounded by `remote.max_pending_bytes` (beyond it a block is not put: a cache may
+skip), never this node's DRAM.
+
+The codec decision reads the wire's bandwidth (value bytes over the store's round trip),
+not the path's (which includes decoding): with the codec on, the path looks slower by
+the decode time, and deciding on that would keep it on past its break-even.
+
 Errors never reach a client: a store that cannot be reached is a miss (and, after
 `remote.offline_after_errors` in a row, the tier is offline until a probe gets through).
 """
@@ -21,6 +30,8 @@ from typing import Any
 from kvtier.config import RemoteConfig
 from kvtier.errors import CorruptRecord
 from kvtier.index.catalog import BlockId
+from kvtier.index.estimators import PathEstimator
+from kvtier.index.planner import TierCost
 from kvtier.movers.io import IoPool
 from kvtier.server.health import TierHealth
 from kvtier.tiers.remote import Fetched, RemoteTier
@@ -32,13 +43,14 @@ _PROBE_NAME = ("kvtier-probe|", b"probe")
 class RemoteLink:
     """Create, `await open()`, use from the event loop, `await close()`."""
 
-    def __init__(self, config: RemoteConfig, bandwidth_bytes_per_s: Callable[[], float]) -> None:
+    def __init__(self, config: RemoteConfig, seed: TierCost) -> None:
         self.config = config
         self.io = IoPool(config.io_threads, name="kvtier-remote")
         self.health = TierHealth("remote", config.offline_after_errors)
         self.tier: RemoteTier | None = None
-        # The path's measured bandwidth, for the codec decision (the store's estimator).
-        self._bandwidth = bandwidth_bytes_per_s
+        self.wire = PathEstimator(seed)  # value bytes over the store's round trip
+        self.pending_bytes = 0  # encoded values not yet sent
+        self.skipped = 0  # puts not made: max_pending_bytes reached
         self._tails: dict[BlockId, asyncio.Future[Any]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._watcher: asyncio.Task[None] | None = None
@@ -98,6 +110,8 @@ class RemoteLink:
             self._failed(err, "fetch a block")
             return None
         self.health.succeeded()
+        if fetched is not None:
+            self.wire.observe(len(fetched.value), fetched.fetch_s)
         return fetched
 
     async def fill(self, fetched: Fetched, dest: memoryview) -> float:
@@ -107,23 +121,48 @@ class RemoteLink:
         return fill_s
 
     # ---- writes, in order per block -----------------------------------------------------
-    def put(self, block_id: BlockId, generation: int, payload: memoryview, xxh3_64: int) -> Any:
-        """Put a block's value after its earlier operations; returns an awaitable that is
-        True once stored. `payload` must stay valid until then (the caller pins it)."""
-        return self._after(block_id, lambda: self._put(block_id, generation, payload, xxh3_64))
+    async def encode(
+        self, block_id: BlockId, generation: int, payload: memoryview, xxh3_64: int
+    ) -> bytes | None:
+        """The block's value, copied out of `payload` (which the caller keeps valid until
+        this returns); None when it is not to be put (offline, or too much pending)."""
+        if not self.online:
+            return None
+        assert self.tier is not None
+        if self.pending_bytes + len(payload) > self.config.max_pending_bytes:
+            self.skipped += 1
+            return None
+        encoded = self.tier.use_codec(self.wire.estimate().bandwidth_bytes_per_s)
+        self.pending_bytes += len(payload)
+        try:
+            return await self.io.run(
+                self.tier.encode, *block_id, generation, payload, xxh3_64, encoded
+            )
+        except BaseException:
+            self.pending_bytes -= len(payload)
+            raise
 
-    def delete(self, block_id: BlockId) -> Any:
+    def send(self, block_id: BlockId, value: bytes, payload_bytes: int) -> asyncio.Future[bool]:
+        """Put a value from `encode` after the block's earlier operations; True once
+        stored. Its `payload_bytes` stop counting as pending when it is done."""
+
+        async def put() -> bool:
+            try:
+                return await self._send(block_id, value)
+            finally:
+                self.pending_bytes -= payload_bytes
+
+        return self._after(block_id, put)
+
+    def delete(self, block_id: BlockId) -> asyncio.Future[bool]:
         return self._after(block_id, lambda: self._delete(block_id))
 
-    async def _put(
-        self, block_id: BlockId, generation: int, payload: memoryview, xxh3_64: int
-    ) -> bool:
+    async def _send(self, block_id: BlockId, value: bytes) -> bool:
         if not self.online:
             return False
         assert self.tier is not None
-        encoded = self.tier.use_codec(self._bandwidth())
         try:
-            await self.io.run(self.tier.write, *block_id, generation, payload, xxh3_64, encoded)
+            await self.io.run(self.tier.send, *block_id, value)
         except OSError as err:
             self._failed(err, "put a block")
             return False

@@ -303,10 +303,7 @@ class Store:
             self.paths["remote"] = PathEstimator(
                 TierCost(planner_cfg.remote_bandwidth_bytes_per_s, planner_cfg.remote_latency_s)
             )
-            self.remote = RemoteLink(
-                self.config.remote,
-                lambda: self.paths["remote"].estimate().bandwidth_bytes_per_s,
-            )
+            self.remote = RemoteLink(self.config.remote, self.paths["remote"].seed)
         self._prefill: dict[str, PrefillEstimator] = {}
         # What to keep where (kvtier/index/policy.py): one eviction order per tenant arena
         # and one for the shared NVMe tier, valued with the planner's current costs.
@@ -1117,25 +1114,33 @@ class Store:
         self._spawn(self.remote.discard_bad(block_id, err))
 
     async def _put_remote(self, entry: Entry) -> None:
-        """Put a block's DRAM copy into the remote tier (pinned meanwhile)."""
+        """Put a block into the remote tier: pinned while its value is copied out of DRAM
+        (what an eviction waits for), then sent from that copy in the background."""
         assert self.remote is not None
         if entry.dram_extent is None or entry.in_remote or not self.catalog.is_live(entry):
             return
+        started_s = time.perf_counter()
         self.catalog.pin(entry)
         view = self.arena_of(entry.block_id).view(entry.dram_extent)
         try:
-            started_s = time.perf_counter()
-            if await self.remote.put(
+            value = await self.remote.encode(
                 entry.block_id, entry.generation, view[: entry.size_bytes], entry.xxh3_64
-            ):
-                entry.in_remote = True
-                self._counters.remote_puts += 1
-                self.telemetry.transfer(
-                    "dram", "remote", entry.size_bytes, time.perf_counter() - started_s
-                )
+            )
         finally:
             view.release()
             self._unpin(entry)
+        if value is None:
+            return
+        entry.in_remote = True  # on its way: an eviction need not put it again
+        self._spawn(self._send_remote(entry, value, started_s))
+
+    async def _send_remote(self, entry: Entry, value: bytes, started_s: float) -> None:
+        assert self.remote is not None
+        if await self.remote.send(entry.block_id, value, entry.size_bytes):
+            self._counters.remote_puts += 1
+            self.telemetry.transfer("dram", "remote", len(value), time.perf_counter() - started_s)
+        else:
+            entry.in_remote = False
 
     # ---- making room --------------------------------------------------------------------
     async def _reserve_dram(self, tenant: str, size_bytes: int) -> Extent:

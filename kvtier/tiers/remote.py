@@ -112,7 +112,7 @@ class RemoteTier:
             return False
         return self.meter.worth_it(bandwidth_bytes_per_s)
 
-    def write(
+    def encode(
         self,
         ns_id: str,
         key: bytes,
@@ -120,8 +120,9 @@ class RemoteTier:
         payload: memoryview,
         xxh3_64: int,
         encoded: bool,
-    ) -> int:
-        """Put one block's record (replacing any value under its name); bytes sent."""
+    ) -> bytes:
+        """One block's value: its record, payload copied (or encoded) out of `payload`, so
+        the caller's buffer is free again before the value goes over the network."""
         body: bytes | memoryview = payload
         code = codec.CODEC_NONE
         if encoded or (self.codec_mode == "auto" and self.meter.due_for_trial()):
@@ -140,8 +141,24 @@ class RemoteTier:
             codec=code,
         )
         head = encode_header(header)
-        value = b"".join((memoryview(head)[: header.header_bytes], body))
+        return b"".join((memoryview(head)[: header.header_bytes], body))
+
+    def send(self, ns_id: str, key: bytes, value: bytes) -> None:
+        """Put a value from `encode` under the block's name (replacing any there)."""
         self.backend.put(object_name(ns_id, key), value)
+
+    def write(
+        self,
+        ns_id: str,
+        key: bytes,
+        generation: int,
+        payload: memoryview,
+        xxh3_64: int,
+        encoded: bool,
+    ) -> int:
+        """`encode` then `send`; the value's size."""
+        value = self.encode(ns_id, key, generation, payload, xxh3_64, encoded)
+        self.send(ns_id, key, value)
         return len(value)
 
     def fetch(self, ns_id: str, key: bytes, max_payload_bytes: int) -> Fetched | None:

@@ -4,6 +4,7 @@ admission modes and failures, at the level of the store's own calls."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -26,6 +27,7 @@ class FlakyBackend(MemoryBackend):
         super().__init__()
         self.down = False
         self.probes = 0
+        self.put_delay_s = 0.0
 
     def _check(self) -> None:
         if self.down:
@@ -33,6 +35,7 @@ class FlakyBackend(MemoryBackend):
 
     def put(self, name: str, value: bytes) -> None:
         self._check()
+        time.sleep(self.put_delay_s)
         super().put(name, value)
 
     def get(self, name: str) -> bytes | None:
@@ -49,7 +52,9 @@ class FlakyBackend(MemoryBackend):
         super().delete(name)
 
 
-def _config(tmp_path: Path, name: str, admission: str, dram: int = 8 << 20) -> Config:
+def _config(
+    tmp_path: Path, name: str, admission: str, dram: int = 8 << 20, pending: int = 256 << 20
+) -> Config:
     return Config.model_validate(
         {
             "server": {"listen": f"unix://{tmp_path}/{name}.sock"},
@@ -63,6 +68,7 @@ def _config(tmp_path: Path, name: str, admission: str, dram: int = 8 << 20) -> C
                 "admission": admission,
                 "offline_after_errors": 2,
                 "offline_retry_s": 0.2,
+                "max_pending_bytes": pending,
             },
         }
     )
@@ -168,3 +174,26 @@ async def test_an_unreachable_store_is_a_miss_then_offline_then_back(
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_slow_store_holds_neither_dram_nor_unbounded_memory(
+    tmp_path: Path, backend: FlakyBackend
+) -> None:
+    """Each remote put takes 0.3 s; DRAM holds 8 blocks and 1 MiB (4 blocks) may wait to be
+    sent. 24 puts in a row all succeed at local speed: values beyond the bound are skipped
+    rather than pinned in DRAM or queued without limit."""
+    backend.put_delay_s = 0.3
+    a = await _node(tmp_path, "a", dram=2 << 20, pending=1 << 20)
+    try:
+        assert a.remote is not None
+        started = time.perf_counter()
+        for i in range(24):
+            await put(a, f"k{i}".encode(), block_bytes(i, SIZE))
+            assert a.remote.pending_bytes <= 1 << 20
+        assert time.perf_counter() - started < 2.0  # not 24 x 0.3 s
+        assert a.remote.skipped > 0
+        await _settle(a)
+        assert a.remote.pending_bytes == 0
+        assert len(backend.values) == 24 - a.remote.skipped == a.stats().remote_puts
+    finally:
+        await a.close()
