@@ -259,6 +259,23 @@ class RemoteConfig(_Section):
     )
 
 
+class GpuConfig(_Section):
+    device: int = Field(
+        -1,
+        ge=-1,
+        description="CUDA device the daemon serves (its pinned arena, its movers); -1: none "
+        "(torch is then never imported)",
+    )
+    pin_arena: bool = Field(
+        True,
+        description="page-lock each DRAM arena with one cudaHostRegister after a parallel "
+        "first touch, so copies to and from the GPU run at full bandwidth",
+    )
+    touch_threads: int = Field(
+        8, gt=0, le=256, description="threads faulting the arena in before it is registered"
+    )
+
+
 class PlannerConfig(_Section):
     default_model: str = Field(
         "llama3-8b",
@@ -400,6 +417,7 @@ class Config(_Section):
     dram: DramConfig = Field(default_factory=lambda: DramConfig())
     nvme: NvmeConfig = Field(default_factory=lambda: NvmeConfig())
     remote: RemoteConfig = Field(default_factory=lambda: RemoteConfig())
+    gpu: GpuConfig = Field(default_factory=lambda: GpuConfig())
     log: LogConfig = Field(default_factory=lambda: LogConfig())
     planner: PlannerConfig = Field(default_factory=lambda: PlannerConfig())
     policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig())

@@ -33,6 +33,7 @@ from kvtier import failpoints
 from kvtier.config import Config
 from kvtier.errors import (
     AlreadyExists,
+    ConfigError,
     CorruptRecord,
     DataLoss,
     InvalidArgument,
@@ -250,9 +251,11 @@ class Store:
         self.config = config.resolved()
         self.events = EventLog(self.config.limits.event_history, self.config.limits.event_backlog)
         self.catalog = Catalog(self.events.record)
-        # One arena per tenant: a client maps its tenant's arena and nothing else.
+        # One arena per tenant: a client maps its tenant's arena and nothing else. An arena
+        # pinned for the GPU is faulted in by several threads before it is registered.
+        pinning = self.config.gpu.device >= 0 and self.config.gpu.pin_arena
         self.arenas: dict[str, DramTier] = {
-            tenant: DramTier(size, self.config.dram.prefault)
+            tenant: DramTier(size, self.config.dram.prefault and not pinning)
             for tenant, size in self.config.tenant_arenas().items()
         }
         nvme_cfg = self.config.nvme
@@ -334,10 +337,13 @@ class Store:
         # settled when the block is served (bounded: plans nobody follows age out).
         self._planned: OrderedDict[BlockId, float] = OrderedDict()
         self._expiry_task: asyncio.Task[None] | None = None
+        self._pinned: list[int] = []  # arena addresses registered with CUDA
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         self._expiry_task = asyncio.ensure_future(self._expire_leases_forever())
+        if self.config.gpu.device >= 0 and self.config.gpu.pin_arena:
+            await asyncio.to_thread(self._pin_arenas)
         if self.remote is not None:
             await self.remote.open()
         if self.nvme is None:
@@ -378,6 +384,31 @@ class Store:
             report.removed_temporary,
             "on" if self.nvme.direct_io else "off",
         )
+
+    def _pin_arenas(self) -> None:
+        """Page-lock every DRAM arena for the GPU (kvtier/movers/pinned.py); refuses to start
+        when it cannot, rather than serve the GPU at bounce-buffer speed unnoticed."""
+        from kvtier.movers import pinned
+
+        for tenant, arena in self.arenas.items():
+            try:
+                report = pinned.pin(
+                    arena.address, arena.capacity_bytes, self.config.gpu.touch_threads
+                )
+            except RuntimeError as err:
+                raise ConfigError(f"gpu.device = {self.config.gpu.device}: {err}") from None
+            self._pinned.append(arena.address)
+            logger.info(
+                "pinned the %s DRAM arena of tenant %s for GPU %d in %.2f s (first touch "
+                "%.2f s on %d threads, cudaHostRegister %.2f s)",
+                human_size(arena.capacity_bytes),
+                tenant,
+                self.config.gpu.device,
+                report.touch_s + report.register_s,
+                report.touch_s,
+                self.config.gpu.touch_threads,
+                report.register_s,
+            )
 
     async def calibrate(self) -> None:
         """Seed the path estimators from timed transfers on this machine (bounded)."""
@@ -472,6 +503,12 @@ class Store:
         self.io.close()
         if self.nvme is not None:
             self.nvme.close()
+        if self._pinned:
+            from kvtier.movers import pinned
+
+            for address in self._pinned:
+                pinned.unregister(address)
+            self._pinned.clear()
 
     def arena(self, tenant: str) -> DramTier:
         """The DRAM arena of `tenant` (every tenant that can authenticate has one)."""

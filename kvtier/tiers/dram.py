@@ -12,6 +12,7 @@ Lifecycle: `DramTier(capacity)` maps the arena -> `allocate` an extent -> write 
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import time
@@ -35,6 +36,15 @@ class DramTier:
         self.startup_s = time.perf_counter() - started_s
         self._view = memoryview(self._map)
         self._allocator = ExtentAllocator(self.capacity_bytes, ALIGN_BYTES)
+
+    @property
+    def address(self) -> int:
+        """Where the arena is mapped in this process (for cudaHostRegister)."""
+        anchor = ctypes.c_char.from_buffer(self._map)
+        try:
+            return ctypes.addressof(anchor)
+        finally:
+            del anchor  # the export would keep the mapping from being closed
 
     @property
     def fd(self) -> int:
