@@ -17,6 +17,7 @@ from kvtier.errors import (
     RateLimited,
     ResourceExhausted,
     Unavailable,
+    Unimplemented,
 )
 from kvtier.index.catalog import LookupResult
 from kvtier.keys import chain_keys
@@ -33,6 +34,7 @@ __all__ = [
     "RateLimited",
     "ResourceExhausted",
     "Unavailable",
+    "Unimplemented",
     "__version__",
     "chain_keys",
 ]

@@ -33,6 +33,9 @@ class Op(IntEnum):
     RELEASE = 4  # no response
     PLAN = 5
     REPORT_PREFILL = 6
+    REGISTER_CUDA = 7
+    CUDA_PUT = 8
+    CUDA_GET = 9
 
 
 REQUEST_TYPES: dict[Op, type[Message]] = {
@@ -42,6 +45,9 @@ REQUEST_TYPES: dict[Op, type[Message]] = {
     Op.RELEASE: pb.ReleaseRequest,
     Op.PLAN: pb.PlanRequest,
     Op.REPORT_PREFILL: pb.ReportPrefillRequest,
+    Op.REGISTER_CUDA: pb.RegisterCudaRequest,
+    Op.CUDA_PUT: pb.CudaPutRequest,
+    Op.CUDA_GET: pb.CudaGetRequest,
 }
 
 

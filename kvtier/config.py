@@ -274,6 +274,14 @@ class GpuConfig(_Section):
     touch_threads: int = Field(
         8, gt=0, le=256, description="threads faulting the arena in before it is registered"
     )
+    streams_per_direction: int = Field(
+        2, gt=0, le=32, description="CUDA streams for each of H2D, D2H and D2D copies"
+    )
+    emulate: bool = Field(
+        False,
+        description="run the GPU path on a CPU stand-in (tests, demos): a CUDA IPC handle is "
+        "then the path of a shared-memory file; never on a GPU node",
+    )
 
 
 class PlannerConfig(_Section):

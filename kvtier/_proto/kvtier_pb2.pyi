@@ -1233,3 +1233,210 @@ class WatchEventsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchEventsResponse: _TypeAlias = WatchEventsResponse  # noqa: Y015
+
+@_typing.final
+class RegisterCudaRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
+    IPC_HANDLE_FIELD_NUMBER: _builtins.int
+    OFFSET_BYTES_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.int
+    """from Attach: the registration ends with the session"""
+    device: _builtins.int
+    """must be the daemon's gpu.device"""
+    ipc_handle: _builtins.bytes
+    """cudaIpcMemHandle_t of the allocation holding the tensor"""
+    offset_bytes: _builtins.int
+    """where the tensor starts in that allocation"""
+    size_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.int = ...,
+        device: _builtins.int = ...,
+        ipc_handle: _builtins.bytes = ...,
+        offset_bytes: _builtins.int = ...,
+        size_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "ipc_handle", b"ipc_handle", "offset_bytes", b"offset_bytes", "session_id", b"session_id", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterCudaRequest: _TypeAlias = RegisterCudaRequest  # noqa: Y015
+
+@_typing.final
+class RegisterCudaResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BUFFER_ID_FIELD_NUMBER: _builtins.int
+    buffer_id: _builtins.int
+    def __init__(
+        self,
+        *,
+        buffer_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_id", b"buffer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterCudaResponse: _TypeAlias = RegisterCudaResponse  # noqa: Y015
+
+@_typing.final
+class CudaBlock(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    OFFSET_BYTES_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    key: _builtins.bytes
+    offset_bytes: _builtins.int
+    """in the registered buffer"""
+    size_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        key: _builtins.bytes = ...,
+        offset_bytes: _builtins.int = ...,
+        size_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "offset_bytes", b"offset_bytes", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaBlock: _TypeAlias = CudaBlock  # noqa: Y015
+
+@_typing.final
+class CudaPutRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    BUFFER_ID_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    OVERWRITE_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.int
+    namespace: _builtins.str
+    buffer_id: _builtins.int
+    overwrite: _builtins.bool
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___CudaBlock]: ...
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.int = ...,
+        namespace: _builtins.str = ...,
+        buffer_id: _builtins.int = ...,
+        blocks: _abc.Iterable[Global___CudaBlock] | None = ...,
+        overwrite: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "buffer_id", b"buffer_id", "namespace", b"namespace", "overwrite", b"overwrite", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaPutRequest: _TypeAlias = CudaPutRequest  # noqa: Y015
+
+@_typing.final
+class CudaPutResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___CommitResult]:
+        """per block, as Commit's"""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___CommitResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaPutResponse: _TypeAlias = CudaPutResponse  # noqa: Y015
+
+@_typing.final
+class CudaGetRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    BUFFER_ID_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.int
+    namespace: _builtins.str
+    buffer_id: _builtins.int
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___CudaBlock]: ...
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.int = ...,
+        namespace: _builtins.str = ...,
+        buffer_id: _builtins.int = ...,
+        blocks: _abc.Iterable[Global___CudaBlock] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "buffer_id", b"buffer_id", "namespace", b"namespace", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaGetRequest: _TypeAlias = CudaGetRequest  # noqa: Y015
+
+@_typing.final
+class CudaGetResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOUND_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    found: _builtins.bool
+    """false: a miss; the block's range was not written"""
+    tier: Global___Tier.ValueType
+    """where it was found"""
+    def __init__(
+        self,
+        *,
+        found: _builtins.bool = ...,
+        tier: Global___Tier.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaGetResult: _TypeAlias = CudaGetResult  # noqa: Y015
+
+@_typing.final
+class CudaGetResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___CudaGetResult]: ...
+    def __init__(
+        self,
+        *,
+        blocks: _abc.Iterable[Global___CudaGetResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaGetResponse: _TypeAlias = CudaGetResponse  # noqa: Y015

@@ -115,6 +115,21 @@ class KVTierStub:
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.RegisterCuda = channel.unary_unary(
+                '/kvtier.v1.KVTier/RegisterCuda',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.RegisterCudaRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.RegisterCudaResponse.FromString,
+                _registered_method=True)
+        self.CudaPut = channel.unary_unary(
+                '/kvtier.v1.KVTier/CudaPut',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.CudaPutRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.CudaPutResponse.FromString,
+                _registered_method=True)
+        self.CudaGet = channel.unary_unary(
+                '/kvtier.v1.KVTier/CudaGet',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.CudaGetRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.CudaGetResponse.FromString,
+                _registered_method=True)
 
 
 class KVTierServicer:
@@ -237,6 +252,28 @@ class KVTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterCuda(self, request, context):
+        """GPU engines (gpu.device set): the engine registers its KV tensor once by CUDA IPC
+        handle, then names blocks by byte range in it; the daemon copies between that memory
+        and its tiers on its own CUDA streams and answers when the copies are done.
+        UNIMPLEMENTED on a daemon that serves no GPU. Also on the session socket.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CudaPut(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CudaGet(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -319,6 +356,21 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ReleaseRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_kvtier__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'RegisterCuda': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterCuda,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.RegisterCudaRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.RegisterCudaResponse.SerializeToString,
+            ),
+            'CudaPut': grpc.unary_unary_rpc_method_handler(
+                    servicer.CudaPut,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.CudaPutRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.CudaPutResponse.SerializeToString,
+            ),
+            'CudaGet': grpc.unary_unary_rpc_method_handler(
+                    servicer.CudaGet,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.CudaGetRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.CudaGetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -753,6 +805,87 @@ class KVTier:
             '/kvtier.v1.KVTier/Release',
             kvtier_dot_v1_dot_kvtier__pb2.ReleaseRequest.SerializeToString,
             kvtier_dot_v1_dot_kvtier__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterCuda(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/RegisterCuda',
+            kvtier_dot_v1_dot_kvtier__pb2.RegisterCudaRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.RegisterCudaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CudaPut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/CudaPut',
+            kvtier_dot_v1_dot_kvtier__pb2.CudaPutRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.CudaPutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CudaGet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/CudaGet',
+            kvtier_dot_v1_dot_kvtier__pb2.CudaGetRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.CudaGetResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -82,6 +82,14 @@ class KVTierStub:
     place, then Release. A leased block is never evicted or moved.
     """
     Release: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.ReleaseRequest, _kvtier_pb2.ReleaseResponse]
+    RegisterCuda: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.RegisterCudaRequest, _kvtier_pb2.RegisterCudaResponse]
+    """GPU engines (gpu.device set): the engine registers its KV tensor once by CUDA IPC
+    handle, then names blocks by byte range in it; the daemon copies between that memory
+    and its tiers on its own CUDA streams and answers when the copies are done.
+    UNIMPLEMENTED on a daemon that serves no GPU. Also on the session socket.
+    """
+    CudaPut: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.CudaPutRequest, _kvtier_pb2.CudaPutResponse]
+    CudaGet: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.CudaGetRequest, _kvtier_pb2.CudaGetResponse]
 
 @_typing.type_check_only
 class KVTierAsyncStub(KVTierStub):
@@ -129,6 +137,14 @@ class KVTierAsyncStub(KVTierStub):
     place, then Release. A leased block is never evicted or moved.
     """
     Release: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.ReleaseRequest, _kvtier_pb2.ReleaseResponse]  # type: ignore[assignment]
+    RegisterCuda: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.RegisterCudaRequest, _kvtier_pb2.RegisterCudaResponse]  # type: ignore[assignment]
+    """GPU engines (gpu.device set): the engine registers its KV tensor once by CUDA IPC
+    handle, then names blocks by byte range in it; the daemon copies between that memory
+    and its tiers on its own CUDA streams and answers when the copies are done.
+    UNIMPLEMENTED on a daemon that serves no GPU. Also on the session socket.
+    """
+    CudaPut: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.CudaPutRequest, _kvtier_pb2.CudaPutResponse]  # type: ignore[assignment]
+    CudaGet: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.CudaGetRequest, _kvtier_pb2.CudaGetResponse]  # type: ignore[assignment]
 
 class KVTierServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -269,5 +285,31 @@ class KVTierServicer(metaclass=_abc_1.ABCMeta):
         request: _kvtier_pb2.ReleaseRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvtier_pb2.ReleaseResponse, _abc.Awaitable[_kvtier_pb2.ReleaseResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def RegisterCuda(
+        self,
+        request: _kvtier_pb2.RegisterCudaRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvtier_pb2.RegisterCudaResponse, _abc.Awaitable[_kvtier_pb2.RegisterCudaResponse]]:
+        """GPU engines (gpu.device set): the engine registers its KV tensor once by CUDA IPC
+        handle, then names blocks by byte range in it; the daemon copies between that memory
+        and its tiers on its own CUDA streams and answers when the copies are done.
+        UNIMPLEMENTED on a daemon that serves no GPU. Also on the session socket.
+        """
+
+    @_abc_1.abstractmethod
+    def CudaPut(
+        self,
+        request: _kvtier_pb2.CudaPutRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvtier_pb2.CudaPutResponse, _abc.Awaitable[_kvtier_pb2.CudaPutResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def CudaGet(
+        self,
+        request: _kvtier_pb2.CudaGetRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvtier_pb2.CudaGetResponse, _abc.Awaitable[_kvtier_pb2.CudaGetResponse]]: ...
 
 def add_KVTierServicer_to_server(servicer: KVTierServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -37,7 +37,9 @@ from kvtier.client._common import (
     stats_dict,
     translate,
 )
+from kvtier.client.cuda import cuda_blocks, cuda_ipc_handle
 from kvtier.client.zerocopy import (
+    M,
     SharedArena,
     block_parts,
     commit_results,
@@ -52,6 +54,7 @@ from kvtier.errors import (
     InvalidArgument,
     KVTierError,
     Unavailable,
+    Unimplemented,
 )
 from kvtier.index.catalog import LookupResult
 from kvtier.index.planner import PrefillCost
@@ -369,6 +372,67 @@ class Client:
             if resp.lease_id:
                 # No reply awaited: the caller has its bytes; the pin goes a moment later.
                 arena.send(Op.RELEASE, release_request(resp.lease_id, started_s, copied))
+
+    # ---- GPU engines: CUDA IPC (same node; the daemon serves the GPU) ----------------------
+    def register_cuda(self, tensor: Any) -> int:
+        """Register a contiguous CUDA tensor (the engine's KV cache) once; blocks are then
+        named by (offset, size) in bytes. It must stay allocated while registered (until
+        this client closes). Returns the buffer id."""
+        return self.register_cuda_handle(*cuda_ipc_handle(tensor))
+
+    def register_cuda_handle(
+        self, device: int, ipc_handle: bytes, offset_bytes: int, size_bytes: int
+    ) -> int:
+        """`register_cuda` from a raw cudaIpcMemHandle (and the tensor's offset in its
+        allocation), for engines that are not torch."""
+        request = pb.RegisterCudaRequest(
+            device=device, ipc_handle=ipc_handle, offset_bytes=offset_bytes, size_bytes=size_bytes
+        )
+        return self._gpu_call(Op.REGISTER_CUDA, request, pb.RegisterCudaResponse).buffer_id
+
+    def put_from_cuda(
+        self,
+        namespace: str,
+        keys: Sequence[bytes | str],
+        buffer_id: int,
+        block_slices: Sequence[tuple[int, int]],
+        overwrite: bool = False,
+    ) -> builtins.list[bool]:
+        """Store blocks straight from GPU memory (the daemon copies them on its streams);
+        per block: stored now, or already there. Returns once the copies are done."""
+        request = pb.CudaPutRequest(
+            namespace=namespace,
+            buffer_id=buffer_id,
+            blocks=cuda_blocks(keys, block_slices),
+            overwrite=overwrite,
+        )
+        return commit_results(self._gpu_call(Op.CUDA_PUT, request, pb.CudaPutResponse))
+
+    def get_into_cuda(
+        self,
+        namespace: str,
+        keys: Sequence[bytes | str],
+        buffer_id: int,
+        block_slices: Sequence[tuple[int, int]],
+    ) -> builtins.list[bool]:
+        """Copy cached blocks into GPU memory; per block found (False: a miss, its range
+        untouched). Returns once the copies are done."""
+        request = pb.CudaGetRequest(
+            namespace=namespace, buffer_id=buffer_id, blocks=cuda_blocks(keys, block_slices)
+        )
+        return [b.found for b in self._gpu_call(Op.CUDA_GET, request, pb.CudaGetResponse).blocks]
+
+    def _gpu_call(self, op: Op, request: Any, response_type: type[M]) -> M:
+        arena = self._shared_arena()
+        if arena is None:
+            raise Unimplemented(
+                "CUDA IPC needs the daemon's UNIX socket (a same-node session): connect "
+                "with unix:///path"
+            )
+        try:
+            return arena.call(op, request, response_type)
+        except OSError as err:
+            raise self._lost_session(err) from None
 
     def _lost_session(self, err: OSError) -> KVTierError:
         if self._arena is not None:

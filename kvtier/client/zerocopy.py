@@ -177,7 +177,7 @@ def fill_slots(arena: AnyArena, slots: Iterable[pb.Slot], blocks: list[Parts]) -
     return checksums
 
 
-def commit_results(done: pb.CommitResponse) -> list[bool]:
+def commit_results(done: pb.CommitResponse | pb.CudaPutResponse) -> list[bool]:
     """Per block: stored now (True) or already there (False); raises the first failure."""
     for result in done.results:
         if result.code:

@@ -27,7 +27,9 @@ from prometheus_client import CollectorRegistry, start_http_server
 from kvtier import __version__, failpoints
 from kvtier.config import Config, load_config
 from kvtier.errors import ConfigError
+from kvtier.movers.cuda import Mover, TorchDevice
 from kvtier.server.arena_socket import ArenaSocket
+from kvtier.server.cuda_path import CudaPath, EmulatedOpener, TorchOpener
 from kvtier.server.metrics import StoreCollector
 from kvtier.server.reload import plan_reload
 from kvtier.server.sdnotify import Notifier
@@ -168,16 +170,23 @@ class Daemon:
         server = grpc.aio.server(
             options=grpc_options(cfg), maximum_concurrent_rpcs=cfg.server.max_concurrent_rpcs
         )
+        cuda = cuda_path(store, cfg)
+
+        def session_ended(session_id: int) -> None:
+            store.release_session(session_id)
+            if cuda is not None:
+                cuda.end_session(session_id)
+
         arena: ArenaSocket | None = None
         if sock_path is not None:
             arena = ArenaSocket(
                 sock_path.with_name(sock_path.name + ".arena"),
                 lambda tenant: (store.arena(tenant).fd, store.arena(tenant).capacity_bytes),
-                store.release_session,
+                session_ended,
             )
             await arena.start()
         service = KVTierService(
-            store, cfg, lambda: self.draining, arena, mtls=tls is not None and tls.mtls
+            store, cfg, lambda: self.draining, arena, mtls=tls is not None and tls.mtls, cuda=cuda
         )
         self._service = service
         if arena is not None:
@@ -256,6 +265,8 @@ class Daemon:
         await server.stop(grace=cfg.server.stop_timeout_s / 2)
         if arena is not None:
             await arena.close()  # ends every session: their leases are released
+        if cuda is not None:
+            cuda.close()
         if cfg.nvme.flush_on_stop:
             try:
                 written = await asyncio.wait_for(store.flush(), cfg.server.stop_timeout_s / 2)
@@ -336,6 +347,34 @@ class Daemon:
             if result.needs_restart
             else "",
         )
+
+
+def cuda_path(store: Store, config: Config) -> CudaPath | None:
+    """The GPU path for engines' CUDA IPC calls, when the daemon serves a GPU."""
+    gpu = config.gpu
+    if gpu.emulate:
+        from kvtier.movers.fake import FakeDevice
+
+        logger.warning("gpu.emulate: the GPU path runs on a CPU stand-in (tests and demos)")
+        mover = Mover(FakeDevice(), gpu.streams_per_direction)
+        return CudaPath(store, mover, EmulatedOpener(), max(gpu.device, 0))
+    if gpu.device < 0:
+        return None
+    try:
+        path = CudaPath(
+            store,
+            Mover(TorchDevice(gpu.device), gpu.streams_per_direction),
+            TorchOpener(),
+            gpu.device,
+        )
+    except (ImportError, RuntimeError) as err:
+        raise ConfigError(
+            f"gpu.device = {gpu.device}: the GPU path needs torch and cupy with CUDA "
+            f"(pip install 'kvtier[gpu]'): {err}"
+        ) from None
+    logger.info("GPU path on device %d: CUDA IPC put/get, %d streams per direction",
+                gpu.device, gpu.streams_per_direction)  # fmt: skip
+    return path
 
 
 def status_line(store: Store) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -45,9 +45,10 @@ from kvtier.index.catalog import BlockId, Entry, TierName
 from kvtier.index.planner import OVERLAPS
 from kvtier.keys import DEFAULT_TENANT, check_key, check_namespace, hash_token, namespace_id
 from kvtier.server.arena_socket import ArenaSocket
+from kvtier.server.cuda_path import CudaBlock, CudaPath
 from kvtier.server.events import BlockEvent, Resync
 from kvtier.server.ratelimit import RateLimiter
-from kvtier.server.store import LeasedSlot, Store
+from kvtier.server.store import CommitOutcome, LeasedSlot, Store
 from kvtier.server.telemetry import Telemetry
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
@@ -91,6 +92,7 @@ class KVTierService:
         draining: Callable[[], bool],
         arena: ArenaSocket | None = None,
         mtls: bool = False,
+        cuda: CudaPath | None = None,
     ) -> None:
         """`mtls`: the listener verifies client certificates (server.tls_client_ca_file), so
         the certificate names in a call's auth context can identify its tenant."""
@@ -100,6 +102,7 @@ class KVTierService:
         self._chunk_bytes = config.server.chunk_bytes
         self._draining = draining
         self._arena = arena
+        self._cuda = cuda  # the GPU path (gpu.device); None: CUDA calls are UNIMPLEMENTED
         self._mtls = mtls
         self._tokens = dict(config.auth.tokens)
         self._certificates = dict(config.auth.certificates)
@@ -585,16 +588,7 @@ class KVTierService:
         outcomes = await self._store.commit(
             session_id, request.lease_id, list(request.xxh3_64), request.abort
         )
-        return pb.CommitResponse(
-            results=[
-                pb.CommitResult(
-                    stored=o.stored,
-                    code=o.error.grpc_code.value[0] if o.error else 0,
-                    message=str(o.error) if o.error else "",
-                )
-                for o in outcomes
-            ]
-        )
+        return pb.CommitResponse(results=_commit_results(outcomes))
 
     async def _acquire(
         self, session_id: int, tenant: str, request: pb.AcquireRequest
@@ -616,6 +610,77 @@ class KVTierService:
         )
         return pb.ReleaseResponse(released=released)
 
+    # ---- the GPU path: engine memory by CUDA IPC (kvtier/server/cuda_path.py) --------------
+    def _cuda_path(self) -> CudaPath:
+        if self._cuda is None:
+            raise Unimplemented(
+                "this daemon serves no GPU (gpu.device = -1): start it with gpu.device set "
+                "on the GPU node, or use put_many/get_many (the shared arena)"
+            )
+        return self._cuda
+
+    def _cuda_blocks(self, tenant: str, blocks: Iterable[pb.CudaBlock]) -> list[CudaBlock]:
+        out = [
+            CudaBlock(check_key(b.key, self._limits.max_key_bytes), b.offset_bytes, b.size_bytes)
+            for b in blocks
+        ]
+        self._admit_bytes(tenant, sum(b.size_bytes for b in out))
+        return out
+
+    async def _register_cuda(
+        self, session_id: int, tenant: str, request: pb.RegisterCudaRequest
+    ) -> pb.RegisterCudaResponse:
+        buffer_id = self._cuda_path().register(
+            session_id,
+            tenant,
+            request.device,
+            request.ipc_handle,
+            request.offset_bytes,
+            request.size_bytes,
+        )
+        return pb.RegisterCudaResponse(buffer_id=buffer_id)
+
+    async def _cuda_put(
+        self, session_id: int, tenant: str, request: pb.CudaPutRequest
+    ) -> pb.CudaPutResponse:
+        cuda = self._cuda_path()
+        ns_id = self._ns_id(tenant, request.namespace)
+        blocks = self._cuda_blocks(tenant, request.blocks)
+        outcomes = await cuda.put(session_id, ns_id, request.buffer_id, blocks, request.overwrite)
+        return pb.CudaPutResponse(results=_commit_results(outcomes))
+
+    async def _cuda_get(
+        self, session_id: int, tenant: str, request: pb.CudaGetRequest
+    ) -> pb.CudaGetResponse:
+        cuda = self._cuda_path()
+        ns_id = self._ns_id(tenant, request.namespace)
+        blocks = self._cuda_blocks(tenant, request.blocks)
+        tiers = await cuda.get(session_id, ns_id, request.buffer_id, blocks)
+        self._drop_if_session_ended(session_id)
+        return pb.CudaGetResponse(
+            blocks=[pb.CudaGetResult(found=t is not None, tier=TIER_TO_PB[t]) for t in tiers]
+        )
+
+    async def RegisterCuda(
+        self, request: pb.RegisterCudaRequest, context: Ctx
+    ) -> pb.RegisterCudaResponse:
+        async with _status(context):
+            session = self._session(request.session_id, context, Op.REGISTER_CUDA)
+            return await self._register_cuda(*session, request)
+        raise AssertionError("unreachable")
+
+    async def CudaPut(self, request: pb.CudaPutRequest, context: Ctx) -> pb.CudaPutResponse:
+        async with _status(context):
+            session = self._session(request.session_id, context, Op.CUDA_PUT)
+            return await self._cuda_put(*session, request)
+        raise AssertionError("unreachable")
+
+    async def CudaGet(self, request: pb.CudaGetRequest, context: Ctx) -> pb.CudaGetResponse:
+        async with _status(context):
+            session = self._session(request.session_id, context, Op.CUDA_GET)
+            return await self._cuda_get(*session, request)
+        raise AssertionError("unreachable")
+
     async def session_call(self, session_id: int, op: int, payload: bytes) -> tuple[int, bytes]:
         """A framed request from an attached session's socket (see kvtier._session)."""
         try:
@@ -631,6 +696,9 @@ class KVTierService:
                 Op.RELEASE: self._release,
                 Op.PLAN: self._plan,
                 Op.REPORT_PREFILL: self._report_prefill,
+                Op.REGISTER_CUDA: self._register_cuda,
+                Op.CUDA_PUT: self._cuda_put,
+                Op.CUDA_GET: self._cuda_get,
             }
             handler = handlers[kind]
             response = await handler(session_id, tenant, request)
@@ -673,6 +741,17 @@ def _op_name(op: int) -> str:
         return Op(op).name
     except ValueError:
         return "UNKNOWN_OP"  # bounded: one label value for any number a client sends
+
+
+def _commit_results(outcomes: Iterable[CommitOutcome]) -> list[pb.CommitResult]:
+    return [
+        pb.CommitResult(
+            stored=o.stored,
+            code=o.error.grpc_code.value[0] if o.error else 0,
+            message=str(o.error) if o.error else "",
+        )
+        for o in outcomes
+    ]
 
 
 def _leased(slot: LeasedSlot | None) -> pb.LeasedBlock:

@@ -253,7 +253,8 @@ class Store:
         self.catalog = Catalog(self.events.record)
         # One arena per tenant: a client maps its tenant's arena and nothing else. An arena
         # pinned for the GPU is faulted in by several threads before it is registered.
-        pinning = self.config.gpu.device >= 0 and self.config.gpu.pin_arena
+        gpu = self.config.gpu
+        pinning = gpu.device >= 0 and gpu.pin_arena and not gpu.emulate
         self.arenas: dict[str, DramTier] = {
             tenant: DramTier(size, self.config.dram.prefault and not pinning)
             for tenant, size in self.config.tenant_arenas().items()
@@ -342,7 +343,8 @@ class Store:
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         self._expiry_task = asyncio.ensure_future(self._expire_leases_forever())
-        if self.config.gpu.device >= 0 and self.config.gpu.pin_arena:
+        gpu = self.config.gpu
+        if gpu.device >= 0 and gpu.pin_arena and not gpu.emulate:
             await asyncio.to_thread(self._pin_arenas)
         if self.remote is not None:
             await self.remote.open()

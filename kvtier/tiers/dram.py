@@ -47,6 +47,11 @@ class DramTier:
             del anchor  # the export would keep the mapping from being closed
 
     @property
+    def whole(self) -> memoryview:
+        """The whole arena (for the GPU path's copies, which address it by offset)."""
+        return self._view
+
+    @property
     def fd(self) -> int:
         """The arena's memfd, handed to local clients for the zero-copy path."""
         return self._fd

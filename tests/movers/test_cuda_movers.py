@@ -1,5 +1,5 @@
 """The CUDA movers' ordering and buffer lifetimes, on a fake device whose streams run in a
-random interleaving (tests/movers/fake_cuda.py); the same code on a real GPU is in
+random interleaving (kvtier/movers/fake.py); the same code on a real GPU is in
 tests/movers/test_cuda_gpu.py (marked gpu)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.movers.cuda import Mover, StagedUpload
-from tests.movers.fake_cuda import FakeDevice
+from kvtier.movers.fake import FakeDevice
 
 
 def test_a_transfer_is_done_only_when_its_copies_ran_and_frees_nothing_before() -> None:

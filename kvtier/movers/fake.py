@@ -1,10 +1,13 @@
-"""A CPU stand-in for CUDA streams and events, for testing the movers' ordering and buffer
-lifetimes: each stream is a queue of operations that runs only when the test lets the
-device make progress (a seeded random interleaving of the streams), as a GPU would run
-them whenever it likes after the host enqueued them.
+"""A CPU stand-in for CUDA streams and events (the `Device` of kvtier/movers/cuda.py).
 
-It checks what CUDA would silently get wrong: a copy whose source changed between enqueue
-and execution, or that touches a buffer already released (`release`), is recorded in
+Each stream is a queue of operations that runs only when the device is let make progress
+(a seeded random interleaving of the streams, a few steps at each `query`), as a GPU runs
+them whenever it likes after the host enqueued them. The tests use it to check the
+movers' ordering and buffer lifetimes; `gpu.emulate` runs the daemon's CUDA path on it,
+so the engine-facing RPCs are tested end to end on machines without a GPU.
+
+It records what CUDA would silently get wrong: a copy whose source changed between
+enqueue and execution, or that touches a buffer already released (`release`), lands in
 `violations`.
 """
 
@@ -49,7 +52,10 @@ class FakeStream:
         if not self.ops:
             return False
         op = self.ops[0]
-        return op[0] != "wait" or op[1].completed >= op[2]
+        if op[0] != "wait":
+            return True
+        event: FakeEvent = op[1]
+        return event.completed >= int(op[2])
 
 
 class FakeDevice:
@@ -70,7 +76,8 @@ class FakeDevice:
     def event(self) -> FakeEvent:
         return FakeEvent(self)
 
-    def copy(self, dst: Any, src: Any, stream: FakeStream) -> None:
+    def copy(self, dst: Any, src: Any, stream: Any) -> None:
+        assert isinstance(stream, FakeStream), "a stream of this device"
         stream.ops.append(("copy", dst, src, bytes(src)))
 
     # ---- driving it ----------------------------------------------------------------------

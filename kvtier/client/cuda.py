@@ -1,0 +1,37 @@
+"""The client's side of the GPU path (kvtier/server/cuda_path.py): a CUDA tensor's IPC
+handle, and the messages naming blocks by byte range in a registered buffer. torch is
+imported by the caller's tensor, never here."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier._proto import kvtier_pb2 as pb
+from kvtier.client._common import as_key
+from kvtier.errors import InvalidArgument
+
+
+def cuda_ipc_handle(tensor: Any) -> tuple[int, bytes, int, int]:
+    """(device, IPC handle of the allocation, the tensor's byte offset in it, its bytes)
+    of a contiguous CUDA tensor (torch's own sharing call, as torch.multiprocessing uses)."""
+    if not getattr(tensor, "is_cuda", False):
+        raise InvalidArgument("register_cuda takes a CUDA tensor (the engine's KV cache)")
+    if not tensor.is_contiguous():
+        raise InvalidArgument("register_cuda takes a contiguous tensor: blocks are byte ranges")
+    shared = tensor.untyped_storage()._share_cuda_()
+    device, handle, storage_offset = int(shared[0]), bytes(shared[1]), int(shared[3])
+    offset = storage_offset + tensor.storage_offset() * tensor.element_size()
+    return device, handle, offset, tensor.numel() * tensor.element_size()
+
+
+def cuda_blocks(
+    keys: Sequence[bytes | str], block_slices: Sequence[tuple[int, int]]
+) -> list[pb.CudaBlock]:
+    """Blocks by (offset, size) in the registered buffer, one per key."""
+    if len(keys) != len(block_slices):
+        raise InvalidArgument("name one (offset, size) slice per key")
+    return [
+        pb.CudaBlock(key=as_key(k), offset_bytes=offset, size_bytes=size)
+        for k, (offset, size) in zip(keys, block_slices, strict=True)
+    ]

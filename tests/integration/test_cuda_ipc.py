@@ -1,0 +1,100 @@
+"""The GPU path end to end on a real daemon: an engine registers its memory and puts and
+gets blocks by byte range. Run with `gpu.emulate` (a shared-memory file stands in for
+GPU memory and a CPU stand-in for the streams), so everything but the CUDA calls
+themselves — RPCs, validation, leases, checksums, session lifetime — is tested here;
+tests/movers/test_cuda_gpu.py and scripts/gpu_check.sh cover real CUDA."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import kvtier
+from tests.conftest import DaemonProcess
+
+NS = "llama3-8b/gpu-test"
+BLOCK = 64 << 10
+EMULATE = {"KVTIER_GPU__EMULATE": "true"}
+StartDaemon = Callable[..., DaemonProcess]
+
+
+def _engine_memory(workdir: Path, blocks: int) -> tuple[Path, bytes]:
+    """A file standing in for the engine's KV tensor, `blocks` blocks of random bytes."""
+    data = os.urandom(blocks * BLOCK)
+    path = workdir / "engine-kv.bin"
+    path.write_bytes(data)
+    return path, data
+
+
+def _slices(first: int, count: int) -> list[tuple[int, int]]:
+    return [((first + i) * BLOCK, BLOCK) for i in range(count)]
+
+
+def test_an_engine_puts_and_gets_blocks_by_offset_in_its_registered_memory(
+    start_daemon: StartDaemon, workdir: Path
+) -> None:
+    daemon = start_daemon(env=EMULATE)
+    path, data = _engine_memory(workdir, 8)
+    keys = [f"b{i}".encode() for i in range(4)]
+    with daemon.client() as engine:
+        buffer_id = engine.register_cuda_handle(0, str(path).encode(), 0, len(data))
+        assert engine.put_from_cuda(NS, keys, buffer_id, _slices(0, 4)) == [True] * 4
+        # The daemon copied them out of the engine's memory: a plain get returns them.
+        for i, key in enumerate(keys):
+            assert engine.get(NS, key) == data[i * BLOCK : (i + 1) * BLOCK]
+        # Into other places of the engine's memory (blocks 4..7), and one miss.
+        wanted = [*keys[:3], b"never-stored"]
+        assert engine.get_into_cuda(NS, wanted, buffer_id, _slices(4, 4)) == [
+            True,
+            True,
+            True,
+            False,
+        ]
+        now = path.read_bytes()
+        assert now[4 * BLOCK : 7 * BLOCK] == data[: 3 * BLOCK]
+        assert now[7 * BLOCK :] == data[7 * BLOCK :]  # the miss's range is untouched
+        assert engine.put_from_cuda(NS, keys[:1], buffer_id, _slices(0, 1)) == [False]
+        assert engine.stats()["leases"] == 0  # every lease the copies took is released
+
+
+def test_bad_gpu_requests_get_clear_errors_and_store_nothing(
+    start_daemon: StartDaemon, workdir: Path
+) -> None:
+    daemon = start_daemon(env=EMULATE)
+    path, data = _engine_memory(workdir, 2)
+    with daemon.client() as engine:
+        buffer_id = engine.register_cuda_handle(0, str(path).encode(), 0, len(data))
+        with pytest.raises(kvtier.InvalidArgument, match="not inside the registered buffer"):
+            engine.put_from_cuda(NS, [b"k"], buffer_id, [(BLOCK + 1, BLOCK)])
+        with pytest.raises(kvtier.InvalidArgument, match="no buffer 99"):
+            engine.put_from_cuda(NS, [b"k"], 99, [(0, BLOCK)])
+        with pytest.raises(kvtier.InvalidArgument, match="serves GPU 0"):
+            engine.register_cuda_handle(3, str(path).encode(), 0, len(data))
+        with pytest.raises(kvtier.InvalidArgument, match="could not open the CUDA IPC handle"):
+            engine.register_cuda_handle(0, b"/nonexistent/handle", 0, len(data))
+        with pytest.raises(kvtier.InvalidArgument, match="one .offset, size. slice per key"):
+            engine.put_from_cuda(NS, [b"a", b"b"], buffer_id, [(0, BLOCK)])
+        assert engine.lookup(NS, [b"k"]).tiers == [None]
+        assert engine.put_from_cuda(NS, [b"k"], buffer_id, [(0, BLOCK)]) == [True]
+        with pytest.raises(kvtier.InvalidArgument, match="stored as 65536 bytes"):
+            engine.get_into_cuda(NS, [b"k"], buffer_id, [(0, BLOCK // 2)])
+        assert engine.get(NS, b"k") == data[:BLOCK]  # still there, unharmed
+
+
+def test_a_registration_ends_with_its_session(start_daemon: StartDaemon, workdir: Path) -> None:
+    daemon = start_daemon(env=EMULATE)
+    path, data = _engine_memory(workdir, 1)
+    with daemon.client() as engine:
+        buffer_id = engine.register_cuda_handle(0, str(path).encode(), 0, len(data))
+    with daemon.client() as other:
+        with pytest.raises(kvtier.InvalidArgument, match=f"no buffer {buffer_id}"):
+            other.put_from_cuda(NS, [b"k"], buffer_id, [(0, BLOCK)])
+
+
+def test_a_daemon_without_a_gpu_says_so(start_daemon: StartDaemon, workdir: Path) -> None:
+    daemon = start_daemon()
+    with daemon.client() as engine, pytest.raises(kvtier.Unimplemented, match="serves no GPU"):
+        engine.register_cuda_handle(0, b"handle", 0, 4096)
