@@ -75,7 +75,7 @@ def test_bad_gpu_requests_get_clear_errors_and_store_nothing(
             engine.register_cuda_handle(3, str(path).encode(), 0, len(data))
         with pytest.raises(kvtier.InvalidArgument, match="could not open the CUDA IPC handle"):
             engine.register_cuda_handle(0, b"/nonexistent/handle", 0, len(data))
-        with pytest.raises(kvtier.InvalidArgument, match="one .offset, size. slice per key"):
+        with pytest.raises(kvtier.InvalidArgument, match=r"one \(offset, size\) slice per key"):
             engine.put_from_cuda(NS, [b"a", b"b"], buffer_id, [(0, BLOCK)])
         assert engine.lookup(NS, [b"k"]).tiers == [None]
         assert engine.put_from_cuda(NS, [b"k"], buffer_id, [(0, BLOCK)]) == [True]
@@ -89,9 +89,11 @@ def test_a_registration_ends_with_its_session(start_daemon: StartDaemon, workdir
     path, data = _engine_memory(workdir, 1)
     with daemon.client() as engine:
         buffer_id = engine.register_cuda_handle(0, str(path).encode(), 0, len(data))
-    with daemon.client() as other:
-        with pytest.raises(kvtier.InvalidArgument, match=f"no buffer {buffer_id}"):
-            other.put_from_cuda(NS, [b"k"], buffer_id, [(0, BLOCK)])
+    with (
+        daemon.client() as other,
+        pytest.raises(kvtier.InvalidArgument, match=f"no buffer {buffer_id}"),
+    ):
+        other.put_from_cuda(NS, [b"k"], buffer_id, [(0, BLOCK)])
 
 
 def test_a_daemon_without_a_gpu_says_so(start_daemon: StartDaemon, workdir: Path) -> None:
