@@ -277,6 +277,12 @@ class GpuConfig(_Section):
     streams_per_direction: int = Field(
         2, gt=0, le=32, description="CUDA streams for each of H2D, D2H and D2D copies"
     )
+    hbm_capacity_bytes: ByteSize = Field(
+        0,
+        ge=0,
+        description="GPU memory the daemon keeps copies of hot blocks in, for device-to-"
+        "device reads by engines (0: none)",
+    )
     emulate: bool = Field(
         False,
         description="run the GPU path on a CPU stand-in (tests, demos): a CUDA IPC handle is "

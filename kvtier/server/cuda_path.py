@@ -14,6 +14,15 @@ Registrations end with their session (the engine's side connection closing), and
 IPC mappings are closed then. The engine must keep the registered tensor allocated while
 it is registered: the daemon maps the allocation, not a reference to the tensor.
 
+With `gpu.hbm_capacity_bytes`, blocks the engines read this way are kept in a
+daemon-owned GPU pool too (`HbmCache`, least recently read out first): the next read of
+one is a device-to-device copy, with no lease, no host memory and no PCIe transfer. A
+copy is valid only for the generation of the block it was made from (an overwrite or a
+delete makes it a miss), it is written before the read that made it answers (the engine
+may reuse its memory after that), and it is never freed while a copy out of it is in
+flight. It holds copies, not blocks: the DRAM/NVMe tiers keep the block, and a block
+evicted from all of them drops its HBM copy at its next read.
+
 `CudaOpener` is what touches CUDA: `TorchOpener` opens handles with cupy (torch has no
 public call for it) and views memory as torch tensors; `EmulatedOpener` (`gpu.emulate`)
 treats a "handle" as the path of a shared-memory file and runs on `FakeDevice`, so the
@@ -24,20 +33,23 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtier.errors import InvalidArgument, ResourceExhausted
 from kvtier.index.catalog import BlockId, TierName
-from kvtier.movers.cuda import Mover
-from kvtier.server.store import CommitOutcome
+from kvtier.movers.cuda import Mover, Transfer
+from kvtier.server.store import CommitOutcome, TierUsage
+from kvtier.tiers.allocator import Extent, ExtentAllocator
 
 if TYPE_CHECKING:
     from kvtier.server.store import Store
     from kvtier.tiers.dram import DramTier
 
 MAX_BUFFERS_PER_SESSION = 64
+HBM_ALIGN_BYTES = 256  # cudaMalloc's alignment: copies start on it
 
 
 class CudaOpener(Protocol):
@@ -52,6 +64,79 @@ class CudaOpener(Protocol):
         ...
 
     def window(self, buffer: Any, offset: int, size: int) -> Any: ...
+
+    def alloc(self, device: int, size: int) -> Any:
+        """Device memory the daemon owns (the HBM pool), as a 1-D byte buffer."""
+        ...
+
+
+@dataclass(eq=False)
+class HbmCopy:
+    block_id: BlockId
+    generation: int
+    size_bytes: int
+    extent: Extent
+    pins: int = 0  # copies in flight out of (or into) it
+
+
+class HbmCache:
+    """Copies of hot blocks in one GPU allocation; bookkeeping only (the copies are the
+    caller's, on the Mover). Least recently read first out; pinned copies never."""
+
+    def __init__(self, memory: Any, capacity_bytes: int) -> None:
+        self.memory = memory
+        self.capacity_bytes = capacity_bytes
+        self._allocator = ExtentAllocator(capacity_bytes, HBM_ALIGN_BYTES)
+        self._copies: OrderedDict[BlockId, HbmCopy] = OrderedDict()
+        self.hits = 0
+        self.promotions = 0
+        self.evictions = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return self._allocator.used_bytes
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def lookup(self, block_id: BlockId, generation: int, size_bytes: int) -> HbmCopy | None:
+        """The block's copy, if it is of this generation and size (else it is dropped)."""
+        copy = self._copies.get(block_id)
+        if copy is None:
+            return None
+        if copy.generation != generation or copy.size_bytes != size_bytes:
+            self._drop(copy)
+            return None
+        self._copies.move_to_end(block_id)
+        return copy
+
+    def reserve(self, block_id: BlockId, generation: int, size_bytes: int) -> HbmCopy | None:
+        """Room for a new copy (evicting unpinned ones, least recently read first); None
+        when there is none. The caller pins it while its bytes are on their way."""
+        old = self._copies.get(block_id)
+        if old is not None and not self._drop(old):
+            return None  # an older copy still in use: leave it
+        while (extent := self._allocator.allocate(size_bytes)) is None:
+            victim = next((c for c in self._copies.values() if not c.pins), None)
+            if victim is None or not self._drop(victim):
+                return None
+            self.evictions += 1
+        copy = HbmCopy(block_id, generation, size_bytes, extent)
+        self._copies[block_id] = copy
+        return copy
+
+    def _drop(self, copy: HbmCopy) -> bool:
+        if copy.pins:
+            return False
+        if self._copies.get(copy.block_id) is copy:
+            del self._copies[copy.block_id]
+        self._allocator.free(copy.extent)
+        return True
+
+    def forget(self, copy: HbmCopy) -> None:
+        """A copy whose bytes never arrived (its transfer failed)."""
+        copy.pins = 0
+        self._drop(copy)
 
 
 @dataclass(eq=False)
@@ -74,11 +159,22 @@ class CudaBlock:
 class CudaPath:
     """Registrations and copies for one daemon (one GPU); used from the event loop."""
 
-    def __init__(self, store: Store, mover: Mover, opener: CudaOpener, device: int) -> None:
+    def __init__(
+        self,
+        store: Store,
+        mover: Mover,
+        opener: CudaOpener,
+        device: int,
+        hbm_capacity_bytes: int = 0,
+    ) -> None:
         self.store = store
         self.mover = mover
         self.opener = opener
         self.device = device
+        self.hbm: HbmCache | None = None
+        if hbm_capacity_bytes > 0:
+            self.hbm = HbmCache(opener.alloc(device, hbm_capacity_bytes), hbm_capacity_bytes)
+            store.add_tier_report(self._hbm_usage)
         self._buffers: dict[int, EngineBuffer] = {}
         self._next_id = 1
         self._hosts: dict[str, Any] = {}  # tenant -> buffer over its arena
@@ -115,6 +211,13 @@ class CudaPath:
     def end_session(self, session_id: int) -> None:
         for buffer_id in [i for i, b in self._buffers.items() if b.session_id == session_id]:
             self._buffers.pop(buffer_id).close()
+
+    def _hbm_usage(self) -> TierUsage:
+        hbm = self.hbm
+        assert hbm is not None
+        return TierUsage(
+            "hbm", hbm.used_bytes, hbm.capacity_bytes, len(hbm), hbm.hits, hbm.evictions
+        )
 
     def close(self) -> None:
         for buffer in self._buffers.values():
@@ -176,13 +279,83 @@ class CudaPath:
     async def get(
         self, session_id: int, ns_id: str, buffer_id: int, blocks: list[CudaBlock]
     ) -> list[TierName | None]:
-        """Copy cached blocks into the engine's memory (arena -> device); per block the
-        tier it was found in, or None for a miss (its range is left as it was)."""
+        """Copy cached blocks into the engine's memory (from HBM device to device, else
+        arena -> device); per block the tier it was found in, or None for a miss (its
+        range is left as it was)."""
         buffer = self._buffer(session_id, buffer_id, blocks)
+        window = self.opener.window
+        tiers: list[TierName | None] = [None] * len(blocks)
+        from_hbm: list[tuple[int, HbmCopy]] = []
+        rest: list[int] = []
+        for i, block in enumerate(blocks):
+            copy = self._hbm_copy((ns_id, block.key), block.size_bytes)
+            if copy is None:
+                rest.append(i)
+                continue
+            copy.pins += 1
+            from_hbm.append((i, copy))
+        transfers = []
+        if from_hbm:
+            hbm = self.hbm
+            assert hbm is not None
+
+            def unpin(copies: list[HbmCopy] = [c for _, c in from_hbm]) -> None:  # noqa: B006
+                for c in copies:
+                    c.pins -= 1
+
+            transfers.append(
+                self.mover.submit(
+                    "d2d",
+                    [
+                        (
+                            window(buffer.memory, blocks[i].offset_bytes, c.size_bytes),
+                            window(hbm.memory, c.extent.offset, c.size_bytes),
+                        )
+                        for i, c in from_hbm
+                    ],
+                    on_done=unpin,
+                )
+            )
+            for i, c in from_hbm:
+                tiers[i] = TierName.HBM
+                hbm.hits += 1
+                self.store.record_hit(c.block_id, TierName.HBM)
+        if rest:
+            for i, tier in zip(
+                rest,
+                await self._get_from_arena(
+                    session_id, ns_id, buffer, [blocks[i] for i in rest], transfers
+                ),
+                strict=True,
+            ):
+                tiers[i] = tier
+        for transfer in transfers:
+            await self.mover.until_done(transfer)
+        return tiers
+
+    def _hbm_copy(self, block_id: BlockId, size_bytes: int) -> HbmCopy | None:
+        if self.hbm is None:
+            return None
+        entry = self.store.stat(block_id)
+        if entry is None:
+            return None
+        return self.hbm.lookup(block_id, entry.generation, size_bytes)
+
+    async def _get_from_arena(
+        self,
+        session_id: int,
+        ns_id: str,
+        buffer: EngineBuffer,
+        blocks: list[CudaBlock],
+        transfers: list[Transfer],
+    ) -> list[TierName | None]:
+        """Arena -> engine under a lease (held until the copies are done), and each block
+        read this way copied on into HBM (device to device, after it arrived)."""
         lease_id, slots = await self.store.acquire(session_id, [(ns_id, b.key) for b in blocks])
+        promoted: list[HbmCopy] = []
         try:
             host, window = self._host(buffer.tenant), self.opener.window
-            copies = []
+            copies, arrived = [], []
             for i, (block, slot) in enumerate(zip(blocks, slots, strict=True)):
                 if slot is None:
                     continue
@@ -191,18 +364,61 @@ class CudaPath:
                         f"block {i} is stored as {slot.size_bytes} bytes, but "
                         f"{block.size_bytes} were asked for: nothing was copied"
                     )
-                copies.append(
-                    (
-                        window(buffer.memory, block.offset_bytes, block.size_bytes),
-                        window(host, slot.offset, block.size_bytes),
-                    )
-                )
+                engine = window(buffer.memory, block.offset_bytes, block.size_bytes)
+                copies.append((engine, window(host, slot.offset, block.size_bytes)))
+                arrived.append((block, engine))
             if copies:
-                await self.mover.until_done(self.mover.submit("h2d", copies))
+                upload = self.mover.submit("h2d", copies)
+                transfers.append(upload)
+                promote = self._promote(ns_id, arrived, upload, promoted)
+                if promote is not None:
+                    transfers.append(promote)
+                for transfer in transfers:
+                    await self.mover.until_done(transfer)
+        except BaseException:
+            for copy in promoted:
+                if self.hbm is not None:
+                    self.hbm.forget(copy)
+            raise
         finally:
             if lease_id:
                 self.store.release(session_id, [lease_id])
         return [slot.tier if slot is not None else None for slot in slots]
+
+    def _promote(
+        self,
+        ns_id: str,
+        arrived: list[tuple[CudaBlock, Any]],
+        upload: Transfer,
+        promoted: list[HbmCopy],
+    ) -> Transfer | None:
+        """Copy blocks that just reached the engine into HBM too (after `upload`, on the
+        device), so their next read is device to device."""
+        hbm = self.hbm
+        if hbm is None:
+            return None
+        copies = []
+        for block, engine in arrived:
+            entry = self.store.stat((ns_id, block.key))
+            if entry is None:
+                continue
+            copy = hbm.reserve((ns_id, block.key), entry.generation, block.size_bytes)
+            if copy is None:
+                continue
+            copy.pins += 1
+            promoted.append(copy)
+            copies.append(
+                (self.opener.window(hbm.memory, copy.extent.offset, copy.size_bytes), engine)
+            )
+        if not copies:
+            return None
+
+        def ready(done: list[HbmCopy] = list(promoted)) -> None:  # noqa: B006
+            for c in done:
+                c.pins -= 1
+            hbm.promotions += len(done)
+
+        return self.mover.submit("d2d", copies, after=[upload], on_done=ready)
 
 
 class TorchOpener:
@@ -236,6 +452,9 @@ class TorchOpener:
     def host(self, arena: DramTier) -> Any:
         return self._torch.frombuffer(arena.whole, dtype=self._torch.uint8)
 
+    def alloc(self, device: int, size: int) -> Any:
+        return self._torch.empty(size, dtype=self._torch.uint8, device=f"cuda:{device}")
+
     def window(self, buffer: Any, offset: int, size: int) -> Any:
         return buffer[offset : offset + size]
 
@@ -262,6 +481,9 @@ class EmulatedOpener:
 
     def host(self, arena: DramTier) -> Any:
         return arena.whole
+
+    def alloc(self, device: int, size: int) -> Any:
+        return memoryview(bytearray(size))
 
     def window(self, buffer: Any, offset: int, size: int) -> Any:
         return buffer[offset : offset + size]

@@ -357,7 +357,7 @@ def cuda_path(store: Store, config: Config) -> CudaPath | None:
 
         logger.warning("gpu.emulate: the GPU path runs on a CPU stand-in (tests and demos)")
         mover = Mover(FakeDevice(), gpu.streams_per_direction)
-        return CudaPath(store, mover, EmulatedOpener(), max(gpu.device, 0))
+        return CudaPath(store, mover, EmulatedOpener(), max(gpu.device, 0), gpu.hbm_capacity_bytes)
     if gpu.device < 0:
         return None
     try:
@@ -366,6 +366,7 @@ def cuda_path(store: Store, config: Config) -> CudaPath | None:
             Mover(TorchDevice(gpu.device), gpu.streams_per_direction),
             TorchOpener(),
             gpu.device,
+            gpu.hbm_capacity_bytes,
         )
     except (ImportError, RuntimeError) as err:
         raise ConfigError(

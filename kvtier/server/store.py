@@ -113,7 +113,9 @@ class StoreStats:
 
 @dataclass(slots=True)
 class _Counters:
-    hits: dict[str, int] = field(default_factory=lambda: {"dram": 0, "nvme": 0, "remote": 0})
+    hits: dict[str, int] = field(
+        default_factory=lambda: {"hbm": 0, "dram": 0, "nvme": 0, "remote": 0}
+    )
     evictions: dict[str, int] = field(default_factory=lambda: {"dram": 0, "nvme": 0})
     # (tier, reason): demoted (the copy lives on in NVMe), dropped (gone from every tier),
     # capacity (an NVMe record removed for room), corrupt (failed verification)
@@ -339,6 +341,7 @@ class Store:
         self._planned: OrderedDict[BlockId, float] = OrderedDict()
         self._expiry_task: asyncio.Task[None] | None = None
         self._pinned: list[int] = []  # arena addresses registered with CUDA
+        self._tier_reports: list[Callable[[], TierUsage]] = []  # tiers kept elsewhere (HBM)
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -677,6 +680,20 @@ class Store:
     def stat(self, block_id: BlockId) -> Entry | None:
         return self.catalog.get(block_id)
 
+    def record_hit(self, block_id: BlockId, tier: TierName) -> None:
+        """A block served from a copy kept outside the catalog (the GPU path's HBM cache):
+        a use for the policy and a hit, as if served from its own tiers."""
+        entry = self.catalog.get(block_id)
+        if entry is None:
+            return
+        self.catalog.touch(entry)
+        self._used(entry)
+        self._served(block_id, tier, entry.size_bytes, 0.0)  # device to device: ~free
+
+    def add_tier_report(self, report: Callable[[], TierUsage]) -> None:
+        """Usage of a tier the store does not hold itself, for stats and metrics."""
+        self._tier_reports.append(report)
+
     async def delete(self, block_id: BlockId) -> bool:
         entry = self.catalog.get(block_id)
         if self.remote is not None:
@@ -734,6 +751,7 @@ class Store:
                     self.nvme_health.errors_total,
                 )
             )
+        tiers += [report() for report in self._tier_reports]
         if self.remote is not None:
             # The store keeps its own capacity: what this node put there, and its hits.
             tiers.append(

@@ -100,3 +100,36 @@ def test_a_daemon_without_a_gpu_says_so(start_daemon: StartDaemon, workdir: Path
     daemon = start_daemon()
     with daemon.client() as engine, pytest.raises(kvtier.Unimplemented, match="serves no GPU"):
         engine.register_cuda_handle(0, b"handle", 0, 4096)
+
+
+def test_blocks_read_through_the_gpu_path_are_kept_in_hbm_until_invalid_or_evicted(
+    start_daemon: StartDaemon, workdir: Path
+) -> None:
+    """HBM holds 4 blocks. The first read of a block comes from DRAM and leaves a copy in
+    HBM; the second comes from HBM. An overwrite or a delete makes the copy useless, and
+    reading more blocks than fit evicts the least recently read."""
+    daemon = start_daemon(env={**EMULATE, "KVTIER_GPU__HBM_CAPACITY_BYTES": str(4 * BLOCK)})
+    path, data = _engine_memory(workdir, 16)
+    keys = [f"h{i}".encode() for i in range(6)]
+    with daemon.client() as engine:
+        buf = engine.register_cuda_handle(0, str(path).encode(), 0, len(data))
+        assert engine.put_from_cuda(NS, keys, buf, _slices(0, 6)) == [True] * 6
+        for _ in range(2):
+            assert engine.get_into_cuda(NS, keys[:4], buf, _slices(8, 4)) == [True] * 4
+            assert path.read_bytes()[8 * BLOCK : 12 * BLOCK] == data[: 4 * BLOCK]
+        hbm = engine.stats()["tiers"]["hbm"]
+        assert (hbm["hits"], hbm["blocks"], hbm["used_bytes"]) == (4, 4, 4 * BLOCK)
+        # Overwrite h0 with block 7's bytes, delete h1: their HBM copies must not serve.
+        assert engine.put_from_cuda(NS, keys[:1], buf, _slices(7, 1), overwrite=True) == [True]
+        assert engine.delete(NS, keys[1])
+        assert engine.get_into_cuda(NS, keys[:2], buf, _slices(12, 2)) == [True, False]
+        now = path.read_bytes()
+        assert now[12 * BLOCK : 13 * BLOCK] == data[7 * BLOCK : 8 * BLOCK]
+        assert now[13 * BLOCK : 14 * BLOCK] == data[13 * BLOCK : 14 * BLOCK]  # untouched
+        # More blocks than fit: never more than capacity, and every byte still right.
+        assert engine.get_into_cuda(NS, keys[2:], buf, _slices(8, 4)) == [True] * 4
+        assert path.read_bytes()[8 * BLOCK : 12 * BLOCK] == data[2 * BLOCK : 6 * BLOCK]
+        hbm = engine.stats()["tiers"]["hbm"]
+        assert hbm["blocks"] <= 4 and hbm["used_bytes"] <= hbm["capacity_bytes"] == 4 * BLOCK
+        assert hbm["evictions"] >= 1
+        assert engine.stats()["leases"] == 0

@@ -78,8 +78,14 @@ def test_planned_fetches_settle_into_avoided_and_regret_metrics(
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    # The configured DRAM path seed, not a calibration: one run on a loaded machine once
+    # calibrated copies slower than recomputing a 16-token block, and a plan's fetches
+    # then counted as regret. What is tested here is how plans settle, not the machine.
     daemon = start_daemon(
-        dram="64MiB", nvme="256MiB", extra=["--metrics-listen", f"127.0.0.1:{port}"]
+        dram="64MiB",
+        nvme="256MiB",
+        extra=["--metrics-listen", f"127.0.0.1:{port}"],
+        env={"KVTIER_PLANNER__CALIBRATION_S": "0"},
     )
     chain = kvtier.chain_keys(NS, [[i] * TPB for i in range(8)])
     with daemon.client() as client:
