@@ -99,8 +99,9 @@ def kv_block(size_bytes: int, seed: int) -> bytes:
 def measure(tier: RemoteTier, blocks: list[bytes], encoded: bool, tag: str) -> dict[str, Any]:
     ns = "bench|llama3-8b/codec"
     for i, payload in enumerate(blocks):
-        tier.write(ns, f"{tag}{i}".encode(), 1, memoryview(payload),
-                   xxhash.xxh3_64_intdigest(payload), encoded)  # fmt: skip
+        key = f"{tag}{i}".encode()
+        digest = xxhash.xxh3_64_intdigest(payload)
+        tier.send(ns, key, tier.encode(ns, key, 1, memoryview(payload), digest, encoded))
     out = bytearray(len(blocks[0]))
     times_s = []
     for i, payload in enumerate(blocks):

@@ -31,14 +31,16 @@ whole path is tested end to end on machines without a GPU.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import mmap
 import os
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from kvtier.errors import InvalidArgument, ResourceExhausted
+from kvtier.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvtier.index.catalog import BlockId, TierName
 from kvtier.movers.cuda import Mover, Transfer
 from kvtier.server.store import CommitOutcome, TierUsage
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
     from kvtier.server.store import Store
     from kvtier.tiers.dram import DramTier
 
+T = TypeVar("T")
 MAX_BUFFERS_PER_SESSION = 64
 HBM_ALIGN_BYTES = 256  # cudaMalloc's alignment: copies start on it
 
@@ -146,7 +149,14 @@ class EngineBuffer:
     tenant: str
     size_bytes: int
     memory: Any
-    close: Callable[[], None]
+    closer: Callable[[], None]
+    users: int = 0  # calls copying to or from it now
+    ended: bool = False  # its session ended: close once no call uses it
+
+    def close_when_unused(self) -> None:
+        self.ended = True
+        if not self.users:
+            self.closer()
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +188,7 @@ class CudaPath:
         self._buffers: dict[int, EngineBuffer] = {}
         self._next_id = 1
         self._hosts: dict[str, Any] = {}  # tenant -> buffer over its arena
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     # ---- registrations --------------------------------------------------------------------
     def register(
@@ -209,8 +220,9 @@ class CudaPath:
         return buffer_id
 
     def end_session(self, session_id: int) -> None:
+        """Forget the session's buffers; each is unmapped once no call copies with it."""
         for buffer_id in [i for i, b in self._buffers.items() if b.session_id == session_id]:
-            self._buffers.pop(buffer_id).close()
+            self._buffers.pop(buffer_id).close_when_unused()
 
     def _hbm_usage(self) -> TierUsage:
         hbm = self.hbm
@@ -219,9 +231,11 @@ class CudaPath:
             "hbm", hbm.used_bytes, hbm.capacity_bytes, len(hbm), hbm.hits, hbm.evictions
         )
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
         for buffer in self._buffers.values():
-            buffer.close()
+            buffer.close_when_unused()
         self._buffers.clear()
         self._hosts.clear()
 
@@ -256,6 +270,34 @@ class CudaPath:
     ) -> list[CommitOutcome]:
         """Store blocks from the engine's memory (device -> arena), then commit them."""
         buffer = self._buffer(session_id, buffer_id, blocks)
+        return await self._to_end(buffer, self._put(session_id, ns_id, buffer, blocks, overwrite))
+
+    async def _to_end(self, buffer: EngineBuffer, work: Coroutine[Any, Any, T]) -> T:
+        """Run `work` to its end even if the caller is cancelled (a client gone, a
+        deadline): copies in flight on the device must finish before the arena slots,
+        leases, HBM copies and engine mapping they touch are committed, released, freed
+        or closed."""
+        buffer.users += 1
+
+        def done(task: asyncio.Future[T]) -> None:
+            self._tasks.discard(task)
+            buffer.users -= 1
+            if buffer.ended and not buffer.users:
+                buffer.closer()
+
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(done)
+        return await asyncio.shield(task)
+
+    async def _put(
+        self,
+        session_id: int,
+        ns_id: str,
+        buffer: EngineBuffer,
+        blocks: list[CudaBlock],
+        overwrite: bool,
+    ) -> list[CommitOutcome]:
         items: list[tuple[BlockId, int]] = [((ns_id, b.key), b.size_bytes) for b in blocks]
         lease_id, slots = await self.store.reserve(session_id, items, overwrite)
         host, window = self._host(buffer.tenant), self.opener.window
@@ -272,7 +314,8 @@ class CudaPath:
             )
             await self.mover.until_done(transfer)
         except BaseException:
-            await self.store.commit(session_id, lease_id, [], abort=True)
+            with contextlib.suppress(NotFound):  # the store closed: its leases are gone
+                await self.store.commit(session_id, lease_id, [], abort=True)
             raise
         return await self.store.commit(session_id, lease_id, [], abort=False)
 
@@ -283,6 +326,11 @@ class CudaPath:
         arena -> device); per block the tier it was found in, or None for a miss (its
         range is left as it was)."""
         buffer = self._buffer(session_id, buffer_id, blocks)
+        return await self._to_end(buffer, self._get(session_id, ns_id, buffer, blocks))
+
+    async def _get(
+        self, session_id: int, ns_id: str, buffer: EngineBuffer, blocks: list[CudaBlock]
+    ) -> list[TierName | None]:
         window = self.opener.window
         tiers: list[TierName | None] = [None] * len(blocks)
         from_hbm: list[tuple[int, HbmCopy]] = []
@@ -299,8 +347,8 @@ class CudaPath:
             hbm = self.hbm
             assert hbm is not None
 
-            def unpin(copies: list[HbmCopy] = [c for _, c in from_hbm]) -> None:  # noqa: B006
-                for c in copies:
+            def unpin() -> None:
+                for _, c in from_hbm:
                     c.pins -= 1
 
             transfers.append(
@@ -352,7 +400,6 @@ class CudaPath:
         """Arena -> engine under a lease (held until the copies are done), and each block
         read this way copied on into HBM (device to device, after it arrived)."""
         lease_id, slots = await self.store.acquire(session_id, [(ns_id, b.key) for b in blocks])
-        promoted: list[HbmCopy] = []
         try:
             host, window = self._host(buffer.tenant), self.opener.window
             copies, arrived = [], []
@@ -370,34 +417,25 @@ class CudaPath:
             if copies:
                 upload = self.mover.submit("h2d", copies)
                 transfers.append(upload)
-                promote = self._promote(ns_id, arrived, upload, promoted)
+                promote = self._promote(ns_id, arrived, upload)
                 if promote is not None:
                     transfers.append(promote)
                 for transfer in transfers:
                     await self.mover.until_done(transfer)
-        except BaseException:
-            for copy in promoted:
-                if self.hbm is not None:
-                    self.hbm.forget(copy)
-            raise
         finally:
             if lease_id:
                 self.store.release(session_id, [lease_id])
         return [slot.tier if slot is not None else None for slot in slots]
 
     def _promote(
-        self,
-        ns_id: str,
-        arrived: list[tuple[CudaBlock, Any]],
-        upload: Transfer,
-        promoted: list[HbmCopy],
+        self, ns_id: str, arrived: list[tuple[CudaBlock, Any]], upload: Transfer
     ) -> Transfer | None:
         """Copy blocks that just reached the engine into HBM too (after `upload`, on the
         device), so their next read is device to device."""
         hbm = self.hbm
         if hbm is None:
             return None
-        copies = []
+        copies, promoted = [], []
         for block, engine in arrived:
             entry = self.store.stat((ns_id, block.key))
             if entry is None:
@@ -413,12 +451,17 @@ class CudaPath:
         if not copies:
             return None
 
-        def ready(done: list[HbmCopy] = list(promoted)) -> None:  # noqa: B006
-            for c in done:
+        def ready() -> None:
+            for c in promoted:
                 c.pins -= 1
-            hbm.promotions += len(done)
+            hbm.promotions += len(promoted)
 
-        return self.mover.submit("d2d", copies, after=[upload], on_done=ready)
+        try:
+            return self.mover.submit("d2d", copies, after=[upload], on_done=ready)
+        except BaseException:
+            for copy in promoted:  # never submitted: nothing writes into them
+                hbm.forget(copy)
+            raise
 
 
 class TorchOpener:

@@ -266,7 +266,7 @@ class Daemon:
         if arena is not None:
             await arena.close()  # ends every session: their leases are released
         if cuda is not None:
-            cuda.close()
+            await cuda.close()
         if cfg.nvme.flush_on_stop:
             try:
                 written = await asyncio.wait_for(store.flush(), cfg.server.stop_timeout_s / 2)

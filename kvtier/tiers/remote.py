@@ -147,20 +147,6 @@ class RemoteTier:
         """Put a value from `encode` under the block's name (replacing any there)."""
         self.backend.put(object_name(ns_id, key), value)
 
-    def write(
-        self,
-        ns_id: str,
-        key: bytes,
-        generation: int,
-        payload: memoryview,
-        xxh3_64: int,
-        encoded: bool,
-    ) -> int:
-        """`encode` then `send`; the value's size."""
-        value = self.encode(ns_id, key, generation, payload, xxh3_64, encoded)
-        self.send(ns_id, key, value)
-        return len(value)
-
     def fetch(self, ns_id: str, key: bytes, max_payload_bytes: int) -> Fetched | None:
         """The value stored for this block, its header verified; None if there is none."""
         started_s = time.perf_counter()

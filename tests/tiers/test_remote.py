@@ -54,7 +54,8 @@ def _kv_like(size_bytes: int, seed: int = 0) -> bytes:
 
 
 def _put(tier: RemoteTier, key: bytes, payload: bytes, encoded: bool = False) -> None:
-    tier.write(NS, key, 7, memoryview(payload), xxhash.xxh3_64_intdigest(payload), encoded)
+    digest = xxhash.xxh3_64_intdigest(payload)
+    tier.send(NS, key, tier.encode(NS, key, 7, memoryview(payload), digest, encoded))
 
 
 def _get(tier: RemoteTier, key: bytes, size_bytes: int = 1 << 20) -> bytes | None:
@@ -116,7 +117,8 @@ def _planted(tier: RemoteTier, backend: MemoryBackend, mutate: str) -> None:
         value = bytearray(backend.values[object_name(NS, b"other")])
     elif mutate == "another tenant's record":
         other = RemoteTier(MemoryBackend())
-        other.write("bob|llama3-8b/v1", b"k", 1, memoryview(payload), 0, False)
+        bob = "bob|llama3-8b/v1"
+        other.send(bob, b"k", other.encode(bob, b"k", 1, memoryview(payload), 0, False))
         value = bytearray(next(iter(other.backend.values.values())))  # type: ignore[attr-defined]
     backend.values[name] = bytes(value)
 

@@ -1,0 +1,61 @@
+"""The GPU path in-process on the fake device, where the test decides when copies run:
+a call cancelled, or a session ended, while its copies are in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+from kvtier.movers.cuda import Mover
+from kvtier.movers.fake import FakeDevice
+from kvtier.server.cuda_path import CudaBlock, CudaPath, EmulatedOpener
+from kvtier.server.store import Store
+from tests.server.test_store import NS, get, make_config
+
+BLOCK = 64 << 10
+
+
+class MemoryOpener(EmulatedOpener):
+    """Engine memory is a bytearray; closing it is recorded."""
+
+    def __init__(self, memory: bytearray) -> None:
+        self.memory = memory
+        self.closed = False
+
+    def open(self, device: int, handle: bytes, offset: int, size: int) -> tuple[Any, Any]:
+        def close() -> None:
+            self.closed = True
+
+        return memoryview(self.memory)[offset : offset + size], close
+
+
+async def test_a_cancelled_put_still_commits_after_its_copies_and_the_mapping_outlives_them(
+    tmp_path: Path,
+) -> None:
+    store = Store(make_config(tmp_path, 8 << 20, 64 << 20))
+    await store.start()
+    device = FakeDevice(seed=1, max_steps_per_query=0)  # copies run only when drained
+    engine = bytearray(os.urandom(4 * BLOCK))
+    opener = MemoryOpener(engine)
+    path = CudaPath(store, Mover(device), opener, 0)
+    try:
+        buffer_id = path.register(7, "default", 0, b"h", 0, len(engine))
+        blocks = [CudaBlock(f"k{i}".encode(), i * BLOCK, BLOCK) for i in range(4)]
+        call = asyncio.ensure_future(path.put(7, NS, buffer_id, blocks, False))
+        await asyncio.sleep(0.05)  # reserved and submitted, copies not run
+        call.cancel()  # the client went away
+        path.end_session(7)  # and its session with it
+        await asyncio.sleep(0.05)
+        assert not opener.closed  # copies still read the engine's memory
+        for b in blocks:
+            assert await get(store, b.key) is None  # nothing visible before the copies ran
+        device.drain()
+        await path.close()  # waits for the call to finish its work
+        assert opener.closed
+        for i, b in enumerate(blocks):
+            assert await get(store, b.key) == bytes(engine[i * BLOCK : (i + 1) * BLOCK])
+        assert device.violations == []
+    finally:
+        await store.close()
