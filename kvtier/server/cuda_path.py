@@ -301,6 +301,7 @@ class CudaPath:
         items: list[tuple[BlockId, int]] = [((ns_id, b.key), b.size_bytes) for b in blocks]
         lease_id, slots = await self.store.reserve(session_id, items, overwrite)
         host, window = self._host(buffer.tenant), self.opener.window
+        transfer: Transfer | None = None
         try:
             transfer = self.mover.submit(
                 "d2h",
@@ -314,6 +315,8 @@ class CudaPath:
             )
             await self.mover.until_done(transfer)
         except BaseException:
+            if transfer is not None:
+                self.mover.wait(transfer)  # its slots are freed next: no copy may be left
             with contextlib.suppress(NotFound):  # the store closed: its leases are gone
                 await self.store.commit(session_id, lease_id, [], abort=True)
             raise
@@ -423,6 +426,9 @@ class CudaPath:
                 for transfer in transfers:
                     await self.mover.until_done(transfer)
         finally:
+            for transfer in transfers:  # the lease's slots may be reused once released
+                if not transfer.reaped:
+                    self.mover.wait(transfer)
             if lease_id:
                 self.store.release(session_id, [lease_id])
         return [slot.tier if slot is not None else None for slot in slots]
