@@ -133,3 +133,29 @@ def test_blocks_read_through_the_gpu_path_are_kept_in_hbm_until_invalid_or_evict
         assert hbm["blocks"] <= 4 and hbm["used_bytes"] <= hbm["capacity_bytes"] == 4 * BLOCK
         assert hbm["evictions"] >= 1
         assert engine.stats()["leases"] == 0
+
+
+@pytest.mark.gpu
+def test_a_torch_engine_tensor_round_trips_through_the_daemon_on_a_real_gpu(
+    start_daemon: StartDaemon, workdir: Path
+) -> None:
+    """The real thing (scripts/gpu_check.sh runs it): torch's IPC handle, cupy opening it
+    in the daemon, the daemon's own streams, its HBM pool on the second read."""
+    import torch
+
+    daemon = start_daemon(
+        env={"KVTIER_GPU__DEVICE": "0", "KVTIER_GPU__HBM_CAPACITY_BYTES": str(8 * BLOCK)}
+    )
+    kv = torch.randint(0, 256, (8 * BLOCK,), dtype=torch.uint8, device="cuda")
+    expected = kv.clone()
+    keys = [f"g{i}".encode() for i in range(4)]
+    with daemon.client() as engine:
+        buf = engine.register_cuda(kv)
+        assert engine.put_from_cuda(NS, keys, buf, _slices(0, 4)) == [True] * 4
+        assert engine.get(NS, keys[0]) == bytes(expected[:BLOCK].cpu().numpy())
+        for _ in range(2):  # from the pinned arena, then from HBM
+            kv[4 * BLOCK :].zero_()
+            torch.cuda.synchronize()
+            assert engine.get_into_cuda(NS, keys, buf, _slices(4, 4)) == [True] * 4
+            assert torch.equal(kv[4 * BLOCK :], expected[: 4 * BLOCK])
+        assert engine.stats()["tiers"]["hbm"]["hits"] == 4
