@@ -13,6 +13,7 @@ import grpc
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import Op
+from kvtier.client import cuda
 from kvtier.client._common import (
     CHANNEL_OPTIONS,
     PB_TO_TIER,
@@ -39,6 +40,7 @@ from kvtier.client._common import (
 )
 from kvtier.client.zerocopy import (
     AsyncSharedArena,
+    M,
     block_parts,
     commit_results,
     copy_bytes,
@@ -48,7 +50,7 @@ from kvtier.client.zerocopy import (
     release_request,
     reserve_request,
 )
-from kvtier.errors import InvalidArgument, KVTierError, Unavailable
+from kvtier.errors import InvalidArgument, KVTierError, Unavailable, Unimplemented
 from kvtier.index.catalog import LookupResult
 from kvtier.index.planner import PrefillCost
 
@@ -354,6 +356,47 @@ class AsyncClient:
         finally:
             if resp.lease_id:
                 await arena.send(Op.RELEASE, release_request(resp.lease_id, started_s, copied))
+
+    # ---- GPU engines: CUDA IPC (as Client's) -------------------------------------------------
+    async def register_cuda(self, tensor: Any) -> int:
+        return await self.register_cuda_handle(*cuda.cuda_ipc_handle(tensor))
+
+    async def register_cuda_handle(
+        self, device: int, ipc_handle: bytes, offset_bytes: int, size_bytes: int
+    ) -> int:
+        request = cuda.register_request(device, ipc_handle, offset_bytes, size_bytes)
+        resp = await self._gpu_call(Op.REGISTER_CUDA, request, pb.RegisterCudaResponse)
+        return resp.buffer_id
+
+    async def put_from_cuda(
+        self,
+        namespace: str,
+        keys: Sequence[bytes | str],
+        buffer_id: int,
+        block_slices: Sequence[tuple[int, int]],
+        overwrite: bool = False,
+    ) -> builtins.list[bool]:
+        request = cuda.put_request(namespace, keys, buffer_id, block_slices, overwrite)
+        return commit_results(await self._gpu_call(Op.CUDA_PUT, request, pb.CudaPutResponse))
+
+    async def get_into_cuda(
+        self,
+        namespace: str,
+        keys: Sequence[bytes | str],
+        buffer_id: int,
+        block_slices: Sequence[tuple[int, int]],
+    ) -> builtins.list[bool]:
+        request = cuda.get_request(namespace, keys, buffer_id, block_slices)
+        return cuda.found(await self._gpu_call(Op.CUDA_GET, request, pb.CudaGetResponse))
+
+    async def _gpu_call(self, op: Op, request: Any, response_type: type[M]) -> M:
+        arena = await self._shared_arena()
+        if arena is None:
+            raise Unimplemented(cuda.NO_SESSION)
+        try:
+            return await arena.call(op, request, response_type)
+        except OSError as err:
+            raise self._lost_session(err) from None
 
     def _lost_session(self, err: OSError) -> KVTierError:
         if self._arena is not None:

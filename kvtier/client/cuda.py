@@ -25,6 +25,49 @@ def cuda_ipc_handle(tensor: Any) -> tuple[int, bytes, int, int]:
     return device, handle, offset, tensor.numel() * tensor.element_size()
 
 
+NO_SESSION = (
+    "CUDA IPC needs the daemon's UNIX socket (a same-node session): connect with unix:///path"
+)
+
+
+def register_request(
+    device: int, ipc_handle: bytes, offset_bytes: int, size_bytes: int
+) -> pb.RegisterCudaRequest:
+    return pb.RegisterCudaRequest(
+        device=device, ipc_handle=ipc_handle, offset_bytes=offset_bytes, size_bytes=size_bytes
+    )
+
+
+def put_request(
+    namespace: str,
+    keys: Sequence[bytes | str],
+    buffer_id: int,
+    block_slices: Sequence[tuple[int, int]],
+    overwrite: bool,
+) -> pb.CudaPutRequest:
+    return pb.CudaPutRequest(
+        namespace=namespace,
+        buffer_id=buffer_id,
+        blocks=cuda_blocks(keys, block_slices),
+        overwrite=overwrite,
+    )
+
+
+def get_request(
+    namespace: str,
+    keys: Sequence[bytes | str],
+    buffer_id: int,
+    block_slices: Sequence[tuple[int, int]],
+) -> pb.CudaGetRequest:
+    return pb.CudaGetRequest(
+        namespace=namespace, buffer_id=buffer_id, blocks=cuda_blocks(keys, block_slices)
+    )
+
+
+def found(resp: pb.CudaGetResponse) -> list[bool]:
+    return [b.found for b in resp.blocks]
+
+
 def cuda_blocks(
     keys: Sequence[bytes | str], block_slices: Sequence[tuple[int, int]]
 ) -> list[pb.CudaBlock]:

@@ -13,6 +13,7 @@ import grpc
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import Op
+from kvtier.client import cuda
 from kvtier.client._common import (
     CHANNEL_OPTIONS,
     PB_TO_TIER,
@@ -37,7 +38,6 @@ from kvtier.client._common import (
     stats_dict,
     translate,
 )
-from kvtier.client.cuda import cuda_blocks, cuda_ipc_handle
 from kvtier.client.zerocopy import (
     M,
     SharedArena,
@@ -378,16 +378,14 @@ class Client:
         """Register a contiguous CUDA tensor (the engine's KV cache) once; blocks are then
         named by (offset, size) in bytes. It must stay allocated while registered (until
         this client closes). Returns the buffer id."""
-        return self.register_cuda_handle(*cuda_ipc_handle(tensor))
+        return self.register_cuda_handle(*cuda.cuda_ipc_handle(tensor))
 
     def register_cuda_handle(
         self, device: int, ipc_handle: bytes, offset_bytes: int, size_bytes: int
     ) -> int:
         """`register_cuda` from a raw cudaIpcMemHandle (and the tensor's offset in its
         allocation), for engines that are not torch."""
-        request = pb.RegisterCudaRequest(
-            device=device, ipc_handle=ipc_handle, offset_bytes=offset_bytes, size_bytes=size_bytes
-        )
+        request = cuda.register_request(device, ipc_handle, offset_bytes, size_bytes)
         return self._gpu_call(Op.REGISTER_CUDA, request, pb.RegisterCudaResponse).buffer_id
 
     def put_from_cuda(
@@ -398,14 +396,10 @@ class Client:
         block_slices: Sequence[tuple[int, int]],
         overwrite: bool = False,
     ) -> builtins.list[bool]:
-        """Store blocks straight from GPU memory (the daemon copies them on its streams);
-        per block: stored now, or already there. Returns once the copies are done."""
-        request = pb.CudaPutRequest(
-            namespace=namespace,
-            buffer_id=buffer_id,
-            blocks=cuda_blocks(keys, block_slices),
-            overwrite=overwrite,
-        )
+        """Store blocks straight from GPU memory, each a (offset, size) in bytes of the
+        registered buffer (the daemon copies them on its streams); per block: stored now,
+        or already there. Returns once the copies are done."""
+        request = cuda.put_request(namespace, keys, buffer_id, block_slices, overwrite)
         return commit_results(self._gpu_call(Op.CUDA_PUT, request, pb.CudaPutResponse))
 
     def get_into_cuda(
@@ -417,18 +411,13 @@ class Client:
     ) -> builtins.list[bool]:
         """Copy cached blocks into GPU memory; per block found (False: a miss, its range
         untouched). Returns once the copies are done."""
-        request = pb.CudaGetRequest(
-            namespace=namespace, buffer_id=buffer_id, blocks=cuda_blocks(keys, block_slices)
-        )
-        return [b.found for b in self._gpu_call(Op.CUDA_GET, request, pb.CudaGetResponse).blocks]
+        request = cuda.get_request(namespace, keys, buffer_id, block_slices)
+        return cuda.found(self._gpu_call(Op.CUDA_GET, request, pb.CudaGetResponse))
 
     def _gpu_call(self, op: Op, request: Any, response_type: type[M]) -> M:
         arena = self._shared_arena()
         if arena is None:
-            raise Unimplemented(
-                "CUDA IPC needs the daemon's UNIX socket (a same-node session): connect "
-                "with unix:///path"
-            )
+            raise Unimplemented(cuda.NO_SESSION)
         try:
             return arena.call(op, request, response_type)
         except OSError as err:

@@ -96,6 +96,20 @@ def test_a_registration_ends_with_its_session(start_daemon: StartDaemon, workdir
         other.put_from_cuda(NS, [b"k"], buffer_id, [(0, BLOCK)])
 
 
+async def test_the_async_client_has_the_same_gpu_calls(
+    start_daemon: StartDaemon, workdir: Path
+) -> None:
+    daemon = start_daemon(env=EMULATE)
+    path, data = _engine_memory(workdir, 4)
+    async with kvtier.AsyncClient(daemon.target) as engine:
+        buf = await engine.register_cuda_handle(0, str(path).encode(), 0, len(data))
+        assert await engine.put_from_cuda(NS, [b"a", b"b"], buf, _slices(0, 2)) == [True] * 2
+        assert await engine.get_into_cuda(NS, [b"b", b"z"], buf, _slices(2, 2)) == [True, False]
+        assert path.read_bytes()[2 * BLOCK : 3 * BLOCK] == data[BLOCK : 2 * BLOCK]
+        with pytest.raises(kvtier.InvalidArgument, match="no buffer"):
+            await engine.get_into_cuda(NS, [b"a"], buf + 1, _slices(0, 1))
+
+
 def test_a_daemon_without_a_gpu_says_so(start_daemon: StartDaemon, workdir: Path) -> None:
     daemon = start_daemon()
     with daemon.client() as engine, pytest.raises(kvtier.Unimplemented, match="serves no GPU"):
