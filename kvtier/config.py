@@ -243,6 +243,12 @@ class RemoteConfig(_Section):
         description="blocks a Plan may ask the remote store about after the local prefix "
         "(one round trip for all of them)",
     )
+    auth_key_file: str = Field(
+        "",
+        description="file of a 256-bit key the cluster's nodes share (kvtier keygen PATH): "
+        "every remote record is signed (keyed BLAKE2b) and only records signed with it are "
+        "served; empty = unsigned (checksummed only: isolate the store)",
+    )
     codec: Literal["auto", "on", "off"] = Field(
         "auto",
         description="byte-shuffle + lz4 on remote records: auto = only while measured codec "

@@ -65,9 +65,10 @@ class Seal:
         return cls(*SEAL.unpack(data))
 
 
-def load_key_file(path: Path) -> bytes:
-    """The 32-byte key in `path`; ConfigError says what is wrong and how to fix it."""
-    where = f"nvme.encryption_key_file: {path}"
+def load_key_file(path: Path, setting: str = "nvme.encryption_key_file") -> bytes:
+    """The 32-byte key in `path`; ConfigError says what is wrong (naming `setting`) and
+    how to fix it."""
+    where = f"{setting}: {path}"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:

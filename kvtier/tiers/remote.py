@@ -19,6 +19,10 @@ is free text. Unlike NVMe file names they carry no generation: a node fetching a
 another node wrote cannot know the writer's generation, and each store replaces a value
 atomically (SET, upsert), so a reader sees the old record or the new one, both verified.
 
+With `remote.auth_key_file`, a value ends with a 32-byte keyed BLAKE2b of everything
+before it, and a value without the right one is CorruptRecord: checksums catch damage, the
+key catches forgery by anyone who can write to the store but does not hold it.
+
 Backends are blocking and thread-safe: the store calls them from the remote I/O pool. A
 backend that cannot reach its store raises ConnectionError (an OSError).
 """
@@ -26,9 +30,11 @@ backend that cannot reach its store raises ConnectionError (an OSError).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import xxhash
@@ -37,6 +43,7 @@ from kvtier import failpoints
 from kvtier.errors import ConfigError, CorruptRecord
 from kvtier.keys import tenant_of
 from kvtier.tiers import codec
+from kvtier.tiers.crypto import load_key_file
 from kvtier.tiers.nvme import RecordHeader, encode_header, header_size_for, parse_header
 
 if TYPE_CHECKING:
@@ -48,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 HEADER_ALIGN_BYTES = 8
 NAME_PREFIX = "kvtier/v1"
+SIGNATURE_BYTES = 32
 
 
 class RemoteBackend(Protocol):
@@ -89,15 +97,28 @@ class RemoteTier:
         codec_mode: str = "auto",
         element_bytes: int = 2,
         meter: codec.CodecMeter | None = None,
+        signing_key: bytes | None = None,
     ) -> None:
         self.backend = backend
         self.codec_mode = codec_mode
         self.element_bytes = element_bytes
         self.meter = meter or codec.CodecMeter()
+        self.signing_key = signing_key
 
     @classmethod
     def from_config(cls, config: RemoteConfig) -> RemoteTier:
-        return cls(connect(config), config.codec, config.codec_element_bytes)
+        key = (
+            load_key_file(Path(config.auth_key_file), "remote.auth_key_file")
+            if config.auth_key_file
+            else None
+        )
+        return cls(connect(config), config.codec, config.codec_element_bytes, signing_key=key)
+
+    def _signature(self, value: bytes | memoryview) -> bytes:
+        assert self.signing_key is not None
+        return hashlib.blake2b(
+            value, key=self.signing_key, digest_size=SIGNATURE_BYTES, person=b"kvtier-remote"
+        ).digest()
 
     @property
     def name(self) -> str:
@@ -141,7 +162,8 @@ class RemoteTier:
             codec=code,
         )
         head = encode_header(header)
-        return b"".join((memoryview(head)[: header.header_bytes], body))
+        value = b"".join((memoryview(head)[: header.header_bytes], body))
+        return value + self._signature(value) if self.signing_key is not None else value
 
     def send(self, ns_id: str, key: bytes, value: bytes) -> None:
         """Put a value from `encode` under the block's name (replacing any there)."""
@@ -156,6 +178,12 @@ class RemoteTier:
         fetch_s = time.perf_counter() - started_s
         if value is None:
             return None
+        if self.signing_key is not None:
+            value, signature = value[:-SIGNATURE_BYTES], value[-SIGNATURE_BYTES:]
+            if len(signature) != SIGNATURE_BYTES or not hmac.compare_digest(
+                signature, self._signature(value)
+            ):
+                raise CorruptRecord("remote record is not signed with remote.auth_key_file")
         parsed = parse_header(value, HEADER_ALIGN_BYTES)
         if parsed.seal is not None:
             raise CorruptRecord("remote record is sealed; this tier serves plaintext only")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.config import Config
+from kvtier.errors import ConfigError
 from kvtier.server.store import Store
 from kvtier.tiers import remote as remote_mod
 from tests.conftest import block_bytes
@@ -197,3 +198,14 @@ async def test_a_slow_store_holds_neither_dram_nor_unbounded_memory(
         assert len(backend.values) == 24 - a.remote.skipped == a.stats().remote_puts
     finally:
         await a.close()
+
+
+async def test_a_missing_cluster_key_file_stops_the_start_naming_the_setting(
+    tmp_path: Path, backend: FlakyBackend
+) -> None:
+    config = _config(tmp_path, "a", "write_through")
+    config.remote.auth_key_file = str(tmp_path / "cluster.key")
+    store = Store(config)
+    with pytest.raises(ConfigError, match=r"remote\.auth_key_file: .*kvtier keygen"):
+        await store.start()
+    await store.close()

@@ -206,3 +206,22 @@ def test_auto_codec_turns_on_only_for_a_slow_path() -> None:
     assert fig is not None and fig.ratio > 1.1
     assert tier.use_codec(1e6)  # 1 MB/s: any codec pays
     assert not tier.use_codec(100e9)  # faster than the codec can decode: never
+
+
+def test_with_a_cluster_key_only_records_signed_with_it_are_served() -> None:
+    backend = MemoryBackend()
+    key, other_key = os.urandom(32), os.urandom(32)
+    signed = RemoteTier(backend, codec_mode="off", signing_key=key)
+    payload = _kv_like(32 << 10)
+    _put(signed, b"k", payload)
+    assert _get(signed, b"k") == payload
+    # Anyone who can write to the store but lacks the key: a well-formed, checksummed
+    # record, unsigned or signed with another key, is refused.
+    for writer in (RemoteTier(backend, "off"), RemoteTier(backend, "off", signing_key=other_key)):
+        _put(writer, b"k", _kv_like(32 << 10, seed=1))
+        with pytest.raises(CorruptRecord, match="not signed"):
+            _get(signed, b"k")
+    # And a node without the key does not serve signed records (its length check fails).
+    _put(signed, b"k", payload)
+    with pytest.raises(CorruptRecord):
+        _get(RemoteTier(backend, "off"), b"k")
