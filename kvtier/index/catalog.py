@@ -74,6 +74,12 @@ class LookupResult:
     prefix_blocks: int
     tiers: list[str | None] = field(default_factory=list)
 
+    @classmethod
+    def of(cls, tiers: list[str | None]) -> LookupResult:
+        """The result for per-key `tiers` (None: not cached): the prefix ends at the first
+        None."""
+        return cls(tiers.index(None) if None in tiers else len(tiers), tiers)
+
 
 class Catalog:
     """key -> residency, with one recency order per tier (least recently used first)."""
@@ -236,8 +242,7 @@ class Catalog:
                 tiers.append(_DRAM)
             else:
                 tiers.append(_NVME if entry.nvme_record_bytes else None)
-        prefix = tiers.index(None) if None in tiers else len(tiers)
-        return LookupResult(prefix_blocks=prefix, tiers=tiers)
+        return LookupResult.of(tiers)
 
     def entries(self) -> Iterator[Entry]:
         """Every live entry (a copy of the list: callers may await between items)."""

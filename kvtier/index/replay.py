@@ -110,9 +110,9 @@ class ReplayConfig:
     )
     dram: TierCost = field(default_factory=lambda: TierCost(50e9, 10e-6))
     nvme: TierCost = field(default_factory=lambda: TierCost(7e9, 100e-6))
-    # remote -> engine, used only with a RemoteTier: a cluster-network store over TCP
-    # (Mooncake Store's get: ~1-1.7 GB/s on our machine); ~45 ms a 64 MiB block
-    remote: TierCost = field(default_factory=lambda: TierCost(1.5e9, 300e-6))
+    # remote -> engine, used only with a RemoteTier: one 100 Gb/s RDMA NIC, effective (as
+    # --remote-bandwidth/--remote-latency default); ~6.8 ms a 64 MiB block
+    remote: TierCost = field(default_factory=lambda: TierCost(10e9, 50e-6))
     overlap: Overlap = "none"
     gpu_hour_usd: float = 2.0
     samples: int = 200  # points of the over-time series (for --plot)

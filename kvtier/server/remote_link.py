@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtier.config import RemoteConfig
 from kvtier.errors import CorruptRecord
@@ -37,6 +37,7 @@ from kvtier.server.health import TierHealth
 from kvtier.tiers.remote import Fetched, RemoteTier
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 _PROBE_NAME = ("kvtier-probe|", b"probe")
 
 
@@ -87,32 +88,36 @@ class RemoteLink:
     async def probe(self, block_ids: Sequence[BlockId]) -> list[bool]:
         """Which of these blocks the store holds (one round trip); all False if it cannot
         say."""
-        if not block_ids or not self.online:
-            return [False] * len(block_ids)
-        assert self.tier is not None
-        try:
-            found = await self.io.run(self.tier.exists, block_ids)
-        except OSError as err:
-            self._failed(err, "look up blocks")
-            return [False] * len(block_ids)
-        self.health.succeeded()
-        return found
+        if not block_ids:
+            return []
+        ok, found = await self._store_call("look up blocks", lambda t: t.exists(block_ids))
+        return found if ok and found is not None else [False] * len(block_ids)
 
     async def fetch(self, block_id: BlockId, max_payload_bytes: int) -> Fetched | None:
         """The block's value, header verified; None for a miss (absent, bad, unreachable).
         Raises CorruptRecord for a value that failed verification (the caller counts it)."""
-        if not self.online:
-            return None
-        assert self.tier is not None
-        try:
-            fetched = await self.io.run(self.tier.fetch, *block_id, max_payload_bytes)
-        except OSError as err:
-            self._failed(err, "fetch a block")
-            return None
-        self.health.succeeded()
+        _, fetched = await self._store_call(
+            "fetch a block", lambda t: t.fetch(*block_id, max_payload_bytes)
+        )
         if fetched is not None:
             self.wire.observe(len(fetched.value), fetched.fetch_s)
         return fetched
+
+    async def _store_call(
+        self, doing: str, call: Callable[[RemoteTier], T]
+    ) -> tuple[bool, T | None]:
+        """`call` on the tier, on the remote I/O threads: (True, its result), or (False,
+        None) when the tier is offline or the store failed (counted toward offline)."""
+        tier = self.tier
+        if tier is None or not self.health.online:
+            return False, None
+        try:
+            result = await self.io.run(call, tier)
+        except OSError as err:
+            self._failed(err, doing)
+            return False, None
+        self.health.succeeded()
+        return True, result
 
     async def fill(self, fetched: Fetched, dest: memoryview) -> float:
         """Decode and verify into `dest` on an I/O thread; seconds it took."""
@@ -158,28 +163,13 @@ class RemoteLink:
         return self._after(block_id, lambda: self._delete(block_id))
 
     async def _send(self, block_id: BlockId, value: bytes) -> bool:
-        if not self.online:
-            return False
-        assert self.tier is not None
-        try:
-            await self.io.run(self.tier.send, *block_id, value)
-        except OSError as err:
-            self._failed(err, "put a block")
-            return False
-        self.health.succeeded()
-        return True
+        ok, _ = await self._store_call("put a block", lambda t: t.send(*block_id, value))
+        return ok
 
     async def _delete(self, block_id: BlockId) -> bool:
-        if not self.online:
-            return False  # a stale value left behind is verified, never trusted blindly
-        assert self.tier is not None
-        try:
-            await self.io.run(self.tier.delete, *block_id)
-        except OSError as err:
-            self._failed(err, "delete a block")
-            return False
-        self.health.succeeded()
-        return True
+        # Offline: a stale value left behind is verified when fetched, never trusted blindly.
+        ok, _ = await self._store_call("delete a block", lambda t: t.delete(*block_id))
+        return ok
 
     def _after(
         self, block_id: BlockId, work: Callable[[], Coroutine[Any, Any, bool]]

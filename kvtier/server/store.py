@@ -658,9 +658,7 @@ class Store:
         self._learn_chain(ns_id, keys, result.tiers)
         if self.remote is None or result.prefix_blocks == len(keys):
             return result
-        tiers = await self._remote_tiers(ns_id, keys, result.tiers)
-        prefix = tiers.index(None) if None in tiers else len(tiers)
-        return LookupResult(prefix_blocks=prefix, tiers=tiers)
+        return LookupResult.of(await self._remote_tiers(ns_id, keys, result.tiers))
 
     async def _remote_tiers(
         self, ns_id: str, keys: list[bytes], tiers: list[str | None]
