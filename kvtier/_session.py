@@ -36,6 +36,7 @@ class Op(IntEnum):
     REGISTER_CUDA = 7
     CUDA_PUT = 8
     CUDA_GET = 9
+    CUDA_WAIT = 10
 
 
 REQUEST_TYPES: dict[Op, type[Message]] = {
@@ -48,6 +49,7 @@ REQUEST_TYPES: dict[Op, type[Message]] = {
     Op.REGISTER_CUDA: pb.RegisterCudaRequest,
     Op.CUDA_PUT: pb.CudaPutRequest,
     Op.CUDA_GET: pb.CudaGetRequest,
+    Op.CUDA_WAIT: pb.CudaWaitRequest,
 }
 
 

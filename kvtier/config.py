@@ -309,6 +309,14 @@ class PlannerConfig(_Section):
         2e9, gt=0, description="seed for NVMe -> engine bandwidth, refined from real reads"
     )
     nvme_latency_s: float = Field(200e-6, ge=0, description="seed for NVMe -> engine latency")
+    hbm_bandwidth_bytes_per_s: float = Field(
+        1e12,
+        gt=0,
+        description="seed for the daemon's HBM copies -> engine (device to device) bandwidth",
+    )
+    hbm_latency_s: float = Field(
+        20e-6, ge=0, description="seed for HBM copy -> engine latency per call"
+    )
     remote_bandwidth_bytes_per_s: float = Field(
         1e9, gt=0, description="seed for remote store -> DRAM bandwidth, refined from real reads"
     )

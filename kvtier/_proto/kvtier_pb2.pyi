@@ -1376,11 +1376,19 @@ class CudaGetRequest(_message.Message):
     NAMESPACE_FIELD_NUMBER: _builtins.int
     BUFFER_ID_FIELD_NUMBER: _builtins.int
     BLOCKS_FIELD_NUMBER: _builtins.int
+    GROUP_SIZES_FIELD_NUMBER: _builtins.int
     session_id: _builtins.int
     namespace: _builtins.str
     buffer_id: _builtins.int
     @_builtins.property
     def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___CudaBlock]: ...
+    @_builtins.property
+    def group_sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Empty: one call, answered when every block is copied. Else the blocks in order split
+        into groups of these counts (an engine's layers): the call answers at once with a
+        request_id, every group's copies start, and CudaWait answers per group.
+        """
+
     def __init__(
         self,
         *,
@@ -1388,14 +1396,42 @@ class CudaGetRequest(_message.Message):
         namespace: _builtins.str = ...,
         buffer_id: _builtins.int = ...,
         blocks: _abc.Iterable[Global___CudaBlock] | None = ...,
+        group_sizes: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "buffer_id", b"buffer_id", "namespace", b"namespace", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "buffer_id", b"buffer_id", "group_sizes", b"group_sizes", "namespace", b"namespace", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CudaGetRequest: _TypeAlias = CudaGetRequest  # noqa: Y015
+
+@_typing.final
+class CudaWaitRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.int
+    request_id: _builtins.int
+    """from the grouped CudaGet"""
+    group: _builtins.int
+    """0-based; each group is waited for once"""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.int = ...,
+        request_id: _builtins.int = ...,
+        group: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "request_id", b"request_id", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaWaitRequest: _TypeAlias = CudaWaitRequest  # noqa: Y015
 
 @_typing.final
 class CudaGetResult(_message.Message):
@@ -1426,16 +1462,22 @@ class CudaGetResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     BLOCKS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.int
+    """a grouped CudaGet's, for CudaWait"""
     @_builtins.property
-    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___CudaGetResult]: ...
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___CudaGetResult]:
+        """per block (of the group, for CudaWait)"""
+
     def __init__(
         self,
         *,
         blocks: _abc.Iterable[Global___CudaGetResult] | None = ...,
+        request_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

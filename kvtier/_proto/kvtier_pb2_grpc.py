@@ -130,6 +130,11 @@ class KVTierStub:
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.CudaGetRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.CudaGetResponse.FromString,
                 _registered_method=True)
+        self.CudaWait = channel.unary_unary(
+                '/kvtier.v1.KVTier/CudaWait',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.CudaWaitRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.CudaGetResponse.FromString,
+                _registered_method=True)
 
 
 class KVTierServicer:
@@ -274,6 +279,14 @@ class KVTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CudaWait(self, request, context):
+        """One group of a grouped CudaGet (group_sizes): answers once that group's blocks are
+        in the engine's memory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -370,6 +383,11 @@ def add_KVTierServicer_to_server(servicer, server):
             'CudaGet': grpc.unary_unary_rpc_method_handler(
                     servicer.CudaGet,
                     request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.CudaGetRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.CudaGetResponse.SerializeToString,
+            ),
+            'CudaWait': grpc.unary_unary_rpc_method_handler(
+                    servicer.CudaWait,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.CudaWaitRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_kvtier__pb2.CudaGetResponse.SerializeToString,
             ),
     }
@@ -885,6 +903,33 @@ class KVTier:
             target,
             '/kvtier.v1.KVTier/CudaGet',
             kvtier_dot_v1_dot_kvtier__pb2.CudaGetRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.CudaGetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CudaWait(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/CudaWait',
+            kvtier_dot_v1_dot_kvtier__pb2.CudaWaitRequest.SerializeToString,
             kvtier_dot_v1_dot_kvtier__pb2.CudaGetResponse.FromString,
             options,
             channel_credentials,

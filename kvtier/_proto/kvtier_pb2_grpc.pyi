@@ -90,6 +90,10 @@ class KVTierStub:
     """
     CudaPut: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.CudaPutRequest, _kvtier_pb2.CudaPutResponse]
     CudaGet: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.CudaGetRequest, _kvtier_pb2.CudaGetResponse]
+    CudaWait: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.CudaWaitRequest, _kvtier_pb2.CudaGetResponse]
+    """One group of a grouped CudaGet (group_sizes): answers once that group's blocks are
+    in the engine's memory.
+    """
 
 @_typing.type_check_only
 class KVTierAsyncStub(KVTierStub):
@@ -145,6 +149,10 @@ class KVTierAsyncStub(KVTierStub):
     """
     CudaPut: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.CudaPutRequest, _kvtier_pb2.CudaPutResponse]  # type: ignore[assignment]
     CudaGet: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.CudaGetRequest, _kvtier_pb2.CudaGetResponse]  # type: ignore[assignment]
+    CudaWait: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.CudaWaitRequest, _kvtier_pb2.CudaGetResponse]  # type: ignore[assignment]
+    """One group of a grouped CudaGet (group_sizes): answers once that group's blocks are
+    in the engine's memory.
+    """
 
 class KVTierServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -311,5 +319,15 @@ class KVTierServicer(metaclass=_abc_1.ABCMeta):
         request: _kvtier_pb2.CudaGetRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvtier_pb2.CudaGetResponse, _abc.Awaitable[_kvtier_pb2.CudaGetResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def CudaWait(
+        self,
+        request: _kvtier_pb2.CudaWaitRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvtier_pb2.CudaGetResponse, _abc.Awaitable[_kvtier_pb2.CudaGetResponse]]:
+        """One group of a grouped CudaGet (group_sizes): answers once that group's blocks are
+        in the engine's memory.
+        """
 
 def add_KVTierServicer_to_server(servicer: KVTierServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -5,7 +5,7 @@ from __future__ import annotations
 import builtins
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -388,6 +388,22 @@ class AsyncClient:
     ) -> builtins.list[bool]:
         request = cuda.get_request(namespace, keys, buffer_id, block_slices)
         return cuda.found(await self._gpu_call(Op.CUDA_GET, request, pb.CudaGetResponse))
+
+    async def start_get_into_cuda(
+        self,
+        namespace: str,
+        keys: Sequence[bytes | str],
+        buffer_id: int,
+        block_slices: Sequence[tuple[int, int]],
+        group_sizes: Sequence[int],
+    ) -> cuda.CudaGetGroups[Awaitable[builtins.list[bool]]]:
+        request = cuda.get_request(namespace, keys, buffer_id, block_slices, group_sizes)
+        resp = await self._gpu_call(Op.CUDA_GET, request, pb.CudaGetResponse)
+        return cuda.CudaGetGroups(resp.request_id, tuple(group_sizes), self._cuda_wait)
+
+    async def _cuda_wait(self, request_id: int, group: int) -> builtins.list[bool]:
+        request = cuda.wait_request(request_id, group)
+        return cuda.found(await self._gpu_call(Op.CUDA_WAIT, request, pb.CudaGetResponse))
 
     async def _gpu_call(self, op: Op, request: Any, response_type: type[M]) -> M:
         arena = await self._shared_arena()

@@ -4,8 +4,9 @@ imported by the caller's tensor, never here."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.client._common import as_key
@@ -58,10 +59,40 @@ def get_request(
     keys: Sequence[bytes | str],
     buffer_id: int,
     block_slices: Sequence[tuple[int, int]],
+    group_sizes: Sequence[int] = (),
 ) -> pb.CudaGetRequest:
     return pb.CudaGetRequest(
-        namespace=namespace, buffer_id=buffer_id, blocks=cuda_blocks(keys, block_slices)
+        namespace=namespace,
+        buffer_id=buffer_id,
+        blocks=cuda_blocks(keys, block_slices),
+        group_sizes=group_sizes,
     )
+
+
+def wait_request(request_id: int, group: int) -> pb.CudaWaitRequest:
+    return pb.CudaWaitRequest(request_id=request_id, group=group)
+
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class CudaGetGroups(Generic[R]):
+    """A grouped get_into_cuda in flight (`start_get_into_cuda`): every group's copies
+    have started; `wait(g)` answers once group g's blocks are in GPU memory, per block
+    whether it was found. Each group is waited for once, in any order; an engine loading
+    layer by layer waits for layer i just before it runs it."""
+
+    request_id: int
+    group_sizes: tuple[int, ...]
+    _wait: Callable[[int, int], R]
+
+    def wait(self, group: int) -> R:
+        if not 0 <= group < len(self.group_sizes):
+            raise InvalidArgument(
+                f"group {group} is not one of the {len(self.group_sizes)} groups started"
+            )
+        return self._wait(self.request_id, group)
 
 
 def found(resp: pb.CudaGetResponse) -> list[bool]:

@@ -414,6 +414,25 @@ class Client:
         request = cuda.get_request(namespace, keys, buffer_id, block_slices)
         return cuda.found(self._gpu_call(Op.CUDA_GET, request, pb.CudaGetResponse))
 
+    def start_get_into_cuda(
+        self,
+        namespace: str,
+        keys: Sequence[bytes | str],
+        buffer_id: int,
+        block_slices: Sequence[tuple[int, int]],
+        group_sizes: Sequence[int],
+    ) -> cuda.CudaGetGroups[builtins.list[bool]]:
+        """`get_into_cuda` in groups (the blocks in order, `group_sizes` of them each: an
+        engine's layers): returns at once with every group's copies started; wait for
+        each group with `.wait(g)` (per block found) before using its memory."""
+        request = cuda.get_request(namespace, keys, buffer_id, block_slices, group_sizes)
+        resp = self._gpu_call(Op.CUDA_GET, request, pb.CudaGetResponse)
+        return cuda.CudaGetGroups(resp.request_id, tuple(group_sizes), self._cuda_wait)
+
+    def _cuda_wait(self, request_id: int, group: int) -> builtins.list[bool]:
+        request = cuda.wait_request(request_id, group)
+        return cuda.found(self._gpu_call(Op.CUDA_WAIT, request, pb.CudaGetResponse))
+
     def _gpu_call(self, op: Op, request: Any, response_type: type[M]) -> M:
         arena = self._shared_arena()
         if arena is None:

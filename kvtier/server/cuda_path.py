@@ -35,13 +35,16 @@ import asyncio
 import contextlib
 import mmap
 import os
-from collections import OrderedDict
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from kvtier.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvtier.index.catalog import BlockId, TierName
+from kvtier.index.estimators import PathEstimator
+from kvtier.index.planner import TierCost
+from kvtier.index.policy import BlockInfo, Key, TierPolicy
 from kvtier.movers.cuda import Mover, Transfer
 from kvtier.server.store import CommitOutcome, TierUsage
 from kvtier.tiers.allocator import Extent, ExtentAllocator
@@ -52,6 +55,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 MAX_BUFFERS_PER_SESSION = 64
+MAX_GETS_PER_SESSION = 64  # grouped gets started and not yet waited for
 HBM_ALIGN_BYTES = 256  # cudaMalloc's alignment: copies start on it
 
 
@@ -84,13 +88,16 @@ class HbmCopy:
 
 class HbmCache:
     """Copies of hot blocks in one GPU allocation; bookkeeping only (the copies are the
-    caller's, on the Mover). Least recently read first out; pinned copies never."""
+    caller's, on the Mover). Which copy leaves for a new one is the daemon's policy's
+    choice (`order`: an eviction order of the `hbm` tier, valued against DRAM as the tier
+    a block falls back to); pinned copies never leave."""
 
-    def __init__(self, memory: Any, capacity_bytes: int) -> None:
+    def __init__(self, memory: Any, capacity_bytes: int, order: TierPolicy) -> None:
         self.memory = memory
         self.capacity_bytes = capacity_bytes
         self._allocator = ExtentAllocator(capacity_bytes, HBM_ALIGN_BYTES)
-        self._copies: OrderedDict[BlockId, HbmCopy] = OrderedDict()
+        self._copies: dict[BlockId, HbmCopy] = {}
+        self._order = order
         self.hits = 0
         self.promotions = 0
         self.evictions = 0
@@ -103,36 +110,44 @@ class HbmCache:
         return len(self._copies)
 
     def lookup(self, block_id: BlockId, generation: int, size_bytes: int) -> HbmCopy | None:
-        """The block's copy, if it is of this generation and size (else it is dropped)."""
+        """The block's copy, if it is of this generation and size (else it is dropped);
+        a use of it for the policy."""
         copy = self._copies.get(block_id)
         if copy is None:
             return None
         if copy.generation != generation or copy.size_bytes != size_bytes:
             self._drop(copy)
             return None
-        self._copies.move_to_end(block_id)
+        self._order.hit(block_id)
         return copy
 
-    def reserve(self, block_id: BlockId, generation: int, size_bytes: int) -> HbmCopy | None:
-        """Room for a new copy (evicting unpinned ones, least recently read first); None
-        when there is none. The caller pins it while its bytes are on their way."""
+    def reserve(self, block_id: BlockId, generation: int, info: BlockInfo) -> HbmCopy | None:
+        """Room for a new copy of `info.size_bytes` (evicting unpinned copies in the
+        policy's order); None when there is none. The caller pins it while its bytes are
+        on their way."""
         old = self._copies.get(block_id)
         if old is not None and not self._drop(old):
             return None  # an older copy still in use: leave it
-        while (extent := self._allocator.allocate(size_bytes)) is None:
-            victim = next((c for c in self._copies.values() if not c.pins), None)
-            if victim is None or not self._drop(victim):
+        while (extent := self._allocator.allocate(info.size_bytes)) is None:
+            victim = self._order.victim(self._unpinned)
+            if victim is None:
                 return None
+            self._drop(self._copies[cast(BlockId, victim)])
             self.evictions += 1
-        copy = HbmCopy(block_id, generation, size_bytes, extent)
+        copy = HbmCopy(block_id, generation, info.size_bytes, extent)
         self._copies[block_id] = copy
+        self._order.insert(block_id, info)
         return copy
+
+    def _unpinned(self, key: Key) -> bool:
+        return not self._copies[cast(BlockId, key)].pins
 
     def _drop(self, copy: HbmCopy) -> bool:
         if copy.pins:
             return False
         if self._copies.get(copy.block_id) is copy:
             del self._copies[copy.block_id]
+            self._order.remove(copy.block_id)
         self._allocator.free(copy.extent)
         return True
 
@@ -182,13 +197,23 @@ class CudaPath:
         self.opener = opener
         self.device = device
         self.hbm: HbmCache | None = None
+        self._hbm_path: PathEstimator | None = None
         if hbm_capacity_bytes > 0:
-            self.hbm = HbmCache(opener.alloc(device, hbm_capacity_bytes), hbm_capacity_bytes)
+            planner, hbm, dram = store.config.planner, TierName.HBM.value, TierName.DRAM.value
+            seed = TierCost(planner.hbm_bandwidth_bytes_per_s, planner.hbm_latency_s)
+            self._hbm_path = store.add_path(hbm, seed)
+            self.hbm = HbmCache(
+                opener.alloc(device, hbm_capacity_bytes),
+                hbm_capacity_bytes,
+                store.policies.new_tier(hbm, dram, hbm_capacity_bytes),  # falls back to DRAM
+            )
             store.add_tier_report(self._hbm_usage)
         self._buffers: dict[int, EngineBuffer] = {}
         self._next_id = 1
         self._hosts: dict[str, Any] = {}  # tenant -> buffer over its arena
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Grouped gets in flight: (session, request) -> group -> its task (see start_get).
+        self._gets: dict[tuple[int, int], dict[int, asyncio.Task[list[TierName | None]]]] = {}
 
     # ---- registrations --------------------------------------------------------------------
     def register(
@@ -220,7 +245,10 @@ class CudaPath:
         return buffer_id
 
     def end_session(self, session_id: int) -> None:
-        """Forget the session's buffers; each is unmapped once no call copies with it."""
+        """Forget the session's buffers and grouped gets; a buffer is unmapped once no
+        call (and no group still copying) uses it."""
+        for pending in [k for k in self._gets if k[0] == session_id]:
+            del self._gets[pending]
         for buffer_id in [i for i, b in self._buffers.items() if b.session_id == session_id]:
             self._buffers.pop(buffer_id).close_when_unused()
 
@@ -277,6 +305,10 @@ class CudaPath:
         deadline): copies in flight on the device must finish before the arena slots,
         leases, HBM copies and engine mapping they touch are committed, released, freed
         or closed."""
+        return await asyncio.shield(self._started(buffer, work))
+
+    def _started(self, buffer: EngineBuffer, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """`work` on a task of its own that holds `buffer` mapped until it ends."""
         buffer.users += 1
 
         def done(task: asyncio.Future[T]) -> None:
@@ -288,7 +320,7 @@ class CudaPath:
         task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(done)
-        return await asyncio.shield(task)
+        return task
 
     async def _put(
         self,
@@ -331,6 +363,59 @@ class CudaPath:
         buffer = self._buffer(session_id, buffer_id, blocks)
         return await self._to_end(buffer, self._get(session_id, ns_id, buffer, blocks))
 
+    def start_get(
+        self,
+        session_id: int,
+        ns_id: str,
+        buffer_id: int,
+        blocks: list[CudaBlock],
+        group_sizes: list[int],
+    ) -> int:
+        """A get in groups (an engine's layers): every group's copies start now, each on
+        its own (its own lease), and `wait` answers for one group once its blocks are in
+        the engine's memory, so the engine can run layer 0 while the rest arrive. Returns
+        the request's id for `wait`."""
+        buffer = self._buffer(session_id, buffer_id, blocks)
+        if any(size <= 0 for size in group_sizes) or sum(group_sizes) != len(blocks):
+            raise InvalidArgument(
+                f"group_sizes {group_sizes} must be counts > 0 adding up to the "
+                f"{len(blocks)} blocks named, in order"
+            )
+        held = sum(s == session_id for s, _ in self._gets)
+        if held >= MAX_GETS_PER_SESSION:
+            raise ResourceExhausted(
+                f"this session has {held} grouped gets not yet waited for, the most allowed: "
+                "wait for their groups (CudaWait) first"
+            )
+        request_id = self._next_id
+        self._next_id += 1
+        groups: dict[int, asyncio.Task[list[TierName | None]]] = {}
+        first = 0
+        for group, size in enumerate(group_sizes):
+            task = self._started(
+                buffer, self._get(session_id, ns_id, buffer, blocks[first : first + size])
+            )
+            # Read by `wait`, or by nobody if the session ends first: never "unretrieved".
+            task.add_done_callback(_retrieve)
+            groups[group] = task
+            first += size
+        self._gets[session_id, request_id] = groups
+        return request_id
+
+    async def wait(self, session_id: int, request_id: int, group: int) -> list[TierName | None]:
+        """Per block of the group, the tier it was found in (None: a miss), once its copies
+        are done. Each group is waited for once; the request is forgotten after its last."""
+        groups = self._gets.get((session_id, request_id))
+        task = groups.pop(group, None) if groups is not None else None
+        if groups is None or task is None:
+            raise NotFound(
+                f"no group {group} of a grouped get {request_id} pending on this session "
+                "(each group is waited for once, on the session that started it)"
+            )
+        if not groups:
+            del self._gets[session_id, request_id]
+        return await asyncio.shield(task)
+
     async def _get(
         self, session_id: int, ns_id: str, buffer: EngineBuffer, blocks: list[CudaBlock]
     ) -> list[TierName | None]:
@@ -347,12 +432,16 @@ class CudaPath:
             from_hbm.append((i, copy))
         transfers = []
         if from_hbm:
-            hbm = self.hbm
-            assert hbm is not None
+            hbm, path = self.hbm, self._hbm_path
+            assert hbm is not None and path is not None
+            started_s = time.perf_counter()
 
             def unpin() -> None:
                 for _, c in from_hbm:
                     c.pins -= 1
+                path.observe(
+                    sum(c.size_bytes for _, c in from_hbm), time.perf_counter() - started_s
+                )
 
             transfers.append(
                 self.mover.submit(
@@ -444,9 +533,9 @@ class CudaPath:
         copies, promoted = [], []
         for block, engine in arrived:
             entry = self.store.stat((ns_id, block.key))
-            if entry is None:
+            if entry is None or entry.size_bytes != block.size_bytes:
                 continue
-            copy = hbm.reserve((ns_id, block.key), entry.generation, block.size_bytes)
+            copy = hbm.reserve((ns_id, block.key), entry.generation, self.store.block_info(entry))
             if copy is None:
                 continue
             copy.pins += 1
@@ -468,6 +557,11 @@ class CudaPath:
             for copy in promoted:  # never submitted: nothing writes into them
                 hbm.forget(copy)
             raise
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class TorchOpener:

@@ -69,7 +69,7 @@ EVENT_BATCH = 1024  # blocks or events per streamed message (well under 4 MiB)
 
 
 # Ops that finish work a Reserve or an Acquire was admitted for: never rate-limited.
-FINISHING_OPS = frozenset({Op.COMMIT, Op.RELEASE})
+FINISHING_OPS = frozenset({Op.COMMIT, Op.RELEASE, Op.CUDA_WAIT})  # end admitted work
 
 
 @asynccontextmanager
@@ -655,11 +655,22 @@ class KVTierService:
         cuda = self._cuda_path()
         ns_id = self._ns_id(tenant, request.namespace)
         blocks = self._cuda_blocks(tenant, request.blocks)
+        if request.group_sizes:
+            request_id = cuda.start_get(
+                session_id, ns_id, request.buffer_id, blocks, list(request.group_sizes)
+            )
+            self._drop_if_session_ended(session_id)
+            return pb.CudaGetResponse(request_id=request_id)
         tiers = await cuda.get(session_id, ns_id, request.buffer_id, blocks)
         self._drop_if_session_ended(session_id)
-        return pb.CudaGetResponse(
-            blocks=[pb.CudaGetResult(found=t is not None, tier=TIER_TO_PB[t]) for t in tiers]
-        )
+        return _cuda_got(tiers)
+
+    async def _cuda_wait(
+        self, session_id: int, tenant: str, request: pb.CudaWaitRequest
+    ) -> pb.CudaGetResponse:
+        tiers = await self._cuda_path().wait(session_id, request.request_id, request.group)
+        self._drop_if_session_ended(session_id)
+        return _cuda_got(tiers)
 
     async def RegisterCuda(
         self, request: pb.RegisterCudaRequest, context: Ctx
@@ -681,6 +692,12 @@ class KVTierService:
             return await self._cuda_get(*session, request)
         raise AssertionError("unreachable")
 
+    async def CudaWait(self, request: pb.CudaWaitRequest, context: Ctx) -> pb.CudaGetResponse:
+        async with _status(context):
+            session = self._session(request.session_id, context, Op.CUDA_WAIT)
+            return await self._cuda_wait(*session, request)
+        raise AssertionError("unreachable")
+
     async def session_call(self, session_id: int, op: int, payload: bytes) -> tuple[int, bytes]:
         """A framed request from an attached session's socket (see kvtier._session)."""
         try:
@@ -699,6 +716,7 @@ class KVTierService:
                 Op.REGISTER_CUDA: self._register_cuda,
                 Op.CUDA_PUT: self._cuda_put,
                 Op.CUDA_GET: self._cuda_get,
+                Op.CUDA_WAIT: self._cuda_wait,
             }
             handler = handlers[kind]
             response = await handler(session_id, tenant, request)
@@ -752,6 +770,12 @@ def _commit_results(outcomes: Iterable[CommitOutcome]) -> list[pb.CommitResult]:
         )
         for o in outcomes
     ]
+
+
+def _cuda_got(tiers: Iterable[TierName | None]) -> pb.CudaGetResponse:
+    return pb.CudaGetResponse(
+        blocks=[pb.CudaGetResult(found=t is not None, tier=TIER_TO_PB[t]) for t in tiers]
+    )
 
 
 def _leased(slot: LeasedSlot | None) -> pb.LeasedBlock:

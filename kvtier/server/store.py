@@ -456,6 +456,8 @@ class Store:
         to_engine = self.paths["dram"].estimate()
         if tier == TierName.DRAM.value:
             return to_engine
+        if tier == TierName.HBM.value:
+            return self.paths[tier].estimate()  # device to device, straight to the engine
         # A fetched run's NVMe (remote) blocks are promoted io_threads (remote.io_threads)
         # at a time (see `acquire`); the engine then copies them one after another.
         threads = self.remote.io.threads if self.remote and tier == "remote" else self.io.threads
@@ -687,6 +689,17 @@ class Store:
         self.catalog.touch(entry)
         self._used(entry)
         self._served(block_id, tier, entry.size_bytes, 0.0)  # device to device: ~free
+
+    def add_path(self, tier: str, seed: TierCost) -> PathEstimator:
+        """A fetch path the store does not move itself (the GPU path's HBM copies): priced
+        for the planner and the policy like the store's own."""
+        estimator = self.paths[tier] = PathEstimator(seed)
+        self._refresh_value_costs()
+        return estimator
+
+    def block_info(self, entry: Entry) -> BlockInfo:
+        """What the policy knows of a stored block (its size, its place in its chain)."""
+        return self._info(entry)
 
     def add_tier_report(self, report: Callable[[], TierUsage]) -> None:
         """Usage of a tier the store does not hold itself, for stats and metrics."""

@@ -70,7 +70,7 @@ ALLOWED = {
     grpc.StatusCode.PERMISSION_DENIED,
 }
 # The GPU path's ops: UNIMPLEMENTED (with a message) is their answer on a daemon without one.
-GPU_OPS = {int(Op.REGISTER_CUDA), int(Op.CUDA_PUT), int(Op.CUDA_GET)}
+GPU_OPS = {int(Op.REGISTER_CUDA), int(Op.CUDA_PUT), int(Op.CUDA_GET), int(Op.CUDA_WAIT)}
 # Fields no request message has (decodable: a server must ignore them).
 UNKNOWN_FIELDS = [
     b"\x98\x06\x01",  # field 99, varint

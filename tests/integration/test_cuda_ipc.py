@@ -7,6 +7,7 @@ tests/movers/test_cuda_gpu.py and scripts/gpu_check.sh cover real CUDA."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -121,7 +122,7 @@ def test_blocks_read_through_the_gpu_path_are_kept_in_hbm_until_invalid_or_evict
 ) -> None:
     """HBM holds 4 blocks. The first read of a block comes from DRAM and leaves a copy in
     HBM; the second comes from HBM. An overwrite or a delete makes the copy useless, and
-    reading more blocks than fit evicts the least recently read."""
+    reading more blocks than fit evicts copies (which ones: the policy's choice)."""
     daemon = start_daemon(env={**EMULATE, "KVTIER_GPU__HBM_CAPACITY_BYTES": str(4 * BLOCK)})
     path, data = _engine_memory(workdir, 16)
     keys = [f"h{i}".encode() for i in range(6)]
@@ -149,6 +150,67 @@ def test_blocks_read_through_the_gpu_path_are_kept_in_hbm_until_invalid_or_evict
         assert engine.stats()["leases"] == 0
 
 
+def test_a_grouped_get_answers_each_group_once_its_own_blocks_have_arrived(
+    start_daemon: StartDaemon, workdir: Path
+) -> None:
+    """An engine loading layer by layer: group 0's blocks are in DRAM, group 1's on a
+    drive whose reads take 1.5 s. Both groups' copies start at once; waiting for group 0
+    answers as soon as its blocks are in the engine's memory, long before group 1's."""
+    delay_s = 1.5
+    daemon = start_daemon(env=EMULATE)
+    path, data = _engine_memory(workdir, 16)
+    keys = [f"L{i}".encode() for i in range(8)]
+    with daemon.client() as engine:
+        buf = engine.register_cuda_handle(0, str(path).encode(), 0, len(data))
+        assert engine.put_from_cuda(NS, keys, buf, _slices(0, 8)) == [True] * 8
+    daemon.env = {**EMULATE, "KVTIER_FAILPOINTS": f"nvme.read=delay:{delay_s}"}
+    daemon.restart()  # every block on NVMe only
+    with daemon.client() as engine:
+        buf = engine.register_cuda_handle(0, str(path).encode(), 0, len(data))
+        assert engine.get_into_cuda(NS, keys[:4], buf, _slices(8, 4)) == [True] * 4
+        assert engine.lookup(NS, keys).tiers == ["dram"] * 4 + ["nvme"] * 4
+        with path.open("r+b") as memory:  # the engine's target range, cleared
+            memory.seek(8 * BLOCK)
+            memory.write(bytes(8 * BLOCK))
+        wanted = [*keys[:4], *keys[4:7], b"never-stored"]
+        started = time.perf_counter()
+        pending = engine.start_get_into_cuda(NS, wanted, buf, _slices(8, 8), [4, 4])
+        assert pending.wait(0) == [True] * 4
+        first_s = time.perf_counter() - started
+        assert path.read_bytes()[8 * BLOCK : 12 * BLOCK] == data[: 4 * BLOCK]
+        assert pending.wait(1) == [True, True, True, False]
+        second_s = time.perf_counter() - started
+        assert first_s < delay_s / 2 and second_s >= delay_s, (first_s, second_s)
+        now = path.read_bytes()
+        assert now[12 * BLOCK : 15 * BLOCK] == data[4 * BLOCK : 7 * BLOCK]
+        assert now[15 * BLOCK :] == bytes(BLOCK)  # the miss's range is untouched
+        with pytest.raises(kvtier.NotFound, match="waited for once"):
+            pending.wait(1)
+        with pytest.raises(kvtier.InvalidArgument, match="not one of the 2 groups"):
+            pending.wait(2)
+        with pytest.raises(kvtier.InvalidArgument, match="adding up to the 8 blocks"):
+            engine.start_get_into_cuda(NS, wanted, buf, _slices(8, 8), [4, 3])
+        assert engine.stats()["leases"] == 0
+
+
+async def test_the_async_client_waits_for_groups_in_any_order(
+    start_daemon: StartDaemon, workdir: Path
+) -> None:
+    daemon = start_daemon(env=EMULATE)
+    path, data = _engine_memory(workdir, 6)
+    async with kvtier.AsyncClient(daemon.target) as engine:
+        buf = await engine.register_cuda_handle(0, str(path).encode(), 0, len(data))
+        assert await engine.put_from_cuda(NS, [b"a", b"b", b"c"], buf, _slices(0, 3)) == [True] * 3
+        pending = await engine.start_get_into_cuda(
+            NS, [b"c", b"x", b"a"], buf, _slices(3, 3), [1, 2]
+        )
+        assert await pending.wait(1) == [False, True]
+        assert await pending.wait(0) == [True]
+        now = path.read_bytes()
+        assert now[3 * BLOCK : 4 * BLOCK] == data[2 * BLOCK : 3 * BLOCK]
+        assert now[4 * BLOCK :] == data[4 * BLOCK : 5 * BLOCK] + data[:BLOCK]
+
+
 @pytest.mark.gpu
 def test_a_torch_engine_tensor_round_trips_through_the_daemon_on_a_real_gpu(
     start_daemon: StartDaemon, workdir: Path
@@ -173,3 +235,10 @@ def test_a_torch_engine_tensor_round_trips_through_the_daemon_on_a_real_gpu(
             assert engine.get_into_cuda(NS, keys, buf, _slices(4, 4)) == [True] * 4
             assert torch.equal(kv[4 * BLOCK :], expected[: 4 * BLOCK])
         assert engine.stats()["tiers"]["hbm"]["hits"] == 4
+        kv[4 * BLOCK :].zero_()
+        torch.cuda.synchronize()
+        pending = engine.start_get_into_cuda(NS, keys, buf, _slices(4, 4), [2, 2])
+        assert pending.wait(0) == [True] * 2
+        assert torch.equal(kv[4 * BLOCK : 6 * BLOCK], expected[: 2 * BLOCK])
+        assert pending.wait(1) == [True] * 2
+        assert torch.equal(kv[4 * BLOCK :], expected[: 4 * BLOCK])

@@ -8,6 +8,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from kvtier.errors import NotFound
 from kvtier.movers.cuda import Mover
 from kvtier.movers.fake import FakeDevice
 from kvtier.server.cuda_path import CudaBlock, CudaPath, EmulatedOpener
@@ -56,6 +59,41 @@ async def test_a_cancelled_put_still_commits_after_its_copies_and_the_mapping_ou
         assert opener.closed
         for i, b in enumerate(blocks):
             assert await get(store, b.key) == bytes(engine[i * BLOCK : (i + 1) * BLOCK])
+        assert device.violations == []
+    finally:
+        await store.close()
+
+
+async def test_a_grouped_get_outlives_its_session_until_its_copies_ran(tmp_path: Path) -> None:
+    """The engine's session ends with both groups' copies submitted and not run: the
+    groups can no longer be waited for, but the mapping stays open and the leases held
+    until the device has run them; then every byte is where it was asked to go."""
+    store = Store(make_config(tmp_path, 8 << 20, 64 << 20))
+    await store.start()
+    device = FakeDevice(seed=2, max_steps_per_query=0)  # copies run only when drained
+    engine = bytearray(os.urandom(8 * BLOCK))
+    opener = MemoryOpener(engine)
+    path = CudaPath(store, Mover(device), opener, 0)
+    try:
+        buffer_id = path.register(7, "default", 0, b"h", 0, len(engine))
+        stored = [CudaBlock(f"k{i}".encode(), i * BLOCK, BLOCK) for i in range(4)]
+        put = asyncio.ensure_future(path.put(7, NS, buffer_id, stored, False))
+        await asyncio.sleep(0.05)
+        device.drain()
+        assert all(o.stored for o in await put)
+        expected = bytes(engine[: 4 * BLOCK])
+        wanted = [CudaBlock(b.key, (4 + i) * BLOCK, BLOCK) for i, b in enumerate(stored)]
+        request_id = path.start_get(7, NS, buffer_id, wanted, [1, 3])
+        await asyncio.sleep(0.05)  # both groups leased and submitted
+        assert store.stats().leases == 2
+        path.end_session(7)
+        with pytest.raises(NotFound, match="no group 0"):
+            await asyncio.wait_for(path.wait(7, request_id, 0), 5)
+        assert not opener.closed
+        device.drain()
+        await path.close()
+        assert opener.closed and store.stats().leases == 0
+        assert bytes(engine[4 * BLOCK :]) == expected
         assert device.violations == []
     finally:
         await store.close()

@@ -1,10 +1,12 @@
-"""HbmCache bookkeeping: capacity, pins, generations, recency (property-tested)."""
+"""HbmCache bookkeeping: capacity, pins, generations (property-tested), and eviction in
+the daemon policy's order."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.index.policy import BlockInfo, LruPolicy, S3FifoPolicy, TierPolicy
 from kvtier.server.cuda_path import HbmCache
 
 CAPACITY = 16 << 10
@@ -24,12 +26,12 @@ ops = st.lists(
 def test_capacity_holds_pinned_copies_stay_and_stale_generations_miss(
     steps: list[tuple[str, int, int, int]],
 ) -> None:
-    cache = HbmCache(memory=None, capacity_bytes=CAPACITY)
+    cache = HbmCache(memory=None, capacity_bytes=CAPACITY, order=LruPolicy())
     for op, block, generation, size in steps:
         bid = ("ns", bytes([block]))
         pinned_before = {c.block_id: c for c in cache._copies.values() if c.pins}
         if op == "reserve":
-            copy = cache.reserve(bid, generation, size)
+            copy = cache.reserve(bid, generation, BlockInfo(size))
             if copy is not None:
                 assert copy.generation == generation and copy.size_bytes == size
         elif op == "lookup":
@@ -47,3 +49,22 @@ def test_capacity_holds_pinned_copies_stay_and_stale_generations_miss(
         )
         for block_id, copy in pinned_before.items():
             assert cache._copies.get(block_id) is copy  # a copy in use is never dropped
+
+
+def _survivors_of_a_scan(order: TierPolicy) -> set[int]:
+    """Block 0 read three times, then eight blocks read once each, in a cache of four."""
+    block_bytes = CAPACITY // 4
+    cache = HbmCache(memory=None, capacity_bytes=CAPACITY, order=order)
+    assert cache.reserve(("ns", b"\0"), 1, BlockInfo(block_bytes)) is not None
+    for _ in range(2):
+        assert cache.lookup(("ns", b"\0"), 1, block_bytes) is not None
+    for block in range(1, 9):
+        assert cache.reserve(("ns", bytes([block])), 1, BlockInfo(block_bytes)) is not None
+    assert len(cache) == 4 and cache.evictions == 5
+    return {b for b in range(9) if cache.lookup(("ns", bytes([b])), 1, block_bytes)}
+
+
+def test_which_copy_leaves_is_the_policys_choice() -> None:
+    # LRU lets a one-time scan push out the block read three times; S3-FIFO keeps it.
+    assert _survivors_of_a_scan(LruPolicy()) == {5, 6, 7, 8}
+    assert 0 in _survivors_of_a_scan(S3FifoPolicy(CAPACITY))
