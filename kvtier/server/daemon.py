@@ -356,7 +356,10 @@ def cuda_path(store: Store, config: Config) -> CudaPath | None:
         from kvtier.movers.fake import FakeDevice
 
         logger.warning("gpu.emulate: the GPU path runs on a CPU stand-in (tests and demos)")
-        mover = Mover(FakeDevice(), gpu.streams_per_direction)
+        # Each poll may run everything queued (streams still interleaved at random), as a
+        # GPU would have by then: the unit tests' few steps per poll would make emulated
+        # timings measure the stand-in's pace rather than the daemon's.
+        mover = Mover(FakeDevice(max_steps_per_query=1 << 20), gpu.streams_per_direction)
         return CudaPath(store, mover, EmulatedOpener(), max(gpu.device, 0), gpu.hbm_capacity_bytes)
     if gpu.device < 0:
         return None
