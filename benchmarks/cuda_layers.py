@@ -19,42 +19,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import _daemon  # benchmarks/_daemon.py
+
 import kvtier
 from kvtier.sizes import parse_size
 
 NS = "llama3-8b/layers"
-
-
-def _serve(workdir: Path) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier", "serve", "--listen", f"unix://{workdir}/s.sock",
-         "--dram-capacity", "1GiB", "--nvme-path", str(workdir / "nvme"),
-         "--nvme-capacity", "4GiB"],
-        stdout=subprocess.PIPE,
-        stderr=(workdir / "log").open("a"),
-        text=True,
-        env={**os.environ, "KVTIER_GPU__EMULATE": "true"},
-    )  # fmt: skip
-    assert proc.stdout is not None
-    match = re.search(r"serving on (\S+)", proc.stdout.readline())
-    if not match:
-        raise SystemExit(f"the daemon did not start: {(workdir / 'log').read_text()}")
-    return proc, match.group(1)
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    proc.terminate()
-    proc.wait(timeout=60)
+EMULATE = {"KVTIER_GPU__EMULATE": "true"}
 
 
 def main() -> None:
@@ -79,14 +57,14 @@ def main() -> None:
         for r in range(args.rounds)
         for mode in ("one", "grouped")
     ]
-    proc, target = _serve(workdir)
+    proc, target = _daemon.start(workdir, EMULATE, "4GiB")
     try:
         with kvtier.Client(target) as engine:
             buf = engine.register_cuda_handle(0, handle, 0, chain_bytes)
             for keys in chains:
                 assert all(engine.put_from_cuda(NS, keys, buf, slices))
-        _stop(proc)
-        proc, target = _serve(workdir)  # every block on NVMe only now
+        _daemon.stop(proc)
+        proc, target = _daemon.start(workdir, EMULATE, "4GiB")  # every block on NVMe only now
         first: dict[str, list[float]] = {"one": [], "grouped": []}
         whole: dict[str, list[float]] = {"one": [], "grouped": []}
         with kvtier.Client(target) as engine:
@@ -107,7 +85,7 @@ def main() -> None:
                                 first[mode].append(time.perf_counter() - started)
                     whole[mode].append(time.perf_counter() - started)
     finally:
-        _stop(proc)
+        _daemon.stop(proc)
         shutil.rmtree(workdir, ignore_errors=True)
     med = {
         k: {m: statistics.median(v[m]) for m in v} for k, v in (("first", first), ("all", whole))

@@ -19,37 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import _daemon  # benchmarks/_daemon.py
+
 import kvtier
 from kvtier.sizes import parse_size
-
-
-def _daemon(root: Path, name: str, env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
-    workdir = root / name
-    workdir.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier", "serve", "--listen", f"unix://{workdir}/s.sock",
-         "--dram-capacity", "1GiB", "--nvme-path", str(workdir / "nvme"),
-         "--nvme-capacity", "2GiB"],
-        stdout=subprocess.PIPE,
-        stderr=(workdir / "log").open("w"),
-        text=True,
-        env={**os.environ, **env},
-    )  # fmt: skip
-    assert proc.stdout is not None
-    match = re.search(r"serving on (\S+)", proc.stdout.readline())
-    if not match:
-        raise SystemExit(f"daemon {name} did not start: {(workdir / 'log').read_text()}")
-    return proc, match.group(1)
 
 
 def main() -> None:
@@ -79,9 +60,9 @@ def main() -> None:
             "KVTIER_REMOTE__URL": f"unix://{sock}",
             "KVTIER_REMOTE__IO_THREADS": str(args.io_threads),
         }
-        proc_a, target_a = _daemon(root, "a", env)
+        proc_a, target_a = _daemon.start(root / "a", env)
         procs.append(proc_a)
-        proc_b, target_b = _daemon(root, "b", env)
+        proc_b, target_b = _daemon.start(root / "b", env)
         procs.append(proc_b)
         ns = "llama3-8b/remote-fetch"
         remote_s, local_s, plain_s = [], [], []
@@ -111,8 +92,7 @@ def main() -> None:
         raw.close()
     finally:
         for proc in procs:
-            proc.terminate()
-            proc.wait(30)
+            _daemon.stop(proc)
             if proc.stdout is not None:
                 proc.stdout.close()
         redis.kill()

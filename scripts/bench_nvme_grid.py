@@ -2,6 +2,7 @@
 """The `kvtier bench nvme --vs-fio` grid of the benchmark issue, as a markdown table.
 
     python scripts/bench_nvme_grid.py --directory /mnt/nvme0 [--size 512M] [--repeat 3]
+        [--modes raw,tier] [--ioengine libaio|psync]
 
 Runs sequential read and write at --bs 1M and 4M, --iodepth 1 and 8, --direct 1, in
 --mode raw and --mode tier, each against fio's equivalent job (libaio) in the same
@@ -23,12 +24,15 @@ def main() -> int:
     parser.add_argument("--directory", required=True)
     parser.add_argument("--size", default="512M")
     parser.add_argument("--repeat", default="3")
+    parser.add_argument("--modes", default="raw,tier", help="comma-separated: raw, tier")
+    parser.add_argument("--ioengine", help="raw mode's engine (default: the tool's choice)")
     args = parser.parse_args()
     print(
-        "| mode | rw | bs | iodepth | kvtier-bench MB/s | fio MB/s | ratio | p50 µs (kvtier/fio) |"
+        "| mode | rw | bs | iodepth | kvtier-bench MB/s | fio MB/s | ratio | paired ratio "
+        "| p50 µs (kvtier/fio) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for mode in ("raw", "tier"):
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mode in args.modes.split(","):
         for rw in ("read", "write"):
             for bs in ("1M", "4M"):
                 for depth in ("1", "8"):
@@ -36,6 +40,8 @@ def main() -> int:
                         f"--size {args.size} --bs {bs} --rw {rw} --iodepth {depth} --direct 1 "
                         f"--mode {mode} --vs-fio --repeat {args.repeat} --output-format json"
                     )
+                    if mode == "raw" and args.ioengine:
+                        flags += f" --ioengine {args.ioengine}"
                     out = subprocess.run(
                         [
                             sys.executable,
@@ -55,6 +61,7 @@ def main() -> int:
                     print(
                         f"| {mode} | {rw} | {bs} | {depth} | {c['kvtier_bw_bytes'] / 1e6:.0f} | "
                         f"{c['fio_bw_bytes'] / 1e6:.0f} | {c['bw_ratio']:.2f} | "
+                        f"{c.get('paired_bw_ratio', c['bw_ratio']):.2f} | "
                         f"{c['kvtier_clat_p50_ns'] / 1e3:.0f} / {c['fio_clat_p50_ns'] / 1e3:.0f} |",
                         flush=True,
                     )

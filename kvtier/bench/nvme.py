@@ -287,7 +287,9 @@ class Runner:
             job.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(job.path, os.O_RDWR | os.O_CREAT | self._direct(), 0o600)
             try:
-                os.ftruncate(fd, _blocks(args) * args.bs)
+                # Allocated up front, as fio lays out its files (fallocate=native): a write
+                # then converts an extent rather than allocating blocks mid-run.
+                os.posix_fallocate(fd, 0, _blocks(args) * args.bs)
                 for i in range(_blocks(args) if reads else 0):
                     os.pwritev(fd, [self._payload_view], i * args.bs)
             finally:
@@ -591,7 +593,15 @@ def run_fio(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     return doc
 
 
-def comparison(ours: dict[str, Any], fio: dict[str, Any]) -> dict[str, Any]:
+def comparison(
+    ours: dict[str, Any],
+    fio: dict[str, Any],
+    pairs: dict[str, list[tuple[float, float]]] | None = None,
+) -> dict[str, Any]:
+    """Ours against fio's: the median runs' bandwidths and their ratio; with `pairs` (per
+    direction, (ours, fio) bandwidth of each alternation) also the median of the pairs'
+    ratios, which a disk drifting between alternations moves less: each pair ran back to
+    back."""
     out: dict[str, Any] = {}
     for direction in ("read", "write"):
         bw, ios = totals(ours, direction)
@@ -610,6 +620,9 @@ def comparison(ours: dict[str, Any], fio: dict[str, Any]) -> dict[str, Any]:
                 "kvtier_clat_p50_ns": our_p50,
                 "fio_clat_p50_ns": fio_p50,
             }
+            paired = [a / b for a, b in (pairs or {}).get(direction, []) if b]
+            if paired:
+                out[direction]["paired_bw_ratio"] = round(statistics.median(paired), 4)
     return out
 
 
@@ -617,9 +630,10 @@ def comparison_text(cmp: dict[str, Any]) -> str:
     lines = ["", f"{'':6} {'kvtier-bench':>14} {'fio':>14} {'ratio':>7}"]
     for direction, c in cmp.items():
         ratio = f"{c['bw_ratio']:.3f}" if c["bw_ratio"] is not None else "-"
+        paired = f"  (paired: {c['paired_bw_ratio']:.3f})" if "paired_bw_ratio" in c else ""
         lines.append(
             f"{direction:6} {c['kvtier_bw_bytes'] / 1e6:>10.0f} MB/s "
-            f"{c['fio_bw_bytes'] / 1e6:>9.0f} MB/s {ratio:>7}"
+            f"{c['fio_bw_bytes'] / 1e6:>9.0f} MB/s {ratio:>7}{paired}"
         )
         lines.append(
             f"{'p50':>6} {c['kvtier_clat_p50_ns'] / 1e3:>11.0f} us "
@@ -811,7 +825,14 @@ def main(argv: list[str] | None = None) -> int:
                     for direction in ("read", "write")
                 },
             }
-            doc["vs_fio"] = comparison(doc, fio_doc)
+            pairs = {
+                direction: [
+                    (totals(d, direction)[0], totals(f, direction)[0])
+                    for (d, _), f in zip(ours, fios, strict=True)
+                ]
+                for direction in ("read", "write")
+            }
+            doc["vs_fio"] = comparison(doc, fio_doc, pairs if args.repeat > 1 else None)
         if args.plot:
             plot(jobs, args.plot)
     except BenchError as err:

@@ -292,3 +292,22 @@ def test_both_io_engines_move_every_block_and_say_which_ran(
     assert job["read"]["total_ios"] + job["write"]["total_ios"] == 16
     assert job["read"]["io_bytes"] + job["write"]["io_bytes"] == 16 << 20
     assert list(tmp_path.iterdir()) == []
+
+
+def _run_doc(read_bw: float) -> dict[str, Any]:
+    side = {"bw_bytes": read_bw, "total_ios": 10, "clat_ns": {"percentile": {"50.000000": 1}}}
+    idle = {"bw_bytes": 0, "total_ios": 0, "clat_ns": {"percentile": {}}}
+    return {"jobs": [{"read": side, "write": idle}]}
+
+
+def test_paired_ratio_follows_a_drifting_disk_that_the_ratio_of_medians_does_not() -> None:
+    """The disk slows 3x halfway through: each of our runs is as fast as fio's run right
+    after it, but the median runs come from different halves."""
+    pairs = {"read": [(900.0, 900.0), (800.0, 800.0), (300.0, 300.0), (250.0, 250.0)]}
+    cmp = nvme.comparison(_run_doc(800.0), _run_doc(300.0), pairs)["read"]
+    assert cmp["bw_ratio"] == pytest.approx(800 / 300, rel=1e-3)
+    assert cmp["paired_bw_ratio"] == 1.0
+    assert "paired_bw_ratio" not in nvme.comparison(_run_doc(1.0), _run_doc(2.0))["read"]
+    assert nvme.comparison(_run_doc(1.0), _run_doc(2.0), {"read": [(1.0, 2.0), (3.0, 2.0)]})[
+        "read"
+    ]["paired_bw_ratio"] == pytest.approx(1.0)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +36,26 @@ class MemoryOpener(EmulatedOpener):
         return memoryview(self.memory)[offset : offset + size], close
 
 
+@asynccontextmanager
+async def _gpu_path(
+    tmp_path: Path, seed: int, blocks: int
+) -> AsyncIterator[tuple[Store, FakeDevice, bytearray, MemoryOpener, CudaPath]]:
+    """A store, a device whose copies run only when drained, and `blocks` of engine memory."""
+    store = Store(make_config(tmp_path, 8 << 20, 64 << 20))
+    await store.start()
+    device = FakeDevice(seed=seed, max_steps_per_query=0)
+    engine = bytearray(os.urandom(blocks * BLOCK))
+    opener = MemoryOpener(engine)
+    try:
+        yield store, device, engine, opener, CudaPath(store, Mover(device), opener, 0)
+    finally:
+        await store.close()
+
+
 async def test_a_cancelled_put_still_commits_after_its_copies_and_the_mapping_outlives_them(
     tmp_path: Path,
 ) -> None:
-    store = Store(make_config(tmp_path, 8 << 20, 64 << 20))
-    await store.start()
-    device = FakeDevice(seed=1, max_steps_per_query=0)  # copies run only when drained
-    engine = bytearray(os.urandom(4 * BLOCK))
-    opener = MemoryOpener(engine)
-    path = CudaPath(store, Mover(device), opener, 0)
-    try:
+    async with _gpu_path(tmp_path, seed=1, blocks=4) as (store, device, engine, opener, path):
         buffer_id = path.register(7, "default", 0, b"h", 0, len(engine))
         blocks = [CudaBlock(f"k{i}".encode(), i * BLOCK, BLOCK) for i in range(4)]
         call = asyncio.ensure_future(path.put(7, NS, buffer_id, blocks, False))
@@ -60,21 +72,13 @@ async def test_a_cancelled_put_still_commits_after_its_copies_and_the_mapping_ou
         for i, b in enumerate(blocks):
             assert await get(store, b.key) == bytes(engine[i * BLOCK : (i + 1) * BLOCK])
         assert device.violations == []
-    finally:
-        await store.close()
 
 
 async def test_a_grouped_get_outlives_its_session_until_its_copies_ran(tmp_path: Path) -> None:
     """The engine's session ends with both groups' copies submitted and not run: the
     groups can no longer be waited for, but the mapping stays open and the leases held
     until the device has run them; then every byte is where it was asked to go."""
-    store = Store(make_config(tmp_path, 8 << 20, 64 << 20))
-    await store.start()
-    device = FakeDevice(seed=2, max_steps_per_query=0)  # copies run only when drained
-    engine = bytearray(os.urandom(8 * BLOCK))
-    opener = MemoryOpener(engine)
-    path = CudaPath(store, Mover(device), opener, 0)
-    try:
+    async with _gpu_path(tmp_path, seed=2, blocks=8) as (store, device, engine, opener, path):
         buffer_id = path.register(7, "default", 0, b"h", 0, len(engine))
         stored = [CudaBlock(f"k{i}".encode(), i * BLOCK, BLOCK) for i in range(4)]
         put = asyncio.ensure_future(path.put(7, NS, buffer_id, stored, False))
@@ -95,5 +99,3 @@ async def test_a_grouped_get_outlives_its_session_until_its_copies_ran(tmp_path:
         assert opener.closed and store.stats().leases == 0
         assert bytes(engine[4 * BLOCK :]) == expected
         assert device.violations == []
-    finally:
-        await store.close()

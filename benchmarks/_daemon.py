@@ -1,0 +1,36 @@
+"""A real daemon for a benchmark: started on a UNIX socket in its own directory."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+
+def start(
+    workdir: Path, env: dict[str, str], nvme_capacity: str = "2GiB"
+) -> tuple[subprocess.Popen[str], str]:
+    """`kvtier serve` with a 1 GiB arena and its NVMe tier in `workdir` (kept across
+    restarts); returns the process and its target once it serves."""
+    workdir.mkdir(exist_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier", "serve", "--listen", f"unix://{workdir}/s.sock",
+         "--dram-capacity", "1GiB", "--nvme-path", str(workdir / "nvme"),
+         "--nvme-capacity", nvme_capacity],
+        stdout=subprocess.PIPE,
+        stderr=(workdir / "log").open("a"),
+        text=True,
+        env={**os.environ, **env},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    match = re.search(r"serving on (\S+)", proc.stdout.readline())
+    if not match:
+        raise SystemExit(f"the daemon in {workdir} did not start: {(workdir / 'log').read_text()}")
+    return proc, match.group(1)
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    proc.wait(timeout=60)
