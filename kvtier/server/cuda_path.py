@@ -9,14 +9,16 @@ the arena bytes, which only the daemon wrote); a get acquires the blocks (promot
 from NVMe or the remote tier as the zero-copy path does), copies host -> device and
 releases them. Each call answers once its copies are done, so the engine waits per
 request; the blocks' arena memory is pinned by the lease until then and only then let go.
+A grouped get (`start_get`, `wait`) starts every group's copies at once and answers per
+group (an engine's layers), so later layers arrive while earlier ones are used.
 
 Registrations end with their session (the engine's side connection closing), and the
 IPC mappings are closed then. The engine must keep the registered tensor allocated while
 it is registered: the daemon maps the allocation, not a reference to the tensor.
 
 With `gpu.hbm_capacity_bytes`, blocks the engines read this way are kept in a
-daemon-owned GPU pool too (`HbmCache`, least recently read out first): the next read of
-one is a device-to-device copy, with no lease, no host memory and no PCIe transfer. A
+daemon-owned GPU pool too (`HbmCache`; which copies leave is the policy's choice): the
+next read of one is a device-to-device copy, with no lease, no host memory, no PCIe. A
 copy is valid only for the generation of the block it was made from (an overwrite or a
 delete makes it a miss), it is written before the read that made it answers (the engine
 may reuse its memory after that), and it is never freed while a copy out of it is in
