@@ -7,6 +7,7 @@ tests/movers/test_cuda_gpu.py and scripts/gpu_check.sh cover real CUDA."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -190,6 +191,57 @@ def test_a_grouped_get_answers_each_group_once_its_own_blocks_have_arrived(
             pending.wait(2)
         with pytest.raises(kvtier.InvalidArgument, match="adding up to the 8 blocks"):
             engine.start_get_into_cuda(NS, wanted, buf, _slices(8, 8), [4, 3])
+        assert engine.stats()["leases"] == 0
+
+
+def test_a_get_of_blocks_on_nvme_uploads_each_run_while_the_next_is_read(
+    start_daemon: StartDaemon, workdir: Path
+) -> None:
+    """NVMe -> pinned -> GPU as a pipeline within one call: 8 blocks on a drive whose reads
+    take 0.4 s, 2 I/O threads. The first blocks land in the engine's memory while the
+    later ones are still being read (one upload after every read would land nothing
+    before ~1.6 s, when the call answers)."""
+    delay_s = 0.4
+    daemon = start_daemon(env={**EMULATE, "KVTIER_NVME__IO_THREADS": "2"})
+    path, data = _engine_memory(workdir, 16)
+    keys = [f"P{i}".encode() for i in range(8)]
+    with daemon.client() as engine:
+        buf = engine.register_cuda_handle(0, str(path).encode(), 0, len(data))
+        assert engine.put_from_cuda(NS, keys, buf, _slices(0, 8)) == [True] * 8
+    daemon.env = {
+        **EMULATE,
+        "KVTIER_NVME__IO_THREADS": "2",
+        "KVTIER_FAILPOINTS": f"nvme.read=delay:{delay_s}",
+    }
+    daemon.restart()  # every block on NVMe only
+    landed_s: list[float] = []
+    done = threading.Event()
+
+    def watch_first_block() -> None:
+        with path.open("rb") as memory:
+            while not done.is_set():
+                memory.seek(8 * BLOCK)
+                if memory.read(BLOCK) == data[:BLOCK]:
+                    landed_s.append(time.perf_counter())
+                    return
+                time.sleep(0.005)
+
+    with daemon.client() as engine:
+        buf = engine.register_cuda_handle(0, str(path).encode(), 0, len(data))
+        assert engine.lookup(NS, keys).tiers == ["nvme"] * 8
+        watcher = threading.Thread(target=watch_first_block)
+        started = time.perf_counter()
+        watcher.start()
+        try:
+            assert engine.get_into_cuda(NS, keys, buf, _slices(8, 8)) == [True] * 8
+            answered = time.perf_counter()
+        finally:
+            done.set()
+            watcher.join()
+        assert path.read_bytes()[8 * BLOCK :] == data[: 8 * BLOCK]
+        assert landed_s, "the first block never landed"
+        first_s, whole_s = landed_s[0] - started, answered - started
+        assert whole_s >= 4 * delay_s and first_s < whole_s - 2 * delay_s, (first_s, whole_s)
         assert engine.stats()["leases"] == 0
 
 
