@@ -363,24 +363,24 @@ class CudaPath:
         arena -> device); per block the tier it was found in, or None for a miss (its
         range is left as it was)."""
         buffer = self._buffer(session_id, buffer_id, blocks)
-        return await self._to_end(buffer, self._get_pipelined(session_id, ns_id, buffer, blocks))
+        return await self._to_end(buffer, self._get(session_id, ns_id, buffer, blocks))
 
-    async def _get_pipelined(
+    async def _get(
         self, session_id: int, ns_id: str, buffer: EngineBuffer, blocks: list[CudaBlock]
     ) -> list[TierName | None]:
         """NVMe -> pinned -> GPU as a pipeline: when blocks must be read from a drive (or
-        fetched from the remote tier), the call is cut into runs of one read per I/O
-        thread, all started at once; the reads queue in order, so each run's upload starts
+        fetched from the remote tier), the call (or group) is cut into runs of one read
+        per I/O thread, all started at once; the reads queue in order, so each run's upload starts
         as soon as its reads are in, while the next run's reads go on. Blocks all in DRAM
         go as one run: nothing to overlap."""
         run = max(self.store.io.threads, 1)
         if len(blocks) <= run or all(self._in_memory(ns_id, b) for b in blocks):
-            return await self._get(session_id, ns_id, buffer, blocks)
+            return await self._get_run(session_id, ns_id, buffer, blocks)
         runs = [blocks[i : i + run] for i in range(0, len(blocks), run)]
         # Every run to its end before the call ends (its copies use the buffer), even if
         # one fails; then the first failure is the call's.
         results = await asyncio.gather(
-            *(self._get(session_id, ns_id, buffer, part) for part in runs),
+            *(self._get_run(session_id, ns_id, buffer, part) for part in runs),
             return_exceptions=True,
         )
         tiers: list[TierName | None] = []
@@ -447,7 +447,7 @@ class CudaPath:
             del self._gets[session_id, request_id]
         return await asyncio.shield(task)
 
-    async def _get(
+    async def _get_run(
         self, session_id: int, ns_id: str, buffer: EngineBuffer, blocks: list[CudaBlock]
     ) -> list[TierName | None]:
         window = self.opener.window

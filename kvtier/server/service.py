@@ -659,7 +659,6 @@ class KVTierService:
             request_id = cuda.start_get(
                 session_id, ns_id, request.buffer_id, blocks, list(request.group_sizes)
             )
-            self._drop_if_session_ended(session_id)
             return pb.CudaGetResponse(request_id=request_id)
         tiers = await cuda.get(session_id, ns_id, request.buffer_id, blocks)
         self._drop_if_session_ended(session_id)
