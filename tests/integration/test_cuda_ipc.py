@@ -151,6 +151,22 @@ def test_blocks_read_through_the_gpu_path_are_kept_in_hbm_until_invalid_or_evict
         assert engine.stats()["leases"] == 0
 
 
+def _on_a_slow_drive(
+    start_daemon: StartDaemon, workdir: Path, prefix: str, delay_s: float, env: dict[str, str]
+) -> tuple[DaemonProcess, Path, bytes, list[bytes]]:
+    """8 blocks stored from engine memory of 16, then the daemon restarted with every
+    NVMe read taking `delay_s`: the blocks are on NVMe only."""
+    daemon = start_daemon(env={**EMULATE, **env})
+    path, data = _engine_memory(workdir, 16)
+    keys = [f"{prefix}{i}".encode() for i in range(8)]
+    with daemon.client() as engine:
+        buf = engine.register_cuda_handle(0, str(path).encode(), 0, len(data))
+        assert engine.put_from_cuda(NS, keys, buf, _slices(0, 8)) == [True] * 8
+    daemon.env = {**EMULATE, **env, "KVTIER_FAILPOINTS": f"nvme.read=delay:{delay_s}"}
+    daemon.restart()
+    return daemon, path, data, keys
+
+
 def test_a_grouped_get_answers_each_group_once_its_own_blocks_have_arrived(
     start_daemon: StartDaemon, workdir: Path
 ) -> None:
@@ -158,14 +174,7 @@ def test_a_grouped_get_answers_each_group_once_its_own_blocks_have_arrived(
     drive whose reads take 1.5 s. Both groups' copies start at once; waiting for group 0
     answers as soon as its blocks are in the engine's memory, long before group 1's."""
     delay_s = 1.5
-    daemon = start_daemon(env=EMULATE)
-    path, data = _engine_memory(workdir, 16)
-    keys = [f"L{i}".encode() for i in range(8)]
-    with daemon.client() as engine:
-        buf = engine.register_cuda_handle(0, str(path).encode(), 0, len(data))
-        assert engine.put_from_cuda(NS, keys, buf, _slices(0, 8)) == [True] * 8
-    daemon.env = {**EMULATE, "KVTIER_FAILPOINTS": f"nvme.read=delay:{delay_s}"}
-    daemon.restart()  # every block on NVMe only
+    daemon, path, data, keys = _on_a_slow_drive(start_daemon, workdir, "L", delay_s, {})
     with daemon.client() as engine:
         buf = engine.register_cuda_handle(0, str(path).encode(), 0, len(data))
         assert engine.get_into_cuda(NS, keys[:4], buf, _slices(8, 4)) == [True] * 4
@@ -202,18 +211,9 @@ def test_a_get_of_blocks_on_nvme_uploads_each_run_while_the_next_is_read(
     later ones are still being read (one upload after every read would land nothing
     before ~1.6 s, when the call answers)."""
     delay_s = 0.4
-    daemon = start_daemon(env={**EMULATE, "KVTIER_NVME__IO_THREADS": "2"})
-    path, data = _engine_memory(workdir, 16)
-    keys = [f"P{i}".encode() for i in range(8)]
-    with daemon.client() as engine:
-        buf = engine.register_cuda_handle(0, str(path).encode(), 0, len(data))
-        assert engine.put_from_cuda(NS, keys, buf, _slices(0, 8)) == [True] * 8
-    daemon.env = {
-        **EMULATE,
-        "KVTIER_NVME__IO_THREADS": "2",
-        "KVTIER_FAILPOINTS": f"nvme.read=delay:{delay_s}",
-    }
-    daemon.restart()  # every block on NVMe only
+    daemon, path, data, keys = _on_a_slow_drive(
+        start_daemon, workdir, "P", delay_s, {"KVTIER_NVME__IO_THREADS": "2"}
+    )
     landed_s: list[float] = []
     done = threading.Event()
 
