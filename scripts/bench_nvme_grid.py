@@ -6,7 +6,8 @@
 
 Runs sequential read and write at --bs 1M and 4M, --iodepth 1 and 8, --direct 1, in
 --mode raw and --mode tier, each against fio's equivalent job (libaio) in the same
-invocation, alternating runs (--repeat) and comparing medians.
+invocation, alternating runs (--repeat, taking turns going first) and comparing medians;
+the paired ratio's 95 % confidence interval needs --repeat 6 or more.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ def main() -> int:
     args = parser.parse_args()
     print(
         "| mode | rw | bs | iodepth | kvtier-bench MB/s | fio MB/s | ratio | paired ratio "
-        "| p50 µs (kvtier/fio) |"
+        "| 95% CI | p50 µs (kvtier/fio) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes.split(","):
         for rw in ("read", "write"):
             for bs in ("1M", "4M"):
@@ -58,10 +59,12 @@ def main() -> int:
                         check=True,
                     )
                     c = json.loads(out.stdout)["vs_fio"][rw]
+                    ci = c.get("paired_bw_ratio_ci95")
                     print(
                         f"| {mode} | {rw} | {bs} | {depth} | {c['kvtier_bw_bytes'] / 1e6:.0f} | "
                         f"{c['fio_bw_bytes'] / 1e6:.0f} | {c['bw_ratio']:.2f} | "
                         f"{c.get('paired_bw_ratio', c['bw_ratio']):.2f} | "
+                        f"{f'{ci[0]:.2f}–{ci[1]:.2f}' if ci else '-'} | "
                         f"{c['kvtier_clat_p50_ns'] / 1e3:.0f} / {c['fio_clat_p50_ns'] / 1e3:.0f} |",
                         flush=True,
                     )

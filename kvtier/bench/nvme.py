@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import math
+import mmap
 import os
 import random
 import shutil
@@ -163,6 +164,9 @@ class Runner:
         self._lock = threading.Lock()
         self._done_bytes = 0
         self._t0_ns = 0
+        self._last_ns = 0  # when the latest I/O completed
+        self._deadline_ns: int | None = None  # --runtime's end, once the clock starts
+        self._ready: threading.Barrier | None = None
         self._queues: dict[int, Iterator[tuple[str, int]]] = {}
         self._tiers: dict[int, NvmeTier] = {}
         self._generations: dict[int, dict[int, int]] = {}  # job -> block -> record generation
@@ -213,21 +217,23 @@ class Runner:
         for job in self.jobs:
             self._layout(job)
             self._queues[job.index] = self._issue_order(job)
-        deadline = time.monotonic() + args.runtime if args.runtime else None
         if args.ioengine == "libaio":
             # One thread per job keeps `iodepth` I/Os in flight in the kernel, as fio's
             # libaio engine does (requests the block layer can merge and batch).
             threads = [
-                threading.Thread(target=self._aio_worker, args=(job, deadline), daemon=True)
+                threading.Thread(target=self._aio_worker, args=(job,), daemon=True)
                 for job in self.jobs
             ]
         else:
             threads = [
-                threading.Thread(target=self._worker, args=(job, deadline), daemon=True)
+                threading.Thread(target=self._worker, args=(job,), daemon=True)
                 for job in self.jobs
                 for _ in range(args.iodepth)
             ]
-        self._t0_ns = time.monotonic_ns()
+        # The clock starts once every worker has opened its file and touched its buffers,
+        # and stops at the last completion, as fio's runtime does: setup (importing the AIO
+        # module, first-touch faults of `iodepth` buffers) is not the drive's time.
+        self._ready = threading.Barrier(len(threads), action=self._start_clock)
         for t in threads:
             t.start()
         try:
@@ -236,14 +242,41 @@ class Runner:
                 self._progress()
         except KeyboardInterrupt:
             self._stop.set()
+            self._ready.abort()
             for t in threads:
                 t.join()
             raise
-        elapsed = (time.monotonic_ns() - self._t0_ns) / 1e9
+        end_ns = self._last_ns or time.monotonic_ns()
+        elapsed = (end_ns - self._t0_ns) / 1e9 if self._t0_ns else 0.0
         for job in self.jobs:
             job.runtime_s = elapsed
-        if self._done_bytes and (time.monotonic_ns() - self._t0_ns) > 2e9:
+        if self._done_bytes and elapsed > 2:
             print(file=sys.stderr)
+
+    def _start_clock(self) -> None:
+        self._t0_ns = time.monotonic_ns()
+        if self.args.runtime:
+            self._deadline_ns = self._t0_ns + int(self.args.runtime * 1e9)
+
+    def _over(self) -> bool:
+        """Stopped (an error, Ctrl-C) or past --runtime."""
+        return self._stop.is_set() or (
+            self._deadline_ns is not None and time.monotonic_ns() >= self._deadline_ns
+        )
+
+    def _set_ready(self) -> bool:
+        """Wait for every worker to finish its setup; False when another one failed."""
+        assert self._ready is not None
+        try:
+            self._ready.wait()
+        except threading.BrokenBarrierError:
+            return False
+        return True
+
+    def _completed(self, size: int, ended_ns: int) -> None:
+        with self._lock:
+            self._done_bytes += size
+            self._last_ns = max(self._last_ns, ended_ns)
 
     def _job_path(self, index: int) -> Path:
         """A file per job (raw) or a record directory (tier); --filename names job 0's file."""
@@ -252,6 +285,8 @@ class Runner:
         return self.root / f"job{index}"
 
     def _progress(self) -> None:
+        if not self._t0_ns:
+            return
         elapsed = (time.monotonic_ns() - self._t0_ns) / 1e9
         if elapsed < 2:
             return
@@ -346,36 +381,42 @@ class Runner:
                 continue  # superseded by a concurrent write between lookup and open
         raise OSError(f"block {index} kept being superseded while read")
 
-    def _aio_worker(self, job: Job, deadline: float | None) -> None:
+    def _aio_worker(self, job: Job) -> None:
         """Raw mode with Linux AIO: `iodepth` requests in flight, one resubmitted per
         completion; completion latency is from submission to its event."""
-        import libaio
-
         args = self.args
-        fd = os.open(job.path, os.O_RDWR | self._direct())
-        target = _FileNo(fd)
-        buffers = [aligned_buffer(round_up(args.bs, ALIGN_BYTES)) for _ in range(args.iodepth)]
+        fd = -1
+        ctx: Any = None
         in_flight: dict[Any, tuple[str, int, int]] = {}  # block -> (kind, slot, start ns)
-        ctx = libaio.AIOContext(args.iodepth)
-
-        def submit(slot: int) -> None:
-            if self._stop.is_set() or (deadline is not None and time.monotonic() >= deadline):
-                return
-            item = self._next(job)
-            if item is None:
-                return
-            kind, index = item
-            read = kind == "read"
-            block = libaio.AIOBlock(
-                mode=libaio.AIOBLOCK_MODE_READ if read else libaio.AIOBLOCK_MODE_WRITE,
-                target_file=target,
-                buffer_list=[memoryview(buffers[slot])[: args.bs] if read else self._payload_view],
-                offset=index * args.bs,
-            )
-            in_flight[block] = (kind, slot, time.monotonic_ns())
-            ctx.submit([block])
-
         try:
+            import libaio
+
+            fd = os.open(job.path, os.O_RDWR | self._direct())
+            target = _FileNo(fd)
+            buffers = [_touched(round_up(args.bs, ALIGN_BYTES)) for _ in range(args.iodepth)]
+            ctx = libaio.AIOContext(args.iodepth)
+
+            def submit(slot: int) -> None:
+                if self._over():
+                    return
+                item = self._next(job)
+                if item is None:
+                    return
+                kind, index = item
+                read = kind == "read"
+                block = libaio.AIOBlock(
+                    mode=libaio.AIOBLOCK_MODE_READ if read else libaio.AIOBLOCK_MODE_WRITE,
+                    target_file=target,
+                    buffer_list=[
+                        memoryview(buffers[slot])[: args.bs] if read else self._payload_view
+                    ],
+                    offset=index * args.bs,
+                )
+                in_flight[block] = (kind, slot, time.monotonic_ns())
+                ctx.submit([block])
+
+            if not self._set_ready():
+                return
             for slot in range(args.iodepth):
                 submit(slot)
             while in_flight:
@@ -389,28 +430,28 @@ class Runner:
                     (job.read if kind == "read" else job.write).record(
                         t_start, t_end, args.bs, self._t0_ns
                     )
-                    with self._lock:
-                        self._done_bytes += args.bs
+                    self._completed(args.bs, t_end)
                     submit(slot)
         except Exception as err:
-            job.error = f"{type(err).__name__}: {err}"
-            self._stop.set()
+            self._failed(job, err)
         finally:
-            if in_flight:
-                ctx.getEvents(min_nr=None)  # the kernel still owns those buffers
-            ctx.close()
-            os.close(fd)
+            if ctx is not None:
+                if in_flight:
+                    ctx.getEvents(min_nr=None)  # the kernel still owns those buffers
+                ctx.close()
+            if fd >= 0:
+                os.close(fd)
 
-    def _worker(self, job: Job, deadline: float | None) -> None:
+    def _worker(self, job: Job) -> None:
         args = self.args
-        read_buf = aligned_buffer(round_up(args.bs, ALIGN_BYTES))
-        read_view = memoryview(read_buf)[: round_up(args.bs, ALIGN_BYTES)]
-        fd = os.open(job.path, os.O_RDWR | self._direct()) if args.mode == "raw" else -1
-        tier = self._tiers.get(job.index)
+        fd = -1
         try:
-            while not self._stop.is_set():
-                if deadline is not None and time.monotonic() >= deadline:
-                    return
+            read_view = memoryview(_touched(round_up(args.bs, ALIGN_BYTES)))
+            fd = os.open(job.path, os.O_RDWR | self._direct()) if args.mode == "raw" else -1
+            tier = self._tiers.get(job.index)
+            if not self._set_ready():
+                return
+            while not self._over():
                 item = self._next(job)
                 if item is None:
                     return
@@ -433,14 +474,26 @@ class Runner:
                 )
                 if tier is not None and kind == "write":
                     self._supersede(job, tier, index, generation)
-                with self._lock:
-                    self._done_bytes += args.bs
+                self._completed(args.bs, t_end)
         except Exception as err:
-            job.error = f"{type(err).__name__}: {err}"
-            self._stop.set()
+            self._failed(job, err)
         finally:
             if fd >= 0:
                 os.close(fd)
+
+    def _failed(self, job: Job, err: Exception) -> None:
+        job.error = f"{type(err).__name__}: {err}"
+        self._stop.set()
+        if self._ready is not None:
+            self._ready.abort()  # workers still in setup would wait for this one forever
+
+
+def _touched(size_bytes: int) -> mmap.mmap:
+    """An aligned buffer with every page already faulted in: a fresh mapping's first-touch
+    faults cost ~4 µs a page here, setup that fio's runtime does not count either."""
+    buf = aligned_buffer(size_bytes)
+    buf[:] = bytes(len(buf))
+    return buf
 
 
 NS_ID = "bench|kv"
@@ -601,7 +654,8 @@ def comparison(
     """Ours against fio's: the median runs' bandwidths and their ratio; with `pairs` (per
     direction, (ours, fio) bandwidth of each alternation) also the median of the pairs'
     ratios, which a disk drifting between alternations moves less: each pair ran back to
-    back."""
+    back; from 6 pairs on, its 95 % confidence interval, which says whether the drive's
+    noise leaves the comparison conclusive."""
     out: dict[str, Any] = {}
     for direction in ("read", "write"):
         bw, ios = totals(ours, direction)
@@ -623,6 +677,9 @@ def comparison(
             paired = [a / b for a, b in (pairs or {}).get(direction, []) if b]
             if paired:
                 out[direction]["paired_bw_ratio"] = round(statistics.median(paired), 4)
+                ci = median_ci(paired)
+                if ci is not None:
+                    out[direction]["paired_bw_ratio_ci95"] = [round(x, 4) for x in ci]
     return out
 
 
@@ -630,7 +687,11 @@ def comparison_text(cmp: dict[str, Any]) -> str:
     lines = ["", f"{'':6} {'kvtier-bench':>14} {'fio':>14} {'ratio':>7}"]
     for direction, c in cmp.items():
         ratio = f"{c['bw_ratio']:.3f}" if c["bw_ratio"] is not None else "-"
-        paired = f"  (paired: {c['paired_bw_ratio']:.3f})" if "paired_bw_ratio" in c else ""
+        paired = f"  (paired: {c['paired_bw_ratio']:.3f}" if "paired_bw_ratio" in c else ""
+        if "paired_bw_ratio_ci95" in c:
+            low, high = c["paired_bw_ratio_ci95"]
+            paired += f", 95% CI {low:.2f}-{high:.2f}"
+        paired += ")" if paired else ""
         lines.append(
             f"{direction:6} {c['kvtier_bw_bytes'] / 1e6:>10.0f} MB/s "
             f"{c['fio_bw_bytes'] / 1e6:>9.0f} MB/s {ratio:>7}{paired}"
@@ -778,6 +839,34 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _fio_run(args: argparse.Namespace) -> dict[str, Any]:
+    """fio's equivalent job in a scratch directory of its own, removed afterwards."""
+    fio_dir = args.directory / f"kvtier-bench-fio-{uuid.uuid4().hex[:8]}"
+    fio_dir.mkdir()
+    try:
+        return run_fio(args, fio_dir)
+    finally:
+        shutil.rmtree(fio_dir, ignore_errors=True)
+
+
+def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the median of `values`: the order
+    statistics the sign test gives (k-th smallest and k-th largest, with k as large as
+    keeps the chance of the median falling outside under 1 - confidence). None when
+    there are too few values for that confidence (fewer than 6 at 95 %)."""
+    xs = sorted(values)
+    n = len(xs)
+    tail = (1 - confidence) / 2
+    k = 0
+    below = 0.0  # P(Binomial(n, 1/2) < k)
+    while k < n and below + math.comb(n, k) / 2**n <= tail:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    if k == 0:
+        return None
+    return xs[k - 1], xs[n - k]
+
+
 def _median_run(docs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run whose total bandwidth (read + write) is the median of the repeats."""
     ranked = sorted(docs, key=lambda d: totals(d, "read")[0] + totals(d, "write")[0])
@@ -797,16 +886,17 @@ def main(argv: list[str] | None = None) -> int:
         args = _parse(argv)
         ours: list[tuple[dict[str, Any], list[Job]]] = []
         fios: list[dict[str, Any]] = []
-        # Alternate our run and fio's, so both see the same drift of a noisy disk.
-        for _ in range(args.repeat):
+        # Alternate our run and fio's, so both see the same drift of a noisy disk, and
+        # take turns going first: on a virtio disk the first of two back-to-back runs
+        # measured slower (fio against itself: 6 of 8 pairs), a bias against whoever
+        # always leads.
+        for round_index in range(args.repeat):
+            fio_first = args.vs_fio and round_index % 2 == 1
+            if fio_first:
+                fios.append(_fio_run(args))
             ours.append(run_once(args))
-            if args.vs_fio:
-                fio_dir = args.directory / f"kvtier-bench-fio-{uuid.uuid4().hex[:8]}"
-                fio_dir.mkdir()
-                try:
-                    fios.append(run_fio(args, fio_dir))
-                finally:
-                    shutil.rmtree(fio_dir, ignore_errors=True)
+            if args.vs_fio and not fio_first:
+                fios.append(_fio_run(args))
         doc = _median_run([d for d, _ in ours])
         jobs = next(j for d, j in ours if d is doc)
         if args.repeat > 1:

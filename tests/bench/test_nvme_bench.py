@@ -6,13 +6,17 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtier.bench import nvme
 
@@ -311,3 +315,109 @@ def test_paired_ratio_follows_a_drifting_disk_that_the_ratio_of_medians_does_not
     assert nvme.comparison(_run_doc(1.0), _run_doc(2.0), {"read": [(1.0, 2.0), (3.0, 2.0)]})[
         "read"
     ]["paired_bw_ratio"] == pytest.approx(1.0)
+
+
+def _engines() -> list[str]:
+    return ["psync", "libaio"] if nvme.libaio_available() else ["psync"]
+
+
+@pytest.mark.parametrize("engine", _engines())
+def test_the_clock_leaves_out_each_workers_setup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: str
+) -> None:
+    """fio's runtime counts from the first I/O: a worker's setup (here its buffers made
+    0.5 s slow) must not be billed to the drive."""
+    real = nvme._touched
+
+    def slow_touched(size_bytes: int) -> Any:
+        time.sleep(0.5)
+        return real(size_bytes)
+
+    monkeypatch.setattr(nvme, "_touched", slow_touched)
+    flags = f"--size 4M --bs 1M --iodepth 2 --ioengine {engine}".split()
+    args = nvme._parse(["--directory", str(tmp_path), *flags])
+    started = time.monotonic()
+    doc, _ = nvme.run_once(args)
+    assert time.monotonic() - started >= 0.5  # the setup did run
+    read = doc["jobs"][0]["read"]
+    assert read["total_ios"] == 4
+    assert read["runtime"] < 400, "setup was counted as I/O time"
+    assert read["bw_bytes"] > (4 << 20) / 0.4
+
+
+def test_a_worker_that_fails_its_setup_stops_the_run_instead_of_hanging_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other workers wait for everyone's setup before the clock starts; one that
+    cannot set up must release them, and the run ends with its error."""
+    real = nvme._touched
+    calls = []
+
+    def failing_touched(size_bytes: int) -> Any:
+        calls.append(size_bytes)
+        if len(calls) == 3:
+            raise MemoryError("no buffer for you")
+        return real(size_bytes)
+
+    monkeypatch.setattr(nvme, "_touched", failing_touched)
+    flags = ["--size", "4M", "--bs", "1M", "--iodepth", "4", "--ioengine", "psync"]
+    args = nvme._parse(["--directory", str(tmp_path), *flags])
+    runner = nvme.Runner(args)
+    with runner.workspace():
+        worker = threading.Thread(target=runner.run, daemon=True)
+        worker.start()
+        worker.join(30)
+        assert not worker.is_alive(), "the run hung on a worker that failed its setup"
+    assert "MemoryError: no buffer for you" in runner.jobs[0].error
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_vs_fio_takes_turns_going_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first of two back-to-back runs measured slower on a virtio disk: whoever always
+    led would carry that bias, so the rounds alternate who starts."""
+    order: list[str] = []
+
+    def ours(args: Any) -> tuple[dict[str, Any], list[Any]]:
+        order.append("kvtier")
+        doc = _run_doc(100.0 + len(order))
+        doc["jobs"][0]["error"] = 0
+        return doc, []
+
+    def fio(args: Any, directory: Path) -> dict[str, Any]:
+        order.append("fio")
+        return _run_doc(100.0)
+
+    monkeypatch.setattr(nvme, "run_once", ours)
+    monkeypatch.setattr(nvme, "run_fio", fio)
+    flags = ["--size", "4M", "--bs", "1M", "--vs-fio", "--repeat", "4", "--output-format", "json"]
+    out = tmp_path / "out.json"
+    assert nvme.main(["--directory", str(tmp_path), *flags, "--output", str(out)]) == 0
+    assert order == ["kvtier", "fio", "fio", "kvtier", "kvtier", "fio", "fio", "kvtier"]
+    # Each round's pair is its own two runs, whichever went first.
+    doc = json.loads(out.read_text())
+    assert doc["repeats"]["read"] == [101.0, 104.0, 105.0, 108.0]
+    assert doc["vs_fio"]["read"]["paired_bw_ratio"] == pytest.approx(1.045)
+
+
+@given(st.lists(st.floats(0.01, 100.0), min_size=1, max_size=40))
+def test_the_median_confidence_interval_holds_the_median(values: list[float]) -> None:
+    ci = nvme.median_ci(values)
+    if len(values) < 6:
+        assert ci is None  # the widest interval (min, max) covers under 95 % below 6
+        return
+    assert ci is not None
+    low, high = ci
+    assert low <= statistics.median(values) <= high
+    assert min(values) <= low and high <= max(values)
+
+
+def test_the_median_confidence_interval_is_the_sign_tests() -> None:
+    # Published order statistics for 95 %: n=10 -> 2nd..9th, n=20 -> 6th..15th.
+    assert nvme.median_ci([float(x) for x in range(1, 11)]) == (2.0, 9.0)
+    assert nvme.median_ci([float(x) for x in range(20, 0, -1)]) == (6.0, 15.0)
+    assert nvme.median_ci([float(x) for x in range(1, 7)]) == (1.0, 6.0)
+    doc = nvme.comparison(
+        _run_doc(1.0), _run_doc(1.0), {"read": [(float(x), 10.0) for x in range(1, 11)]}
+    )
+    assert doc["read"]["paired_bw_ratio_ci95"] == [0.2, 0.9]
+    assert "95% CI 0.20-0.90" in nvme.comparison_text(doc)
