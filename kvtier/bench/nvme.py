@@ -327,6 +327,10 @@ class Runner:
                 os.posix_fallocate(fd, 0, _blocks(args) * args.bs)
                 for i in range(_blocks(args) if reads else 0):
                     os.pwritev(fd, [self._payload_view], i * args.bs)
+                # fio's create_fsync=1: the layout is on the drive before the clock starts,
+                # not still draining from a write-back cache (a VM host's, a drive's)
+                # while the job runs.
+                os.fsync(fd)
             finally:
                 os.close(fd)
             return
@@ -339,6 +343,7 @@ class Runner:
         for i in range(_blocks(args)):
             tier.write(self._header(i), [self._payload_view])
             self._generations[job.index][i] = 1
+        tier.sync()  # as the raw layout's fsync
 
     def _direct(self) -> int:
         return os.O_DIRECT if self.args.direct else 0
