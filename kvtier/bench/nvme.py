@@ -14,6 +14,9 @@ synchronous I/O (`--ioengine psync`: the GIL is released in the syscalls); tier 
 the tier's own code on threads. Output: fio-style text, or JSON laid out like fio's
 (`jobs[].read|write.{io_bytes,bw_bytes,iops,runtime,clat_ns.percentile}`) under the top key
 "kvtier-bench version". Everything the run creates is removed at the end, Ctrl-C included.
+Timing is fio's: files laid out and fsynced, buffers touched, then the clock runs from the
+first I/O to the last completion. `--vs-fio --repeat N` alternates with fio, taking turns
+going first, and gives the paired ratio a 95 % confidence interval.
 """
 
 from __future__ import annotations
