@@ -8,10 +8,17 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from kvtier import failpoints
 from kvtier.errors import CorruptRecord
 from kvtier.movers.io import aligned_buffer
 from kvtier.tiers.allocator import round_up
-from kvtier.tiers.nvme import NvmeTier, RecordHeader, RecoveryReport, header_size_for
+from kvtier.tiers.nvme import (
+    NvmeTier,
+    RecordHeader,
+    RecoveryReport,
+    encode_header,
+    header_size_for,
+)
 
 NS = "default|m/l"
 
@@ -206,6 +213,51 @@ def test_removed_record_files_are_recycled_for_records_of_the_same_size(
     other = write(tier, b"other", b"c" * 5_000)  # another size: a new file
     assert path.stat().st_ino != tier.record_path(NS, b"other", 1).stat().st_ino
     assert read(tier, other) == b"c" * 5_000
+
+
+@pytest.mark.parametrize("fault", ["nvme.pwrite=eio", "nvme.rename=eio"])
+def test_a_failed_write_over_a_recycled_file_leaves_no_record_and_no_stray(
+    tmp_path: Path, fault: str
+) -> None:
+    """The spare is written where it lies in free/, out of the pool: a write that fails
+    on it must not leave a record, nor a spare holding half of one in the pool."""
+    tier = make_tier(tmp_path)
+    old = write(tier, b"old", b"a" * 9000)
+    tier.remove(old)
+    failpoints.configure(fault)
+    try:
+        with pytest.raises(OSError):
+            write(tier, b"new", b"b" * 9000)
+    finally:
+        failpoints.configure("")
+    with pytest.raises(FileNotFoundError):
+        read(tier, header_for(b"new", b"b" * 9000))
+    assert list((tmp_path / "free").iterdir()) == []
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert tier._free_bytes == 0
+    header = write(tier, b"new", b"c" * 9000)  # a new file now: the pool is empty
+    assert read(tier, header) == b"c" * 9000
+
+
+def test_a_spare_left_half_written_by_a_crash_is_only_ever_a_spare(tmp_path: Path) -> None:
+    """A daemon killed while overwriting a spare in free/ leaves it there, half new bytes:
+    the next start must take it as a spare, never a record, and overwrite all of it."""
+    tier = make_tier(tmp_path)
+    template = write(tier, b"x", b"x" * 9000)
+    tier.remove(template)
+    [spare] = list((tmp_path / "free").iterdir())
+    wanted = header_for(b"torn", b"t" * 9000)
+    half = encode_header(wanted).tobytes() + b"t" * 4096  # the header and part of the payload
+    with open(spare, "r+b") as f:
+        f.write(half)
+    tier.close()
+    assert reopen(tmp_path).records == []  # not a record
+    tier = make_tier(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        read(tier, wanted)
+    again = write(tier, b"again", b"g" * 9000)  # reuses the spare: every byte rewritten
+    assert read(tier, again) == b"g" * 9000
+    assert list((tmp_path / "free").iterdir()) == []
 
 
 def test_the_recycled_pool_is_bounded_and_survives_a_restart(tmp_path: Path) -> None:
