@@ -23,10 +23,10 @@ A record is written to a new file in `tmp/` (or over a recycled one where it lie
 `free/`) and renamed into `v1/<xx>/<digest>.<generation>.kvr` only after every byte is
 written, so a crash, ENOSPC or a short write leaves at worst a stray temporary file
 (removed at the next start) or a spare (reused: every byte of it is written before it
-becomes a record), never a visible partial record. Every read
-verifies the header (magic, version, checksum, namespace, key, generation, length), the
-payload checksum and the zero padding; any mismatch raises CorruptRecord, which the store
-turns into a miss. Restart rebuilds the index from the headers on disk.
+becomes a record), never a visible partial record. Every read verifies the header (magic,
+version, checksum, namespace, key, generation, length), the payload checksum and the zero
+padding; any mismatch raises CorruptRecord, which the store turns into a miss. Restart
+rebuilds the index from the headers on disk.
 
 Deletes and overwrites append a tombstone (namespace, key, generation) to `tombstones.log`
 before they are acknowledged, so a record whose removal had not happened yet when the
