@@ -27,7 +27,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvtier.movers.io import aligned_buffer
+from kvtier.buffers import aligned_buffer
 from kvtier.sizes import parse_size
 from kvtier.tiers.nvme import NvmeTier, RecordHeader, header_size_for
 

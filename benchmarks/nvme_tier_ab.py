@@ -30,7 +30,7 @@ from types import ModuleType
 import xxhash
 
 import kvtier.tiers.nvme as current
-from kvtier.movers.io import aligned_buffer
+from kvtier.buffers import aligned_buffer
 from kvtier.sizes import parse_size
 
 NS_ID = "bench|kv"

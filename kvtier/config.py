@@ -26,17 +26,11 @@ from pydantic import (
     model_validator,
 )
 
+from kvtier.env import ENV_CONFIG_FILE, ENV_PREFIX, default_listen
 from kvtier.errors import ConfigError
 from kvtier.sizes import format_size, parse_size
 
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
-ENV_PREFIX = "KVTIER_"
-ENV_CONFIG_FILE = "KVTIER_CONFIG"
-ENV_TARGET = "KVTIER_TARGET"
-ENV_TOKEN = "KVTIER_TOKEN"
-ENV_TLS_CA = "KVTIER_TLS_CA"
-ENV_TLS_CERT = "KVTIER_TLS_CERT"
-ENV_TLS_KEY = "KVTIER_TLS_KEY"
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 CERT_IDENTITY_KINDS = ("cn", "dns", "uri")
@@ -334,7 +328,7 @@ class PlannerConfig(_Section):
     @field_validator("default_model")
     @classmethod
     def _known_model(cls, name: str) -> str:
-        from kvtier.index.profiles import MODELS
+        from kvtier.profiles import MODELS
 
         if name not in MODELS:
             raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
@@ -484,19 +478,10 @@ class Config(_Section):
         """A copy with empty paths filled in from the environment (systemd or XDG)."""
         out = self.model_copy(deep=True)
         if not out.server.listen:
-            out.server.listen = f"unix://{runtime_dir() / 'kvtier.sock'}"
+            out.server.listen = default_listen()
         if not out.nvme.path:
             out.nvme.path = str(nvme_dir())
         return out
-
-
-def runtime_dir() -> Path:
-    """Where the socket lives: systemd's RuntimeDirectory, else the per-user runtime dir."""
-    if os.environ.get("RUNTIME_DIRECTORY"):
-        return Path(os.environ["RUNTIME_DIRECTORY"].split(":")[0])
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        return Path(os.environ["XDG_RUNTIME_DIR"]) / "kvtier"
-    return Path(f"/tmp/kvtier-{os.getuid()}")
 
 
 def state_dir() -> Path:
@@ -514,11 +499,6 @@ def nvme_dir() -> Path:
     if os.environ.get("CACHE_DIRECTORY"):
         return Path(os.environ["CACHE_DIRECTORY"].split(":")[0]) / "nvme"
     return state_dir() / "nvme"
-
-
-def default_target() -> str:
-    """The address clients use when none is given: `$KVTIER_TARGET`, else the default socket."""
-    return os.environ.get(ENV_TARGET) or Config().resolved().server.listen
 
 
 def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from typing import Any
 
 import xxhash
 
-from kvtier.movers.io import aligned_buffer
+from kvtier.buffers import aligned_buffer
 from kvtier.sizes import format_size, parse_size
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.crypto import RecordCipher, Seal

@@ -6,12 +6,12 @@ import pytest
 
 from kvtier.config import (
     Config,
-    default_target,
     default_toml,
     dump_toml,
     env_overrides,
     load_config,
 )
+from kvtier.env import default_target
 from kvtier.errors import ConfigError
 
 

@@ -43,8 +43,8 @@ from typing import Any
 import xxhash
 
 import kvtier
-from kvtier.index.profiles import MODELS as PROFILES
-from kvtier.movers.io import aligned_buffer
+from kvtier.buffers import aligned_buffer
+from kvtier.profiles import MODELS as PROFILES
 from kvtier.sizes import human_size, parse_size
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.nvme import NvmeTier, RecordHeader, header_size_for, supports_o_direct

@@ -34,7 +34,7 @@ from kvtier.index.planner import (
     oracle_total,
     plan,
 )
-from kvtier.index.profiles import MODELS
+from kvtier.profiles import MODELS
 
 TIERS: dict[str, TierCost] = {
     "dram-pcie5": TierCost(50e9, 10e-6),

@@ -20,7 +20,7 @@ from kvtier._wire import (
     get_response_deserializer,
     put_request_serializer,
 )
-from kvtier.config import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TOKEN, default_target
+from kvtier.env import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TOKEN, default_target
 from kvtier.errors import DataLoss, InvalidArgument, KVTierError, RateLimited, from_grpc_code
 from kvtier.index.planner import BlockPlan
 

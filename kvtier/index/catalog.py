@@ -17,20 +17,12 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 
 from kvtier.keys import tenant_of
-from kvtier.tiers.allocator import Extent
+from kvtier.types import BlockId, Extent, LookupResult, TierName
 
-BlockId = tuple[str, bytes]  # (namespace id, key)
-
-
-class TierName(StrEnum):
-    HBM = "hbm"
-    DRAM = "dram"
-    NVME = "nvme"
-    REMOTE = "remote"  # a store the cluster shares: never a catalog entry's own copy
+__all__ = ["BlockId", "Catalog", "Entry", "LookupResult", "TierName"]
 
 
 @dataclass(slots=True, eq=False)
@@ -65,20 +57,6 @@ class Entry:
 
 
 _DRAM, _NVME = TierName.DRAM.value, TierName.NVME.value
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    """How much of an ordered chain of keys is cached, and where each key lives."""
-
-    prefix_blocks: int
-    tiers: list[str | None] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, tiers: list[str | None]) -> LookupResult:
-        """The result for per-key `tiers` (None: not cached): the prefix ends at the first
-        None."""
-        return cls(tiers.index(None) if None in tiers else len(tiers), tiers)
 
 
 class Catalog:

@@ -52,7 +52,7 @@ from kvtier.index.policy import (
     TierPolicy,
     ValueModel,
 )
-from kvtier.index.profiles import MODELS
+from kvtier.profiles import MODELS
 from kvtier.sizes import human_size, parse_size
 from kvtier.tiers.allocator import Extent
 

@@ -17,7 +17,7 @@ import re
 from typing import Any
 
 from kvtier.index.planner import OVERLAPS, Plan, PlanRequest, PrefillCost, TierCost, plan
-from kvtier.index.profiles import MODELS
+from kvtier.profiles import MODELS
 from kvtier.sizes import parse_size
 
 _RATE_RE = re.compile(r"^\s*([\d.eE+-]+)\s*([A-Za-z]*?)(bit)?(/s)?\s*$")

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvtier.buffers import aligned_buffer
 from kvtier.errors import CorruptRecord
-from kvtier.movers.io import aligned_buffer
 from kvtier.tiers.nvme import NvmeTier, RecordHeader, header_size_for
 
 # A namespace id no tenant can have ("tenant|namespace" always has a '|'), so a record

@@ -4,7 +4,6 @@ so several are in flight while the event loop keeps serving."""
 from __future__ import annotations
 
 import asyncio
-import mmap
 import threading
 import time
 from collections.abc import Callable
@@ -13,8 +12,6 @@ from typing import ParamSpec, TypeVar
 
 P = ParamSpec("P")
 T = TypeVar("T")
-
-PAGE_BYTES = mmap.PAGESIZE
 
 
 class IoPool:
@@ -73,8 +70,3 @@ class IoPool:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=False)
-
-
-def aligned_buffer(size_bytes: int) -> mmap.mmap:
-    """A zero-filled, page-aligned buffer (what O_DIRECT needs), of at least one page."""
-    return mmap.mmap(-1, max(size_bytes, PAGE_BYTES))

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from kvtier import failpoints
+from kvtier.buffers import aligned_buffer
 from kvtier.config import Config
 from kvtier.errors import (
     AlreadyExists,
@@ -47,10 +48,10 @@ from kvtier.index.estimators import PathEstimator, PrefillEstimator
 from kvtier.index.planner import BlockCosts, Overlap, Plan, PlanRequest, PrefillCost, TierCost
 from kvtier.index.planner import plan as make_plan
 from kvtier.index.policy import BlockInfo, Policies, TierPolicy, ValueModel
-from kvtier.index.profiles import MODELS
 from kvtier.keys import tenant_of
 from kvtier.movers.calibrate import CALIBRATION_NS_ID, calibrate
-from kvtier.movers.io import IoPool, aligned_buffer
+from kvtier.movers.io import IoPool
+from kvtier.profiles import MODELS
 from kvtier.server.events import EventLog
 from kvtier.server.health import TierHealth
 from kvtier.server.remote_link import RemoteLink

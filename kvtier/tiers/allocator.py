@@ -9,15 +9,11 @@ whole arena.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from sortedcontainers import SortedDict, SortedList
 
+from kvtier.types import Extent
 
-@dataclass(frozen=True, slots=True)
-class Extent:
-    offset: int
-    size_bytes: int
+__all__ = ["Extent", "ExtentAllocator", "round_up"]
 
 
 def round_up(value: int, alignment: int) -> int:

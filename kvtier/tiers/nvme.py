@@ -56,8 +56,8 @@ from typing import TYPE_CHECKING
 import xxhash
 
 from kvtier import failpoints
+from kvtier.buffers import aligned_buffer
 from kvtier.errors import ConfigError, CorruptRecord
-from kvtier.movers.io import aligned_buffer
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.crypto import SEAL, TAG_BYTES, RecordCipher, Seal
 

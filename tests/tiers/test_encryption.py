@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from kvtier.buffers import aligned_buffer
 from kvtier.cli import main as cli_main
 from kvtier.config import NvmeConfig
 from kvtier.errors import ConfigError, CorruptRecord
-from kvtier.movers.io import aligned_buffer
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.crypto import SEAL, RecordCipher, load_key_file, parse_key
 from kvtier.tiers.nvme import (

@@ -9,8 +9,8 @@ import pytest
 import xxhash
 
 from kvtier import failpoints
+from kvtier.buffers import aligned_buffer
 from kvtier.errors import CorruptRecord
-from kvtier.movers.io import aligned_buffer
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.nvme import (
     NvmeTier,

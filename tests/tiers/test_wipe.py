@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from kvtier.buffers import aligned_buffer
 from kvtier.cli import main as cli_main
 from kvtier.errors import ConfigError
-from kvtier.movers.io import aligned_buffer
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.nvme import (
     NvmeTier,
