@@ -208,7 +208,7 @@ class KVTierServicer:
         """Residency events, for routers that index which node holds which prefix: list with
         Snapshot, then WatchEvents from its (epoch, seq); each event is a block's new set of
         tiers (empty: gone). A watcher that reconnects with its last (epoch, seq) gets exactly
-        what it missed, or `resync` when that is gone (see kvtier/server/events.py).
+        what it missed, or `resync` when that is gone (see kvtier/engine/events.py).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

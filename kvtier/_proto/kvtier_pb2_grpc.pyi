@@ -65,7 +65,7 @@ class KVTierStub:
     """Residency events, for routers that index which node holds which prefix: list with
     Snapshot, then WatchEvents from its (epoch, seq); each event is a block's new set of
     tiers (empty: gone). A watcher that reconnects with its last (epoch, seq) gets exactly
-    what it missed, or `resync` when that is gone (see kvtier/server/events.py).
+    what it missed, or `resync` when that is gone (see kvtier/engine/events.py).
     """
     WatchEvents: _grpc.UnaryStreamMultiCallable[_kvtier_pb2.WatchEventsRequest, _kvtier_pb2.WatchEventsResponse]
     Attach: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.AttachRequest, _kvtier_pb2.AttachResponse]
@@ -124,7 +124,7 @@ class KVTierAsyncStub(KVTierStub):
     """Residency events, for routers that index which node holds which prefix: list with
     Snapshot, then WatchEvents from its (epoch, seq); each event is a block's new set of
     tiers (empty: gone). A watcher that reconnects with its last (epoch, seq) gets exactly
-    what it missed, or `resync` when that is gone (see kvtier/server/events.py).
+    what it missed, or `resync` when that is gone (see kvtier/engine/events.py).
     """
     WatchEvents: _aio.UnaryStreamMultiCallable[_kvtier_pb2.WatchEventsRequest, _kvtier_pb2.WatchEventsResponse]  # type: ignore[assignment]
     Attach: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.AttachRequest, _kvtier_pb2.AttachResponse]  # type: ignore[assignment]
@@ -240,7 +240,7 @@ class KVTierServicer(metaclass=_abc_1.ABCMeta):
         """Residency events, for routers that index which node holds which prefix: list with
         Snapshot, then WatchEvents from its (epoch, seq); each event is a block's new set of
         tiers (empty: gone). A watcher that reconnects with its last (epoch, seq) gets exactly
-        what it missed, or `resync` when that is gone (see kvtier/server/events.py).
+        what it missed, or `resync` when that is gone (see kvtier/engine/events.py).
         """
 
     @_abc_1.abstractmethod

@@ -1,4 +1,4 @@
-"""The client's side of the GPU path (kvtier/server/cuda_path.py): a CUDA tensor's IPC
+"""The client's side of the GPU path (kvtier/engine/cuda_path.py): a CUDA tensor's IPC
 handle, and the messages naming blocks by byte range in a registered buffer. torch is
 imported by the caller's tensor, never here."""
 

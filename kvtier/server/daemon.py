@@ -26,15 +26,15 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from kvtier import __version__, failpoints
 from kvtier.config import Config, load_config
+from kvtier.engine.cuda_path import CudaPath, EmulatedOpener, TorchOpener
+from kvtier.engine.store import Store
 from kvtier.errors import ConfigError
 from kvtier.movers.cuda import Mover, TorchDevice
 from kvtier.server.arena_socket import ArenaSocket
-from kvtier.server.cuda_path import CudaPath, EmulatedOpener, TorchOpener
 from kvtier.server.metrics import StoreCollector
 from kvtier.server.reload import plan_reload
 from kvtier.server.sdnotify import Notifier
 from kvtier.server.service import SERVICE_NAME, KVTierService, add_to_server
-from kvtier.server.store import Store
 from kvtier.server.tls import ReloadableCredentials, listener_tls, load_server_tls
 from kvtier.sizes import human_size
 

@@ -12,7 +12,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from kvtier.server.store import Store
+from kvtier.engine.store import Store
 
 
 class StoreCollector(Collector):

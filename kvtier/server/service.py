@@ -31,6 +31,10 @@ from kvtier._wire import (
     tolerant,
 )
 from kvtier.config import Config
+from kvtier.engine.cuda_path import CudaBlock, CudaPath
+from kvtier.engine.events import BlockEvent, Resync
+from kvtier.engine.store import CommitOutcome, LeasedSlot, Store
+from kvtier.engine.telemetry import Telemetry
 from kvtier.errors import (
     InvalidArgument,
     KVTierError,
@@ -45,11 +49,7 @@ from kvtier.index.catalog import BlockId, Entry, TierName
 from kvtier.index.planner import OVERLAPS
 from kvtier.keys import DEFAULT_TENANT, check_key, check_namespace, hash_token, namespace_id
 from kvtier.server.arena_socket import ArenaSocket
-from kvtier.server.cuda_path import CudaBlock, CudaPath
-from kvtier.server.events import BlockEvent, Resync
 from kvtier.server.ratelimit import RateLimiter
-from kvtier.server.store import CommitOutcome, LeasedSlot, Store
-from kvtier.server.telemetry import Telemetry
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVTier"].full_name
@@ -610,7 +610,7 @@ class KVTierService:
         )
         return pb.ReleaseResponse(released=released)
 
-    # ---- the GPU path: engine memory by CUDA IPC (kvtier/server/cuda_path.py) --------------
+    # ---- the GPU path: engine memory by CUDA IPC (kvtier/engine/cuda_path.py) --------------
     def _cuda_path(self) -> CudaPath:
         if self._cuda is None:
             raise Unimplemented(

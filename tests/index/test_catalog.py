@@ -4,8 +4,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
+from kvtier.engine.events import EventLog
 from kvtier.index.catalog import BlockId, Catalog, Entry, TierName
-from kvtier.server.events import EventLog
 from kvtier.tiers.allocator import Extent
 
 NS = "default|m/l"

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
+from kvtier.engine.cuda_path import CudaBlock, CudaPath, EmulatedOpener
+from kvtier.engine.store import Store
 from kvtier.errors import NotFound
 from kvtier.movers.cuda import Mover
 from kvtier.movers.fake import FakeDevice
-from kvtier.server.cuda_path import CudaBlock, CudaPath, EmulatedOpener
-from kvtier.server.store import Store
-from tests.server.test_store import NS, get, make_config
+from tests.engine.test_store import NS, get, make_config
 
 BLOCK = 64 << 10
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.server.health import TierHealth
+from kvtier.engine.health import TierHealth
 
 
 @given(st.integers(1, 8), st.lists(st.booleans(), max_size=60))

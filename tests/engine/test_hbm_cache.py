@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.engine.cuda_path import HbmCache
 from kvtier.index.policy import BlockInfo, LruPolicy, S3FifoPolicy, TierPolicy
-from kvtier.server.cuda_path import HbmCache
 
 CAPACITY = 16 << 10
 ops = st.lists(

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from kvtier.config import Config
+from kvtier.engine.store import Store
 from kvtier.errors import ConfigError
-from kvtier.server.store import Store
 from kvtier.tiers import remote as remote_mod
 from tests.conftest import block_bytes
-from tests.server.test_store import NS, get, put
+from tests.engine.test_store import NS, get, put
 from tests.tiers.test_remote import MemoryBackend
 
 SIZE = 256 << 10

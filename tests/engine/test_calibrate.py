@@ -8,8 +8,8 @@ from pathlib import Path
 import xxhash
 
 from kvtier.config import Config
-from kvtier.movers.calibrate import CALIBRATION_NS_ID, calibrate
-from kvtier.server.store import Store
+from kvtier.engine.calibrate import CALIBRATION_NS_ID, calibrate
+from kvtier.engine.store import Store
 from kvtier.tiers.nvme import NvmeTier, RecordHeader, header_size_for
 
 

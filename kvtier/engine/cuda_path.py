@@ -42,17 +42,17 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
+from kvtier.engine.store import CommitOutcome, TierUsage
 from kvtier.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvtier.index.catalog import BlockId, TierName
 from kvtier.index.estimators import PathEstimator
 from kvtier.index.planner import TierCost
 from kvtier.index.policy import BlockInfo, Key, TierPolicy
 from kvtier.movers.cuda import Mover, Transfer
-from kvtier.server.store import CommitOutcome, TierUsage
 from kvtier.tiers.allocator import Extent, ExtentAllocator
 
 if TYPE_CHECKING:
-    from kvtier.server.store import Store
+    from kvtier.engine.store import Store
     from kvtier.tiers.dram import DramTier
 
 T = TypeVar("T")

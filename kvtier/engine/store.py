@@ -32,6 +32,11 @@ import xxhash
 from kvtier import failpoints
 from kvtier.buffers import aligned_buffer
 from kvtier.config import Config
+from kvtier.engine.calibrate import CALIBRATION_NS_ID, calibrate
+from kvtier.engine.events import EventLog
+from kvtier.engine.health import TierHealth
+from kvtier.engine.remote import RemoteLink
+from kvtier.engine.telemetry import Telemetry
 from kvtier.errors import (
     AlreadyExists,
     ConfigError,
@@ -49,13 +54,8 @@ from kvtier.index.planner import BlockCosts, Overlap, Plan, PlanRequest, Prefill
 from kvtier.index.planner import plan as make_plan
 from kvtier.index.policy import BlockInfo, Policies, TierPolicy, ValueModel
 from kvtier.keys import tenant_of
-from kvtier.movers.calibrate import CALIBRATION_NS_ID, calibrate
 from kvtier.movers.io import IoPool
 from kvtier.profiles import MODELS
-from kvtier.server.events import EventLog
-from kvtier.server.health import TierHealth
-from kvtier.server.remote_link import RemoteLink
-from kvtier.server.telemetry import Telemetry
 from kvtier.sizes import human_size
 from kvtier.tiers.allocator import Extent, round_up
 from kvtier.tiers.dram import DramTier

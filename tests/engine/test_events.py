@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier.engine.events import EventLog, Resync
 from kvtier.index.catalog import TierName
-from kvtier.server.events import EventLog, Resync
 
 DRAM, NVME = TierName.DRAM, TierName.NVME
 

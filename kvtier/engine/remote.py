@@ -28,12 +28,12 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from kvtier.config import RemoteConfig
+from kvtier.engine.health import TierHealth
 from kvtier.errors import CorruptRecord
 from kvtier.index.catalog import BlockId
 from kvtier.index.estimators import PathEstimator
 from kvtier.index.planner import TierCost
 from kvtier.movers.io import IoPool
-from kvtier.server.health import TierHealth
 from kvtier.tiers.remote import Fetched, RemoteTier
 
 logger = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.config import Config
+from kvtier.engine.store import Store
 from kvtier.errors import ResourceExhausted
-from kvtier.server.store import Store
 from kvtier.tiers.nvme import NvmeTier
 from tests.conftest import block_bytes
 
