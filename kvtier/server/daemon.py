@@ -244,7 +244,7 @@ class Daemon:
             loop.add_signal_handler(sig, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, self._reload)
         nvme = (
-            f"nvme {human_size(store.nvme.capacity_bytes)} at {store.nvme.root}"
+            f"nvme {human_size(store.nvme.capacity_bytes)} at {store.nvme.tier.root}"
             if store.nvme
             else "nvme off"
         )

@@ -312,7 +312,7 @@ class KVTierService:
     ) -> AsyncIterator[pb.ListEntry]:
         async with _status(context):
             accepts = self._namespace_filter(self._caller(context), request.namespace)
-            entries = (e for e in self._store.catalog.entries() if accepts(e.block_id[0]))
+            entries = (e for e in self._store.blocks() if accepts(e.block_id[0]))
             for count, entry in enumerate(entries, start=1):
                 yield pb.ListEntry(info=self._info(entry))
                 if request.limit and count >= request.limit:
@@ -339,9 +339,7 @@ class KVTierService:
             events = self._store.events
             # Built before the first yield (no await between): exactly the state at `seq`.
             epoch, seq = events.epoch, events.seq
-            blocks = [
-                self._info(e) for e in self._store.catalog.entries() if accepts(e.block_id[0])
-            ]
+            blocks = [self._info(e) for e in self._store.blocks() if accepts(e.block_id[0])]
             for start in range(0, max(len(blocks), 1), EVENT_BATCH):
                 yield pb.SnapshotResponse(
                     epoch=epoch, seq=seq, blocks=blocks[start : start + EVENT_BATCH]

@@ -91,6 +91,6 @@ async def test_a_record_left_by_an_interrupted_calibration_is_removed(tmp_path: 
     assert len(_records(tmp_path / "nvme")) == 1
     store = Store(_config(tmp_path, calibration_s=0))
     await store.start()
-    assert list(store.catalog.entries()) == []
+    assert list(store.residency.catalog.entries()) == []
     assert _records(tmp_path / "nvme") == []
     await store.close()

@@ -74,14 +74,14 @@ async def test_random_operations_match_a_model(tmp_path: Path, seed: int) -> Non
             assert await store.delete((NS, key)) == (key in model)
             model.pop(key, None)
         assert store.arena("default").used_bytes <= store.arena("default").capacity_bytes
-        assert store.catalog.nvme_used_bytes <= 64 << 20
+        assert store.residency.catalog.nvme_used_bytes <= 64 << 20
     for key, data in model.items():
         assert await get(store, key) == data
     await store.close()
     # Everything on disk after a restart is exactly what the model holds (or absent).
     again = Store(make_config(tmp_path, 4 << 20, 64 << 20))
     await again.start()
-    for entry in list(again.catalog.entries()):
+    for entry in list(again.residency.catalog.entries()):
         key = entry.block_id[1]
         assert await get(again, key) == model[key]
     await again.close()
@@ -212,7 +212,7 @@ async def test_a_block_read_while_it_is_being_demoted_keeps_its_memory(
     await put(store, b"b", block_bytes(2, 1 << 20))
     third = asyncio.ensure_future(put(store, b"c", block_bytes(3, 1 << 20)))
     assert await asyncio.to_thread(entered.wait, 10)
-    demoting = next(e for e in store.catalog.entries() if e.demoting)
+    demoting = next(e for e in store.residency.catalog.entries() if e.demoting)
     reader = await store.open_block(demoting.block_id)  # pinned mid-demotion, from DRAM
     assert reader is not None and reader.tier.value == "dram"
     release.set()
@@ -235,7 +235,7 @@ async def test_a_planned_fetch_slower_than_recompute_is_regret(tmp_path: Path) -
     assert (await store.lookup(NS, [b"g0"])).tiers == ["nvme"]
     result, _costs = await store.plan(NS, [b"g0"], 16, 16, 0, "none", 0)
     assert result.fetch_blocks in (0, 1)
-    store._planned[(NS, b"g0")] = 1e-9  # as if the plan had expected a near-free recompute
+    store.costs.planned[(NS, b"g0")] = 1e-9  # as if the plan had expected a near-free recompute
     assert await get(store, b"g0") == block_bytes(0, 1 << 20)
     stats = store.stats()
     assert stats.fetch_regret_s > 0 and stats.recompute_avoided_s == pytest.approx(1e-9)
@@ -250,7 +250,7 @@ async def test_fetch_reports_fit_the_dram_path_and_bad_reports_are_ignored(
     sizes = {b"a": 1 << 20, b"b": 256 << 10}
     for key, size in sizes.items():
         await put(store, key, block_bytes(size, size))
-    seed = store.paths["dram"].estimate()
+    seed = store.costs.paths["dram"].estimate()
 
     async def fetch(key: bytes, seconds: float, reported_bytes: int) -> None:
         lease_id, slots = await store.acquire(7, [(NS, key)])
@@ -262,12 +262,12 @@ async def test_fetch_reports_fit_the_dram_path_and_bad_reports_are_ignored(
             await fetch(key, float("nan"), size)
             await fetch(key, -1.0, size)
             await fetch(key, 1e-3, 2 * size)  # more bytes than the lease served
-    assert store.paths["dram"].estimate() == seed
+    assert store.costs.paths["dram"].estimate() == seed
     latency_s, bandwidth = 50e-6, 5e9
     for _ in range(10):
         for key, size in sizes.items():
             await fetch(key, latency_s + size / bandwidth, size)
-    fitted = store.paths["dram"].estimate()
+    fitted = store.costs.paths["dram"].estimate()
     assert fitted.latency_s == pytest.approx(latency_s, rel=1e-3)
     assert fitted.bandwidth_bytes_per_s == pytest.approx(bandwidth, rel=1e-3)
     await store.close()
@@ -311,11 +311,11 @@ async def _quiet_blocks_after_noise(tmp_path: Path, noisy_quota: str, seed: int)
             reader = await store.open_block((noisy, key))
             if reader is not None:
                 reader.close()
-        used = store.catalog.nvme_used_by_tenant
+        used = store.residency.catalog.nvme_used_by_tenant
         if noisy_quota != "0":
             assert used["noisy"] <= 8 << 20
         assert used["quiet"] <= 6 << 20
-        assert store.catalog.nvme_used_bytes <= 16 << 20
+        assert store.residency.catalog.nvme_used_bytes <= 16 << 20
     survivors = 0
     for i in range(5):
         reader = await store.open_block((quiet, f"q{i}".encode()))
@@ -345,7 +345,7 @@ async def test_a_session_cannot_hold_more_leases_than_its_limit(tmp_path: Path) 
         await store.acquire(7, [(NS, b"a")])
     with pytest.raises(ResourceExhausted, match="max_leases_per_session"):
         await store.reserve(7, [((NS, b"new"), 4096)], overwrite=False)
-    entry = store.catalog.get((NS, b"a"))
+    entry = store.residency.catalog.get((NS, b"a"))
     assert entry is not None and entry.pins == 3  # the refused calls pinned nothing
     lease_id, _ = await store.acquire(8, [(NS, b"a")])  # another session is not affected
     store.release(8, [lease_id])

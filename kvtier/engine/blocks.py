@@ -1,0 +1,85 @@
+"""The two handles a transfer of one block holds while it runs: a `PutWriter` filling a
+reserved DRAM extent, a `BlockReader` over a pinned block's bytes."""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Callable, Iterator
+
+import xxhash
+
+from kvtier.errors import InvalidArgument
+from kvtier.index.catalog import Entry
+from kvtier.types import BlockId, Extent, TierName
+
+
+class PutWriter:
+    """Bytes of one block arriving into its reserved DRAM extent."""
+
+    def __init__(
+        self, block_id: BlockId, size_bytes: int, overwrite: bool, extent: Extent, view: memoryview
+    ) -> None:
+        self.block_id = block_id
+        self.size_bytes = size_bytes
+        self.overwrite = overwrite
+        self.extent = extent
+        self._view = view
+        self._hasher = xxhash.xxh3_64()
+        self.received_bytes = 0
+        self.done = False
+
+    def write(self, chunk: bytes | bytearray | memoryview) -> None:
+        end = self.received_bytes + len(chunk)
+        if end > self.size_bytes:
+            raise InvalidArgument(
+                f"put stream carries more than the {self.size_bytes} bytes its header declared"
+            )
+        self._view[self.received_bytes : end] = chunk
+        self._hasher.update(chunk)
+        self.received_bytes = end
+
+    def digest(self) -> int:
+        return int(self._hasher.intdigest())
+
+    def written_in_place(self) -> None:
+        """The client wrote the whole slot through its own mapping (zero-copy put)."""
+        self._hasher = xxhash.xxh3_64(self._view[: self.size_bytes])
+        self.received_bytes = self.size_bytes
+
+    def release(self) -> None:
+        self._view.release()
+
+
+class BlockReader:
+    """A pinned block's bytes, valid until `close()`."""
+
+    def __init__(
+        self,
+        entry: Entry,
+        tier: TierName,
+        data: memoryview,
+        unpin: Callable[[Entry], None],
+        backing: mmap.mmap | None = None,
+    ) -> None:
+        self._unpin = unpin
+        self._entry = entry
+        self.tier = tier
+        self.size_bytes = entry.size_bytes
+        self.xxh3_64 = entry.xxh3_64
+        self._data = data
+        self._backing = backing
+        self._closed = False
+
+    def chunks(self, chunk_bytes: int) -> Iterator[memoryview]:
+        """Views of the block's bytes; valid until `close()` (the block stays pinned)."""
+        for start in range(0, self.size_bytes, chunk_bytes):
+            yield self._data[start : start + chunk_bytes]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Chunk views may outlive this call inside gRPC's buffers, so the NVMe read buffer
+        # is left to the garbage collector rather than closed here.
+        del self._data, self._backing
+        self._unpin(self._entry)

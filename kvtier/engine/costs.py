@@ -1,0 +1,178 @@
+"""CostModel: what fetching and recomputing cost now, and what plans promised.
+
+Pure (no I/O, no event loop): the store feeds it the transfers it timed and the fetch times
+clients reported, and asks it for plans and for the per-tier costs the eviction policy
+values blocks with. Paths:
+  "dram"   arena -> engine buffer, fitted from the fetch times zero-copy clients report
+  "nvme"   a verified record read into the arena, timed on the I/O thread that did it
+  "remote" a verified fetch from the cluster's store into the arena (when configured)
+  "hbm"    device to device from the GPU path's copies (added by that path)
+An NVMe (remote) block reaches the engine by its path and then "dram", in series.
+
+A plan that tells an engine to fetch a block is remembered (bounded) and settled when the
+block is served: the recompute it replaced is saved time, a fetch slower than it regret.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from kvtier.engine.results import Counters
+from kvtier.index.estimators import PathEstimator, PrefillEstimator
+from kvtier.index.planner import Plan, PlanRequest
+from kvtier.index.planner import plan as make_plan
+from kvtier.keys import tenant_of
+from kvtier.profiles import MODELS
+from kvtier.types import BlockCosts, BlockId, Overlap, PrefillCost, TierCost, TierName
+
+PLANNED_BLOCKS_KEPT = 1 << 16
+
+
+def model_of(ns_id: str, default_model: str) -> str:
+    """A namespace's model profile: its first path segment, if it names a known model."""
+    model = ns_id.partition("|")[2].split("/", 1)[0]
+    return model if model in MODELS else default_model
+
+
+class CostModel:
+    """Per-path fetch estimators, per-model prefill estimators, and plan settlement.
+
+    `streams(tier)` says how many transfers of a tier run at once (its I/O threads): a run
+    of NVMe blocks is read that many at a time, so each is priced at its share."""
+
+    def __init__(
+        self,
+        seeds: dict[str, TierCost],
+        default_model: str,
+        streams: Callable[[str], int],
+        counters: Counters,
+    ) -> None:
+        self.paths: dict[str, PathEstimator] = {
+            name: PathEstimator(seed) for name, seed in seeds.items()
+        }
+        self.default_model = default_model
+        self._streams = streams
+        self._counters = counters
+        self._prefill: dict[str, PrefillEstimator] = {}
+        # Read by the policy's value model (shared dict: refreshed in place).
+        self.value_costs: dict[str, TierCost] = {}
+        self.planned: OrderedDict[BlockId, float] = OrderedDict()
+        self.refresh()
+
+    def add_path(self, tier: str, seed: TierCost) -> PathEstimator:
+        """A fetch path the store does not move itself (the GPU path's HBM copies)."""
+        estimator = self.paths[tier] = PathEstimator(seed)
+        self.refresh()
+        return estimator
+
+    def observe(self, path: str, size_bytes: int, seconds: float) -> None:
+        self.paths[path].observe(size_bytes, seconds)
+
+    def path_cost(self, tier: str) -> TierCost:
+        """Estimated cost of bringing a block from `tier` into an engine's buffer."""
+        to_engine = self.paths[TierName.DRAM].estimate()
+        if tier == TierName.DRAM:
+            return to_engine
+        if tier == TierName.HBM:
+            return self.paths[tier].estimate()  # device to device, straight to the engine
+        return self.paths[tier].estimate().in_parallel(self._streams(tier)).then(to_engine)
+
+    def refresh(self) -> dict[str, TierCost]:
+        """The engine-visible cost of each tier now (read by the planner and the policy)."""
+        for name in self.paths:
+            self.value_costs[name] = self.path_cost(name)
+        return dict(self.value_costs)
+
+    def estimates(self) -> tuple[dict[str, TierCost], dict[str, PrefillCost]]:
+        """What the planner believes now: per path, and per "tenant|model" prefill."""
+        return (
+            {name: est.estimate() for name, est in self.paths.items()},
+            {key: est.estimate() for key, est in self._prefill.items()},
+        )
+
+    def prefill_estimator(self, ns_id: str) -> PrefillEstimator:
+        """The prefill estimate of a namespace's model, per tenant."""
+        model = model_of(ns_id, self.default_model)
+        key = f"{tenant_of(ns_id)}|{model}"
+        if key not in self._prefill:
+            profile = MODELS[model]
+            self._prefill[key] = PrefillEstimator(
+                PrefillCost(profile.a_s_per_token, profile.c_s_per_token2)
+            )
+        return self._prefill[key]
+
+    def plan(
+        self,
+        ns_id: str,
+        keys: list[bytes],
+        tiers: list[str | None],
+        tokens_per_block: int,
+        prompt_tokens: int,
+        engine_cached_blocks: int,
+        overlap: Overlap,
+        kv_bytes_per_token: int,
+        first_size_bytes: int | None,
+    ) -> tuple[Plan, BlockCosts]:
+        """The plan for a chain whose blocks sit in `tiers`; remembers what it asks to fetch.
+        Without `kv_bytes_per_token`, the first cached block's size (`first_size_bytes`)
+        or the model's profile tells it."""
+        if not kv_bytes_per_token:
+            kv_bytes_per_token = (
+                max(1, first_size_bytes // tokens_per_block)
+                if first_size_bytes
+                else MODELS[model_of(ns_id, self.default_model)].kv_bytes_per_token
+            )
+        request = PlanRequest(
+            prompt_tokens=prompt_tokens or len(keys) * tokens_per_block,
+            tokens_per_block=tokens_per_block,
+            kv_bytes_per_token=kv_bytes_per_token,
+            cached_tiers=tiers,
+            tier_costs=self.refresh(),
+            prefill=self.prefill_estimator(ns_id).estimate(),
+            engine_cached_blocks=engine_cached_blocks,
+            overlap=overlap,
+        )
+        result = make_plan(request)
+        costs = result.block_costs()
+        recompute = costs[2]
+        planned = self.planned
+        for i in range(result.fetch_start, min(result.fetch_end, len(keys))):
+            planned[(ns_id, keys[i])] = recompute[i]
+            planned.move_to_end((ns_id, keys[i]))
+        while len(planned) > PLANNED_BLOCKS_KEPT:
+            planned.popitem(last=False)
+        self._counters.planned_fetch_blocks += result.fetch_blocks
+        self._counters.planned_recompute_blocks += (
+            len(recompute) - result.engine_blocks - result.fetch_blocks
+        )
+        return result, costs
+
+    def served(
+        self, block_id: BlockId, tier: TierName, size_bytes: int, measured_s: float | None
+    ) -> None:
+        """Count a hit; if a plan asked for this fetch, settle what it saved or cost."""
+        self._counters.hits[tier.value] += 1
+        recompute_s = self.planned.pop(block_id, None)
+        if recompute_s is None:
+            return
+        fetch_s = measured_s if measured_s is not None else self.path_cost(tier).fetch_s(size_bytes)
+        self._counters.recompute_avoided_s += recompute_s
+        if fetch_s > recompute_s:
+            self._counters.fetch_regret_s += fetch_s - recompute_s
+
+    def engine_fetch(
+        self, block_sizes: list[int], promote_s: float, fetch_s: float, fetch_bytes: int
+    ) -> float | None:
+        """A client's measured fetch of one lease's blocks: refines the DRAM path per
+        block (the request's round trip is shared by them; time spent promoting from NVMe
+        is that path's, measured already). Returns the copy seconds it fitted, or None
+        for a report it ignored."""
+        if fetch_bytes > sum(block_sizes):
+            return None  # not what this lease served: ignore rather than skew the fit
+        copy_s = fetch_s - promote_s
+        if copy_s <= 0:
+            return None
+        blocks = len(block_sizes)
+        self.paths[TierName.DRAM].observe(fetch_bytes // blocks, copy_s / blocks)
+        return copy_s

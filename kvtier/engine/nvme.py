@@ -1,0 +1,260 @@
+"""NvmeDriver: the NVMe tier (kvtier/tiers/nvme.py) run on the I/O pool, with its health,
+its retries and the tombstone barrier.
+
+It speaks record headers and memory views, never catalog entries, and answers with
+outcomes (a `Read` whose `status` says ok / corrupt / missing / I/O error / offline) that
+the store applies through `Residency`. What must not be forgotten when the disk fails is
+kept here and retried by the health watcher: records to remove (else they leak disk) and
+tombstones to write (else a restart could bring a deleted block back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import errno
+import logging
+import mmap
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from kvtier.buffers import aligned_buffer
+from kvtier.config import NvmeConfig
+from kvtier.engine.calibrate import CALIBRATION_NS_ID
+from kvtier.engine.health import TierHealth
+from kvtier.errors import CorruptRecord
+from kvtier.movers.io import IoPool
+from kvtier.sizes import human_size
+from kvtier.tiers.nvme import NvmeTier, RecordHeader, RecoveryReport, header_size_for
+from kvtier.types import BlockId
+
+logger = logging.getLogger(__name__)
+
+# ENOSPC, EDQUOT, EFBIG: the record does not fit; the device itself is fine.
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
+
+
+class ReadStatus(enum.Enum):
+    OK = "ok"
+    CORRUPT = "corrupt"  # failed verification: drop it now
+    MISSING = "missing"  # the file is gone: forget it
+    IO_ERROR = "io_error"  # perhaps transient: kept until it fails again
+    OFFLINE = "offline"  # the tier is offline: not tried
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    status: ReadStatus
+    service_s: float = 0.0  # the drive's time on the I/O thread (not the queue's)
+    buffer: mmap.mmap | None = None  # `read`: the record's bytes ...
+    offset: int = 0  # ... and where its payload starts in them
+
+    @property
+    def ok(self) -> bool:
+        return self.status is ReadStatus.OK
+
+
+class NvmeDriver:
+    """Create, `await open()`, use, `await close()`. Every method runs on the event loop;
+    the I/O runs on `io`'s threads."""
+
+    def __init__(
+        self, config: NvmeConfig, io: IoPool, spawn: Spawn, take_generation: Callable[[], int]
+    ) -> None:
+        self.tier = NvmeTier.from_config(config)
+        self.io = io
+        self.health = TierHealth("nvme", config.offline_after_errors)
+        self._offline_retry_s = config.offline_retry_s
+        self._spawn = spawn
+        self._take_generation = take_generation
+        self._unremoved: list[RecordHeader] = []
+        self._unwritten_tombstones: list[tuple[BlockId, int]] = []
+        # Records the catalog dropped (evicted, unreadable, ...) that may still be on disk:
+        # the newest such generation per block. A new value of the block must not be
+        # acknowledged until that record cannot come back at a restart (else a SIGKILL
+        # revives the old bytes: found by the soak).
+        self._removing: dict[BlockId, int] = {}
+        self._watch_task: asyncio.Task[None] | None = None
+
+    @property
+    def online(self) -> bool:
+        return self.health.online
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.tier.capacity_bytes
+
+    async def open(self) -> RecoveryReport:
+        """Recover the tier's index from disk; start the health watcher."""
+        report = await self.io.run(self.tier.open)
+        self._watch_task = asyncio.ensure_future(self._watch_forever())
+        return report
+
+    async def close(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+        # Records are complete files once renamed; this makes them survive a power loss
+        # too, so a restart after a clean stop finds every one of them.
+        try:
+            await self.io.run(self.tier.sync)
+        except OSError as err:
+            logger.warning("could not sync the NVMe tier to disk: %s", err.strerror or err)
+
+    def close_files(self) -> None:
+        self.tier.close()
+
+    # ---- data ---------------------------------------------------------------------------
+    async def read(self, header: RecordHeader) -> Read:
+        """The verified record into a fresh buffer (a gRPC Get streams it from there)."""
+        if not self.health.online:
+            return Read(ReadStatus.OFFLINE)
+        try:
+            (buf, offset), service_s = await self.io.run_timed(self.tier.read, header)
+        except (CorruptRecord, OSError) as err:
+            return Read(self._read_failed(err))
+        self.health.succeeded()
+        return Read(ReadStatus.OK, service_s, buf, offset)
+
+    async def read_into(self, header: RecordHeader, payload: memoryview) -> Read:
+        """The verified payload into `payload` (an arena extent: a promotion)."""
+        if not self.health.online:
+            return Read(ReadStatus.OFFLINE)
+        try:
+            _, service_s = await self.io.run_timed(self.tier.read_into, header, payload)
+        except (CorruptRecord, OSError) as err:
+            return Read(self._read_failed(err))
+        self.health.succeeded()
+        return Read(ReadStatus.OK, service_s)
+
+    async def write(self, header: RecordHeader, payload: list[memoryview], then: str) -> int:
+        """Write a record; its size on disk, or 0 if it could not be written (`then` says
+        in the log what becomes of the block)."""
+        try:
+            record_bytes = await self.io.run(self.tier.write, header, payload)
+        except OSError as err:
+            self.failed(err)
+            logger.warning(
+                "could not write a %s record to NVMe (%s); the block %s",
+                human_size(header.record_bytes),
+                err.strerror or err,
+                then,
+            )
+            return 0
+        self.health.succeeded()
+        return record_bytes
+
+    def _read_failed(self, err: Exception) -> ReadStatus:
+        if isinstance(err, CorruptRecord):
+            logger.warning(
+                "NVMe record failed verification (%s); served as a miss and dropped", err
+            )
+            return ReadStatus.CORRUPT
+        if isinstance(err, FileNotFoundError):
+            logger.warning("NVMe record missing from disk; served as a miss and forgotten")
+            return ReadStatus.MISSING
+        assert isinstance(err, OSError)
+        self.failed(err)
+        logger.warning("NVMe record unreadable (%s); served as a miss", err)
+        return ReadStatus.IO_ERROR
+
+    # ---- durability of deletes ------------------------------------------------------------
+    async def tombstone(self, block_id: BlockId, generation: int) -> None:
+        """Make sure no record of `block_id` up to `generation` comes back after a crash."""
+        ns_id, key = block_id
+        if self.health.online:
+            try:
+                await self.io.run(self.tier.tombstone, ns_id, key, generation)
+                self.health.succeeded()
+                return
+            except OSError as err:
+                self.failed(err, "write a tombstone")
+        # Retried by the watcher; until then a crash may resurrect the deleted record.
+        self._unwritten_tombstones.append((block_id, generation))
+
+    def removal_pending(self, block_id: BlockId) -> int:
+        """The newest generation of `block_id` whose record is still being removed (0:
+        none): a new value must tombstone it before it is acknowledged."""
+        return self._removing.get(block_id, 0)
+
+    def schedule_removal(self, header: RecordHeader) -> None:
+        """Remove a record the catalog no longer has, in the background."""
+        block_id = (header.ns_id, header.key)
+        self._removing[block_id] = max(self._removing.get(block_id, 0), header.generation)
+        self._spawn(self._remove(header))
+
+    async def remove_now(self, header: RecordHeader) -> None:
+        await self.io.run(self.tier.remove, header)
+
+    async def _remove(self, header: RecordHeader) -> None:
+        try:
+            await self.io.run(self.tier.remove, header)
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            self.failed(err, "remove a record")
+            self._unremoved.append(header)  # retried by the watcher: disk must not leak
+            return
+        else:
+            self.health.succeeded()
+        block_id = (header.ns_id, header.key)
+        if self._removing.get(block_id) == header.generation:
+            del self._removing[block_id]
+
+    # ---- health ---------------------------------------------------------------------------
+    def failed(self, err: OSError, doing: str = "") -> None:
+        if doing:
+            logger.warning("could not %s on NVMe: %s", doing, err.strerror or err)
+        if err.errno not in _FULL_ERRNOS:  # a full disk is not a failing one
+            self.health.failed(err)
+
+    async def _watch_forever(self) -> None:
+        """Probe an offline tier until it works again, then finish what failed on it."""
+        interval_s = self._offline_retry_s
+        while True:
+            await asyncio.sleep(interval_s if not self.health.online else interval_s / 4)
+            try:
+                if not self.health.online:
+                    if not await self._probe():
+                        continue
+                    self.health.recovered()
+                await self._retry_failed_work()
+            except Exception:  # the watcher must outlive any one failure
+                logger.exception("NVMe health check failed")
+
+    async def _probe(self) -> bool:
+        """Write, read back and remove one small record; True if all of it worked."""
+        key = b"probe"
+        payload = aligned_buffer(4096)
+        header = RecordHeader(
+            ns_id=CALIBRATION_NS_ID,
+            key=key,
+            generation=self._take_generation(),
+            payload_bytes=4096,
+            xxh3_64=xxhash.xxh3_64_intdigest(payload),
+            header_bytes=header_size_for(CALIBRATION_NS_ID, key),
+        )
+        try:
+            await self.io.run(self.tier.write, header, [memoryview(payload)])
+            await self.io.run(self.tier.read, header)
+            await self.io.run(self.tier.remove, header)
+            return True
+        except (OSError, CorruptRecord) as err:
+            # `payload` is not closed here: the traceback may still hold views of it.
+            logger.info("NVMe tier still failing its probe: %s", err)
+            return False
+
+    async def _retry_failed_work(self) -> None:
+        tombstones, self._unwritten_tombstones = self._unwritten_tombstones, []
+        for block_id, generation in tombstones:
+            await self.tombstone(block_id, generation)
+        headers, self._unremoved = self._unremoved, []
+        for header in headers:
+            await self._remove(header)
