@@ -26,8 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
 
 from kvtier import failpoints
 from kvtier.config import Config
@@ -48,11 +47,12 @@ from kvtier.engine.results import (
     StoreStats,
     TierUsage,
 )
+from kvtier.engine.shared import SharedTier
+from kvtier.engine.tasks import Tasks
 from kvtier.engine.telemetry import Telemetry
 from kvtier.engine.zerocopy import ZeroCopy
 from kvtier.errors import (
     AlreadyExists,
-    CorruptRecord,
     DataLoss,
     InvalidArgument,
     ResourceExhausted,
@@ -91,8 +91,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
-K = TypeVar("K")
 
 
 def record_header(entry: Entry) -> RecordHeader:
@@ -123,13 +121,13 @@ class Store:
         self.events = EventLog(cfg.limits.event_history, cfg.limits.event_backlog)
         self.telemetry = Telemetry()
         self.counters = Counters()
-        self._background: set[asyncio.Task[Any]] = set()
+        self.tasks = Tasks()
         self._started_s = time.monotonic()
         self._next_generation = 1
         self.space = DramSpace(cfg)
         self.io = IoPool(cfg.nvme.io_threads)
         self.nvme: NvmeDriver | None = (
-            NvmeDriver(cfg.nvme, self.io, self._spawn, self._take_generation)
+            NvmeDriver(cfg.nvme, self.io, self.tasks.spawn, self.take_generation)
             if cfg.nvme.enabled
             else None
         )
@@ -137,7 +135,6 @@ class Store:
         self.zero_copy = ZeroCopy(self, self.leases)
         self._expiry_task: asyncio.Task[None] | None = None
         self._promotions: dict[Entry, asyncio.Future[bool]] = {}
-        self._remote_fetches: dict[BlockId, asyncio.Future[Entry | None]] = {}
         planner = cfg.planner
         seeds = {
             "dram": TierCost(planner.dram_bandwidth_bytes_per_s, planner.dram_latency_s),
@@ -149,6 +146,7 @@ class Store:
                 planner.remote_bandwidth_bytes_per_s, planner.remote_latency_s
             )
             self.remote = RemoteLink(cfg.remote, seeds["remote"])
+        self.shared = SharedTier(self)
         self.costs = CostModel(seeds, planner.default_model, self._streams, self.counters)
         profile = MODELS[planner.default_model]
         policy = cfg.policy
@@ -322,7 +320,7 @@ class Store:
                     logger.exception("could not flush a block to NVMe")
 
         dram_only = [e for e in self.residency.entries() if not e.nvme_record_bytes]
-        await self._run_to_end(*(one(e) for e in reversed(dram_only)))
+        await self.tasks.run_to_end(*(one(e) for e in reversed(dram_only)))
         return written
 
     async def close(self) -> None:
@@ -331,8 +329,7 @@ class Store:
             await asyncio.gather(self._expiry_task, return_exceptions=True)
         for lease_id in self.leases.ids():
             self.zero_copy.end_lease(lease_id)
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        await self.tasks.drain()
         if self.remote is not None:
             await self.remote.close()
         if self.nvme is not None:
@@ -352,7 +349,7 @@ class Store:
                 f"{largest} bytes (limits.max_block_bytes, capped by the tenant's DRAM "
                 "arena): split it or raise the limit"
             )
-        extent = await self._reserve_dram(tenant, size_bytes)
+        extent = await self.reserve_dram(tenant, size_bytes)
         return PutWriter(block_id, size_bytes, overwrite, extent, self.arena(tenant).view(extent))
 
     async def put_commit(self, writer: PutWriter, client_xxh3_64: int) -> PutResult:
@@ -399,16 +396,16 @@ class Store:
             writer.block_id,
             writer.size_bytes,
             digest,
-            self._take_generation(),
+            self.take_generation(),
             dram_extent=writer.extent,
         )
         writer.done = True
         writer.release()
         self.residency.add(entry)
         if self.policies.admission.on_insert and self.nvme is not None:
-            self._spawn(self._write_through(entry))
+            self.tasks.spawn(self._write_through(entry))
         if self.remote is not None and self.config.remote.admission == "write_through":
-            self._spawn(self._put_remote(entry))
+            self.tasks.spawn(self.shared.put(entry))
         self.counters.puts += 1
         self.space.signal()  # a new block is a victim a waiting put may take
         return PutResult(writer.size_bytes, digest, TierName.DRAM, already_present=False)
@@ -425,7 +422,7 @@ class Store:
         entry = self.residency.get(block_id)
         tier = TierName.DRAM
         if entry is None and self.remote is not None:
-            entry = await self.from_remote(block_id)
+            entry = await self.shared.fetch(block_id)
             tier = TierName.REMOTE
         if entry is None or not self.residency.is_live(entry):
             self.residency.missed(block_id)
@@ -461,22 +458,7 @@ class Store:
         result = self.residency.lookup(ns_id, keys)
         if self.remote is None or result.prefix_blocks == len(keys):
             return result
-        return LookupResult.of(await self._remote_tiers(ns_id, keys, result.tiers))
-
-    async def _remote_tiers(
-        self, ns_id: str, keys: list[bytes], tiers: list[str | None]
-    ) -> list[str | None]:
-        """`tiers` with "remote" for the blocks missing here that the remote store holds:
-        those after the local prefix, at most remote.max_probe_blocks, in one round trip."""
-        assert self.remote is not None
-        missing = [i for i, t in enumerate(tiers) if t is None]
-        missing = missing[: self.config.remote.max_probe_blocks]
-        found = await self.remote.probe([(ns_id, keys[i]) for i in missing])
-        out = list(tiers)
-        for i, held in zip(missing, found, strict=True):
-            if held:
-                out[i] = TierName.REMOTE.value
-        return out
+        return LookupResult.of(await self.shared.probe(ns_id, keys, result.tiers))
 
     def record_hit(self, block_id: BlockId, tier: TierName) -> None:
         """A block served from a copy kept outside the catalog (the GPU path's HBM cache):
@@ -585,7 +567,7 @@ class Store:
         """The plan for a chain, with its per-block tiers, fetch and recompute seconds."""
         tiers = self.residency.lookup(ns_id, keys).tiers
         if self.remote is not None and None in tiers:
-            tiers = await self._remote_tiers(ns_id, keys, tiers)
+            tiers = await self.shared.probe(ns_id, keys, tiers)
         first_size_bytes = None
         if not kv_bytes_per_token:
             first = next(
@@ -631,7 +613,7 @@ class Store:
     async def promote(self, entry: Entry) -> bool:
         """Copy a pinned NVMe-only block into DRAM (verified); False if it cannot be. One
         promotion per block at a time (`_once`)."""
-        return await self._once(self._promotions, entry, lambda: self._promote_pinned(entry))
+        return await self.tasks.once(self._promotions, entry, lambda: self._promote_pinned(entry))
 
     async def _promote_pinned(self, entry: Entry) -> bool:
         # Its own pin: a cancelled caller unpins, and the block must not be freed under it.
@@ -648,7 +630,7 @@ class Store:
         if not self.nvme.online:
             return False
         header = record_header(entry)
-        extent = await self._reserve_dram(tenant_of(entry.block_id[0]), entry.size_bytes)
+        extent = await self.reserve_dram(tenant_of(entry.block_id[0]), entry.size_bytes)
         view = self.arena_of(entry.block_id).view(extent)
         try:
             read = await self.nvme.read_into(
@@ -665,93 +647,8 @@ class Store:
         self.residency.promoted(entry, extent)
         return True
 
-    # ---- the remote tier ------------------------------------------------------------------
-    async def from_remote(self, block_id: BlockId) -> Entry | None:
-        """Fetch a block this node does not hold from the remote tier into DRAM (verified)
-        and catalogue it; None for a miss. One fetch per block at a time (`_once`)."""
-        return await self._once(
-            self._remote_fetches, block_id, lambda: self._fetch_remote(block_id)
-        )
-
-    async def _fetch_remote(self, block_id: BlockId) -> Entry | None:
-        assert self.remote is not None
-        tenant = tenant_of(block_id[0])
-        largest = self.space.largest_block_bytes(tenant, self.config.limits.max_block_bytes)
-        try:
-            fetched = await self.remote.fetch(block_id, largest)
-        except CorruptRecord as err:
-            self._bad_remote_value(block_id, err)
-            return None
-        if fetched is None:
-            return None
-        extent = await self._reserve_dram(tenant, fetched.payload_bytes)
-        view = self.arena(tenant).view(extent)
-        try:
-            fill_s = await self.remote.fill(fetched, view)
-        except BaseException as err:
-            self.space.free(block_id, extent)
-            if not isinstance(err, CorruptRecord):
-                raise
-            self._bad_remote_value(block_id, err)
-            return None
-        finally:
-            view.release()
-        read_s = fetched.fetch_s + fill_s
-        self.costs.observe("remote", fetched.payload_bytes, read_s)
-        self.telemetry.transfer("remote", "dram", len(fetched.value), read_s)
-        existing = self.residency.get(block_id)
-        if existing is not None:  # put here while it was on its way: keep that one
-            self.space.free(block_id, extent)
-            return existing
-        header = fetched.header
-        entry = Entry(
-            block_id,
-            header.payload_bytes,
-            header.xxh3_64,
-            self._take_generation(),
-            dram_extent=extent,
-            in_remote=True,
-        )
-        self.residency.add(entry)
-        self.counters.remote_fetches += 1
-        return entry
-
-    def _bad_remote_value(self, block_id: BlockId, err: CorruptRecord) -> None:
-        assert self.remote is not None
-        self.counters.checksum_failures += 1
-        self._spawn(self.remote.discard_bad(block_id, err))
-
-    async def _put_remote(self, entry: Entry) -> None:
-        """Put a block into the remote tier: pinned while its value is copied out of DRAM
-        (what an eviction waits for), then sent from that copy in the background."""
-        assert self.remote is not None
-        if entry.dram_extent is None or entry.in_remote or not self.residency.is_live(entry):
-            return
-        started_s = time.perf_counter()
-        self.residency.pin(entry)
-        view = self.arena_of(entry.block_id).view(entry.dram_extent)
-        try:
-            value = await self.remote.encode(
-                entry.block_id, entry.generation, view[: entry.size_bytes], entry.xxh3_64
-            )
-        finally:
-            view.release()
-            self.unpin(entry)
-        if value is None:
-            return
-        self.residency.set_in_remote(entry, True)  # on its way: an eviction need not put it
-        self._spawn(self._send_remote(entry, value, started_s))
-
-    async def _send_remote(self, entry: Entry, value: bytes, started_s: float) -> None:
-        assert self.remote is not None
-        if await self.remote.send(entry.block_id, value, entry.size_bytes):
-            self.counters.remote_puts += 1
-            self.telemetry.transfer("dram", "remote", len(value), time.perf_counter() - started_s)
-        else:
-            self.residency.set_in_remote(entry, False)
-
     # ---- making room --------------------------------------------------------------------
-    async def _reserve_dram(self, tenant: str, size_bytes: int) -> Extent:
+    async def reserve_dram(self, tenant: str, size_bytes: int) -> Extent:
         return await self.space.reserve(tenant, size_bytes, self._evict_dram, self._dram_busy)
 
     def _dram_busy(self, tenant: str) -> bool:
@@ -768,13 +665,13 @@ class Store:
         shortfall = size_bytes - (arena.capacity_bytes - arena.used_bytes)
         victims = self.residency.dram_victims(tenant, shortfall, self.io.threads)
         if victims:
-            await self._run_to_end(*(self._evict_from_dram(v) for v in victims))
+            await self.tasks.run_to_end(*(self._evict_from_dram(v) for v in victims))
         return bool(victims)
 
     async def _evict_from_dram(self, entry: Entry) -> None:
         try:
             if self.remote is not None and self.config.remote.admission == "on_evict":
-                await self._put_remote(entry)
+                await self.shared.put(entry)
             wanted = self.nvme is not None and not entry.nvme_record_bytes
             if wanted and not self.policies.admission.admit_on_evict(
                 entry.block_id, self.residency.info(entry)
@@ -874,37 +771,7 @@ class Store:
             assert self.nvme is not None
             self.nvme.schedule_removal(header)
 
-    # ---- tasks ----------------------------------------------------------------------------
-    async def _run_to_end(self, *works: Coroutine[Any, Any, T]) -> list[T]:
-        """Await `works`, which go on to their end even if the caller is cancelled (a client
-        gone, a deadline): each moves bytes on an I/O thread and then brings the residency
-        in step, so one stopped half-way would leave a record on disk, or an extent, that
-        nothing knows of."""
-        return await asyncio.shield(asyncio.gather(*(self._spawn(w) for w in works)))
-
-    def _once(
-        self,
-        running: dict[K, asyncio.Future[T]],
-        key: K,
-        work: Callable[[], Coroutine[Any, Any, T]],
-    ) -> asyncio.Future[T]:
-        """One run of `work` per key at a time, shared by every caller and run to its end
-        even when they are cancelled (it fills an extent on an I/O thread, which must end
-        attached to its block or freed, never half-way)."""
-        task = running.get(key)
-        if task is None:
-            task = self._spawn(work())
-            running[key] = task
-            task.add_done_callback(lambda _: running.pop(key, None))
-        return asyncio.shield(task)
-
-    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
-
-    def _take_generation(self) -> int:
+    def take_generation(self) -> int:
         gen = self._next_generation
         self._next_generation += 1
         return gen

@@ -107,7 +107,7 @@ class ZeroCopy:
             # A promotion that failed leaves its block without a DRAM extent: read below.
             _, fetched = await asyncio.gather(
                 asyncio.gather(*(store.promote(e) for e in promote)),
-                asyncio.gather(*(store.from_remote(b) for b in from_remote)),
+                asyncio.gather(*(store.shared.fetch(b) for b in from_remote)),
             )
             by_index = dict(zip(absent, fetched, strict=False))
             for i in absent:

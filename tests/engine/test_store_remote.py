@@ -90,8 +90,7 @@ async def _node(tmp_path: Path, name: str, admission: str = "write_through", **k
 
 async def _settle(store: Store) -> None:
     """Let background puts to the remote finish."""
-    while store._background:
-        await asyncio.gather(*list(store._background), return_exceptions=True)
+    await store.tasks.drain()
 
 
 async def test_write_through_makes_a_block_fetchable_by_another_node_bit_exact(
