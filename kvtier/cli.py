@@ -222,10 +222,10 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from kvtier.index import whatif
+    from kvtier.bench import plan_cli
 
     try:
-        return whatif.run(args)
+        return plan_cli.run(args)
     except ValueError as err:
         print(f"kvtier plan: {err}", file=sys.stderr)
         return EXIT_ERROR
@@ -335,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     plan = sub.add_parser("plan", help="fetch-or-recompute plan (--what-if: no daemon)")
-    from kvtier.index.whatif import add_arguments as plan_arguments
+    from kvtier.bench.plan_cli import add_arguments as plan_arguments
 
     plan_arguments(plan)
     plan.set_defaults(func=cmd_plan)

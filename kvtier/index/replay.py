@@ -547,7 +547,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def configs(args: argparse.Namespace) -> Iterator[ReplayConfig]:
-    from kvtier.index.whatif import parse_rate
+    from kvtier.bench.plan_cli import parse_rate
 
     profile = MODELS[args.model]
     kv = args.kv_bytes_per_token or profile.kv_bytes_per_token
