@@ -301,7 +301,7 @@ def cmd_wipe(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from kvtier.index.replay import main as replay_main
+    from kvtier.bench.replay_cli import main as replay_main
 
     return replay_main(args)
 
@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay = sub.add_parser(
         "replay", help="replay a request trace through the tiers' policy (no daemon)"
     )
-    from kvtier.index.replay import add_arguments as replay_arguments
+    from kvtier.bench.replay_cli import add_arguments as replay_arguments
 
     replay_arguments(replay)
     replay.set_defaults(func=cmd_replay)
