@@ -222,10 +222,10 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from kvtier.index import whatif
+    from kvtier.bench import plan_cli
 
     try:
-        return whatif.run(args)
+        return plan_cli.run(args)
     except ValueError as err:
         print(f"kvtier plan: {err}", file=sys.stderr)
         return EXIT_ERROR
@@ -301,7 +301,7 @@ def cmd_wipe(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from kvtier.index.replay import main as replay_main
+    from kvtier.bench.replay_cli import main as replay_main
 
     return replay_main(args)
 
@@ -335,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     plan = sub.add_parser("plan", help="fetch-or-recompute plan (--what-if: no daemon)")
-    from kvtier.index.whatif import add_arguments as plan_arguments
+    from kvtier.bench.plan_cli import add_arguments as plan_arguments
 
     plan_arguments(plan)
     plan.set_defaults(func=cmd_plan)
@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay = sub.add_parser(
         "replay", help="replay a request trace through the tiers' policy (no daemon)"
     )
-    from kvtier.index.replay import add_arguments as replay_arguments
+    from kvtier.bench.replay_cli import add_arguments as replay_arguments
 
     replay_arguments(replay)
     replay.set_defaults(func=cmd_replay)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.index.planner import TierCost
-from kvtier.index.replay import ReplayConfig, Request, read_trace, replay
+from kvtier.sim.replay import ReplayConfig, Request, read_trace, replay
 
 # The shared Mooncake trace: beside the checkout (../shared) or where the team keeps it.
 _TRACE_NAME = Path("shared") / "traces" / "synthetic_trace.jsonl"

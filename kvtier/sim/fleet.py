@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvtier.index.planner import TierCost
-from kvtier.index.replay import ORACLE, Replay, ReplayConfig, Request
 from kvtier.routing import NodeState, choose_node
+from kvtier.sim.replay import ORACLE, Replay, ReplayConfig, Request
 
 Routing = Literal["sticky", "round-robin", "prefix-aware"]
 ROUTINGS: tuple[Routing, ...] = ("sticky", "round-robin", "prefix-aware")
@@ -113,7 +113,7 @@ class SharedRemote:
 
 
 class NodeRemote:
-    """One node's view of the `SharedRemote` (a `kvtier.index.replay.RemoteTier`): reads
+    """One node's view of the `SharedRemote` (a `kvtier.sim.replay.RemoteTier`): reads
     go through, writes wait in `pending` for the fleet to commit with their ready time."""
 
     def __init__(self, shared: SharedRemote) -> None:
@@ -280,30 +280,3 @@ def _utilization(fleet: FleetConfig, busy: list[tuple[int, float, float]]) -> li
         {"t_s": (w + 0.5) * width_s, "busy": [b / width_s for b in row]}
         for w, row in enumerate(windows)
     ]
-
-
-def plot(path: Any, runs: list[tuple[dict[str, Any], list[dict[str, Any]]]]) -> None:
-    """Per-node utilization over time, one panel per routing policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 2.6 * len(runs)), sharex=True)
-    for ax, (report, series) in zip([axes] if len(runs) == 1 else axes, runs, strict=True):
-        xs = [p["t_s"] for p in series]
-        for node in range(report["nodes"]):
-            ax.plot(xs, [p["busy"][node] for p in series], label=f"node {node}", linewidth=1)
-        ax.set_ylim(0, 1.05)
-        ax.set_ylabel("busy")
-        remote = " + remote" if report.get("remote") else ""
-        ax.set_title(
-            f"{report['routing']}{remote}: goodput {report['goodput']:.1%} "
-            f"(TTFT <= {report['ttft_slo_s']:g} s), load max/mean "
-            f"{report['load_max_over_mean']:.2f}",
-            fontsize="medium",
-        )
-    ax.set_xlabel("time (s)")
-    ax.legend(fontsize="small", ncol=4)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)

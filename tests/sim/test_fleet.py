@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.index.fleet import (
+from kvtier.index.planner import TierCost
+from kvtier.sim.fleet import (
     ROUTINGS,
     FleetConfig,
     NodeRemote,
@@ -20,8 +21,7 @@ from kvtier.index.fleet import (
     fleet_replay,
     sticky_node,
 )
-from kvtier.index.planner import TierCost
-from kvtier.index.replay import Replay, ReplayConfig, Request
+from kvtier.sim.replay import Replay, ReplayConfig, Request
 
 
 def conversations(
