@@ -11,22 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
+from kvtier.engine.core import StoreCore
 from kvtier.engine.remote import RemoteLink
 from kvtier.errors import CorruptRecord
 from kvtier.index.catalog import Entry
 from kvtier.keys import tenant_of
 from kvtier.types import BlockId, TierName
 
-if TYPE_CHECKING:
-    from kvtier.engine.store import Store
-
 
 class SharedTier:
     """Used only when a remote tier is configured (`store.remote` is its link)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: StoreCore) -> None:
         self._store = store
         self._fetches: dict[BlockId, asyncio.Future[Entry | None]] = {}
 

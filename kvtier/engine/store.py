@@ -586,6 +586,10 @@ class Store:
             first_size_bytes,
         )
 
+    async def fetch_remote(self, block_id: BlockId) -> Entry | None:
+        """A block this node lacks, from the remote tier into DRAM; None for a miss."""
+        return await self.shared.fetch(block_id)
+
     # ---- the zero-copy path: leases (kvtier/engine/zerocopy.py) --------------------------------
     async def reserve(
         self, session_id: int, items: list[tuple[BlockId, int]], overwrite: bool

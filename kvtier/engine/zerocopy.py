@@ -15,6 +15,7 @@ import math
 import time
 from typing import TYPE_CHECKING
 
+from kvtier.engine.core import StoreCore
 from kvtier.engine.leases import Lease, LeaseTable
 from kvtier.engine.results import CommitOutcome, LeasedSlot
 from kvtier.errors import InvalidArgument, KVTierError, NotFound
@@ -23,13 +24,12 @@ from kvtier.types import BlockId, TierName
 
 if TYPE_CHECKING:
     from kvtier.engine.blocks import PutWriter
-    from kvtier.engine.store import Store
 
 logger = logging.getLogger(__name__)
 
 
 class ZeroCopy:
-    def __init__(self, store: Store, leases: LeaseTable) -> None:
+    def __init__(self, store: StoreCore, leases: LeaseTable) -> None:
         self._store = store
         self._leases = leases
 
@@ -107,7 +107,7 @@ class ZeroCopy:
             # A promotion that failed leaves its block without a DRAM extent: read below.
             _, fetched = await asyncio.gather(
                 asyncio.gather(*(store.promote(e) for e in promote)),
-                asyncio.gather(*(store.shared.fetch(b) for b in from_remote)),
+                asyncio.gather(*(store.fetch_remote(b) for b in from_remote)),
             )
             by_index = dict(zip(absent, fetched, strict=False))
             for i in absent:

@@ -1,6 +1,8 @@
-"""Catalog: which blocks exist, where each lives, who is using it, and in what order to evict.
+"""Catalog: which blocks exist, where each lives, and who is using it.
 
-Pure bookkeeping driven by the store on the event loop (single-threaded, so no locks).
+Pure bookkeeping, driven by the store's Residency (kvtier/engine/residency.py) and by the
+replay simulator, on one thread (so no locks). What to evict is the policy's business
+(kvtier/index/policy.py), not the catalog's.
 
 Lifecycle of an entry:
     add(entry with a DRAM extent)          -> visible to lookup/get
@@ -15,7 +17,7 @@ Lifecycle of an entry:
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -60,15 +62,17 @@ _DRAM, _NVME = TierName.DRAM.value, TierName.NVME.value
 
 
 class Catalog:
-    """key -> residency, with one recency order per tier (least recently used first)."""
+    """key -> residency: copies, pins and byte accounting, reported as residency events."""
 
     def __init__(self, on_change: Callable[[BlockId, list[TierName]], None] | None = None) -> None:
         # Told each time a block's set of tiers changes (added, copied, dropped, removed:
         # then []), for the residency events routers index.
         self._on_change = on_change
         self._entries: dict[BlockId, Entry] = {}
-        self._dram_lru: OrderedDict[BlockId, None] = OrderedDict()
-        self._nvme_lru: OrderedDict[BlockId, None] = OrderedDict()
+        # Which blocks have a copy in each tier (for counts); the eviction order is the
+        # policy's (kvtier/index/policy.py), kept by the store's Residency.
+        self._in_dram: set[BlockId] = set()
+        self._in_nvme: set[BlockId] = set()
         self.dram_used_bytes = 0
         self.nvme_used_bytes = 0
         self.nvme_used_by_tenant: Counter[str] = Counter()  # the shared tier's quota basis
@@ -79,22 +83,15 @@ class Catalog:
     def get(self, block_id: BlockId) -> Entry | None:
         return self._entries.get(block_id)
 
-    def touch(self, entry: Entry) -> None:
-        """Mark a use: the entry moves to the most-recent end of each tier holding it."""
-        if entry.dram_extent is not None:
-            self._dram_lru.move_to_end(entry.block_id)
-        if entry.nvme_record_bytes:
-            self._nvme_lru.move_to_end(entry.block_id)
-
     def add(self, entry: Entry) -> None:
         if entry.block_id in self._entries:
             raise KeyError("block already catalogued; remove the old entry first")
         self._entries[entry.block_id] = entry
         if entry.dram_extent is not None:
-            self._dram_lru[entry.block_id] = None
+            self._in_dram.add(entry.block_id)
             self.dram_used_bytes += entry.dram_extent.size_bytes
         if entry.nvme_record_bytes:
-            self._nvme_lru[entry.block_id] = None
+            self._in_nvme.add(entry.block_id)
             self._nvme_add(entry.block_id, entry.nvme_record_bytes)
         self._changed(entry)
 
@@ -107,7 +104,7 @@ class Catalog:
             raise ValueError("entry already has an NVMe record")
         entry.nvme_record_bytes = record_bytes
         if self._entries.get(entry.block_id) is entry:
-            self._nvme_lru[entry.block_id] = None
+            self._in_nvme.add(entry.block_id)
             self._nvme_add(entry.block_id, record_bytes)
             self._changed(entry)
 
@@ -117,7 +114,7 @@ class Catalog:
             raise ValueError("entry already has a DRAM copy")
         entry.dram_extent = extent
         if self._entries.get(entry.block_id) is entry:
-            self._dram_lru[entry.block_id] = None
+            self._in_dram.add(entry.block_id)
             self.dram_used_bytes += extent.size_bytes
             self._changed(entry)
 
@@ -128,7 +125,7 @@ class Catalog:
             return None
         entry.dram_extent = None
         if self._entries.get(entry.block_id) is entry:
-            self._dram_lru.pop(entry.block_id, None)
+            self._in_dram.discard(entry.block_id)
             self.dram_used_bytes -= extent.size_bytes
             if not entry.nvme_record_bytes:
                 self._forget(entry)
@@ -142,7 +139,7 @@ class Catalog:
             return 0
         entry.nvme_record_bytes = 0
         if self._entries.get(entry.block_id) is entry:
-            self._nvme_lru.pop(entry.block_id, None)
+            self._in_nvme.discard(entry.block_id)
             self._nvme_add(entry.block_id, -record_bytes)
             if entry.dram_extent is None:
                 self._forget(entry)
@@ -173,8 +170,8 @@ class Catalog:
 
     def _forget(self, entry: Entry) -> None:
         del self._entries[entry.block_id]
-        self._dram_lru.pop(entry.block_id, None)
-        self._nvme_lru.pop(entry.block_id, None)
+        self._in_dram.discard(entry.block_id)
+        self._in_nvme.discard(entry.block_id)
 
     @staticmethod
     def pin(entry: Entry) -> None:
@@ -185,28 +182,6 @@ class Catalog:
         if entry.pins <= 0:
             raise ValueError("unpin without pin")
         entry.pins -= 1
-
-    def dram_victims(self) -> Iterator[Entry]:
-        """DRAM entries that may be evicted now, least recently used first."""
-        for block_id in self._dram_lru:
-            entry = self._entries[block_id]
-            if entry.pins == 0 and not entry.demoting:
-                yield entry
-
-    def nvme_victims(self) -> Iterator[Entry]:
-        """NVMe entries whose record may be removed now, least recently used first."""
-        for block_id in self._nvme_lru:
-            entry = self._entries[block_id]
-            if entry.pins == 0 and not entry.demoting:
-                yield entry
-
-    def dram_only(self) -> list[Entry]:
-        """Entries whose only copy is in DRAM, most recently used first (flush order)."""
-        return [
-            self._entries[b]
-            for b in reversed(self._dram_lru)
-            if not self._entries[b].nvme_record_bytes
-        ]
 
     def lookup(self, ns_id: str, keys: list[bytes]) -> LookupResult:
         # On the Plan path for every prompt (hundreds of keys): no per-key allocations.
@@ -227,4 +202,4 @@ class Catalog:
         yield from list(self._entries.values())
 
     def count(self, tier: TierName) -> int:
-        return len(self._dram_lru) if tier is TierName.DRAM else len(self._nvme_lru)
+        return len(self._in_dram) if tier is TierName.DRAM else len(self._in_nvme)

@@ -53,11 +53,6 @@ class CatalogMachine(RuleBasedStateMachine):
             Catalog.unpin(entry)
 
     @rule(entry=entries)
-    def touch(self, entry: Entry) -> None:
-        if self.catalog.is_live(entry):
-            self.catalog.touch(entry)
-
-    @rule(entry=entries)
     def drop_nvme(self, entry: Entry) -> None:
         self.catalog.drop_nvme(entry)
 
@@ -97,11 +92,6 @@ class CatalogMachine(RuleBasedStateMachine):
             assert tier == (entry.fastest_tier.value if entry and entry.fastest_tier else None)
 
     @invariant()
-    def victims_are_never_pinned(self) -> None:
-        for victim in (*self.catalog.dram_victims(), *self.catalog.nvme_victims()):
-            assert victim.pins == 0 and not victim.demoting
-
-    @invariant()
     def accounting_matches_live_entries(self) -> None:
         live = list(self.catalog.entries())
         assert all(e.tiers for e in live), "an entry with no copy must not be listed"
@@ -112,24 +102,6 @@ class CatalogMachine(RuleBasedStateMachine):
         assert self.catalog.count(TierName.DRAM) == sum(1 for e in live if e.dram_extent)
         assert self.catalog.count(TierName.NVME) == sum(1 for e in live if e.nvme_record_bytes)
 
-    @invariant()
-    def victims_come_least_recently_used_first(self) -> None:
-        order = [e.block_id for e in self.catalog.dram_victims()]
-        assert len(order) == len(set(order))
-
 
 TestCatalogMachine = CatalogMachine.TestCase
 TestCatalogMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
-
-
-def test_lru_order_follows_touches() -> None:
-    catalog = Catalog()
-    entries = [
-        Entry((NS, bytes([i])), 1, 0, i, dram_extent=Extent(i * 4096, 4096)) for i in range(4)
-    ]
-    for entry in entries:
-        catalog.add(entry)
-    catalog.touch(entries[0])
-    Catalog.pin(entries[1])
-    assert [e.block_id[1] for e in catalog.dram_victims()] == [b"\2", b"\3", b"\0"]
-    assert [e.block_id[1] for e in catalog.dram_only()] == [b"\0", b"\3", b"\2", b"\1"]

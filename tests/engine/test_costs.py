@@ -1,0 +1,81 @@
+"""CostModel without a daemon: how a tier is priced, what a plan remembers, and how a
+served block settles it."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.engine.costs import CostModel
+from kvtier.engine.results import Counters
+from kvtier.profiles import MODELS
+from kvtier.types import TierCost, TierName
+
+NS = "t|llama3-8b/bf16"
+MIB = 1 << 20
+
+
+def make(threads: int = 4) -> tuple[CostModel, Counters]:
+    counters = Counters()
+    seeds = {"dram": TierCost(10e9, 2e-5), "nvme": TierCost(1e9, 1e-4)}
+    return CostModel(seeds, "llama3-8b", lambda tier: threads, counters), counters
+
+
+def test_an_nvme_block_costs_its_share_of_the_parallel_read_then_the_dram_copy() -> None:
+    model, _ = make(threads=4)
+    dram, nvme = TierCost(10e9, 2e-5), TierCost(1e9, 1e-4)
+    assert model.path_cost("dram") == dram
+    assert model.path_cost("nvme") == nvme.in_parallel(4).then(dram)
+    assert model.path_cost("nvme").fetch_s(MIB) > dram.fetch_s(MIB)
+    # The policy reads the same figures, refreshed in place.
+    assert model.value_costs["nvme"] == model.path_cost("nvme")
+
+
+def test_a_planned_fetch_is_settled_once_when_served() -> None:
+    model, counters = make()
+    keys = [bytes([i]) * 16 for i in range(8)]
+    plan, (tiers, _, recompute) = model.plan(NS, keys, ["dram"] * 8, 512, 0, 0, "none", 0, 64 * MIB)
+    assert plan.fetch_blocks == 8 and tiers == ["dram"] * 8
+    assert counters.planned_fetch_blocks == 8
+    model.served((NS, keys[3]), TierName.DRAM, 64 * MIB, None)
+    assert counters.hits["dram"] == 1
+    assert counters.recompute_avoided_s == pytest.approx(recompute[3])
+    assert counters.fetch_regret_s == 0.0
+    model.served((NS, keys[3]), TierName.DRAM, 64 * MIB, None)  # not planned again
+    assert counters.recompute_avoided_s == pytest.approx(recompute[3])
+    # A fetch measured slower than the recompute it replaced is regret.
+    model.served((NS, keys[4]), TierName.DRAM, 64 * MIB, recompute[4] + 0.5)
+    assert counters.fetch_regret_s == pytest.approx(0.5)
+
+
+def test_a_plan_without_kv_bytes_uses_the_first_cached_block_or_the_profile() -> None:
+    model, _ = make()
+    keys = [b"k" * 16]
+    plan, _ = model.plan(NS, keys, ["dram"], 512, 0, 0, "none", 0, None)
+    assert plan._req.kv_bytes_per_token == MODELS["llama3-8b"].kv_bytes_per_token
+    plan, _ = model.plan(NS, keys, ["dram"], 512, 0, 0, "none", 0, 512 * 1000)
+    assert plan._req.kv_bytes_per_token == 1000
+
+
+def test_engine_fetch_reports_fit_per_block_and_odd_reports_are_ignored() -> None:
+    model, _ = make()
+    seed = model.paths["dram"].estimate()
+    assert model.engine_fetch([MIB, MIB], 0.0, 1.0, 3 * MIB) is None  # more than served
+    assert model.engine_fetch([MIB], 0.5, 0.4, MIB) is None  # promotion took it all
+    assert model.paths["dram"].estimate() == seed
+    for _ in range(40):
+        assert model.engine_fetch([MIB, MIB], 0.001, 0.001 + 2 * 1e-3, 2 * MIB) == (
+            pytest.approx(2e-3)
+        )
+    fitted = model.paths["dram"].estimate()
+    assert fitted.fetch_s(MIB) == pytest.approx(1e-3, rel=0.05)
+
+
+def test_prefill_estimates_are_per_tenant_and_model() -> None:
+    model, _ = make()
+    a = model.prefill_estimator("t1|llama3-8b/bf16")
+    assert model.prefill_estimator("t1|llama3-8b/other") is a
+    assert model.prefill_estimator("t2|llama3-8b/bf16") is not a
+    # An unknown model is priced as the default one (planner.default_model).
+    assert model.prefill_estimator("t1|no-such-model/x") is a
+    assert model.prefill_estimator("t1|llama3-70b/x") is not a
+    assert set(model.estimates()[1]) == {"t1|llama3-8b", "t2|llama3-8b", "t1|llama3-70b"}
