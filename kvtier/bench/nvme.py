@@ -47,7 +47,8 @@ from kvtier.buffers import aligned_buffer
 from kvtier.profiles import MODELS as PROFILES
 from kvtier.sizes import human_size, parse_size
 from kvtier.tiers.allocator import round_up
-from kvtier.tiers.nvme import NvmeTier, RecordHeader, header_size_for, supports_o_direct
+from kvtier.tiers.nvme import NvmeTier, supports_o_direct
+from kvtier.tiers.record import RecordHeader, header_size_for
 
 ALIGN_BYTES = 4096
 # fio's default completion-latency percentiles, and its key format.
