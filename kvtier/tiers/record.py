@@ -1,7 +1,8 @@
 """The record format: one block as a checksummed header region naming it, then its payload.
 
-Layout (little-endian), every part aligned to `align_bytes` (4 KiB on disk, so a record
-can go through O_DIRECT; 8 bytes in the remote tier's values):
+Layout (little-endian). The header region fills whole multiples of `align_bytes`: 4 KiB
+on disk, so a record can go through O_DIRECT, and 8 bytes in the remote tier's values,
+which carry the payload unpadded (kvtier/tiers/remote.py):
 
     header region (header_bytes, a multiple of align_bytes)
       magic "KVTREC01" | version u16 | codec u16 | header_bytes u32 | generation u64 |
@@ -9,7 +10,7 @@ can go through O_DIRECT; 8 bytes in the remote tier's values):
       namespace id | key | zero padding |
       seal: key_id 8 bytes | salt 16 | nonce 12 | tag 16 (zeros unless FLAG_SEALED) |
       header_xxh3 u64 (over everything before it)
-    payload (payload_bytes), then zero padding to a multiple of 4096
+    payload (payload_bytes), then (on disk) zero padding to a multiple of 4096
 
 A sealed record (FLAG_SEALED) holds AES-256-GCM ciphertext of the same length as its
 payload (kvtier/tiers/crypto.py); the associated data is the header up to the tag, and
@@ -18,8 +19,9 @@ header stays readable without the key, so recovery and `kvtier wipe` work from h
 alone. The seal's room is reserved in every header, so a record's size does not depend on
 whether it is encrypted.
 
-Pure format: bytes in, bytes out, no files. Where records live on disk (directories,
-atomic writes, the free pool, tombstones, recovery) is kvtier/tiers/nvme.py.
+Format only: bytes in, bytes out; the one read (`read_header_region`) is of a descriptor
+the caller opened. Where records live on disk (directories, atomic writes, the free pool,
+tombstones, recovery) is kvtier/tiers/nvme.py.
 """
 
 from __future__ import annotations
