@@ -18,6 +18,8 @@ import statistics
 import sys
 
 from kvtier.bench import nvme
+from kvtier.bench.results import totals
+from kvtier.bench.stats import median_ci
 
 
 def main() -> int:
@@ -32,11 +34,11 @@ def main() -> int:
     direction = "read" if job.rw in ("read", "randread") else "write"
     pairs: list[tuple[float, float]] = []
     for _ in range(args.rounds):
-        first = nvme.totals(nvme._fio_run(job), direction)[0]
-        second = nvme.totals(nvme._fio_run(job), direction)[0]
+        first = totals(nvme._fio_run(job), direction)[0]
+        second = totals(nvme._fio_run(job), direction)[0]
         pairs.append((first, second))
     ratios = [a / b for a, b in pairs]
-    ci = nvme.median_ci(ratios)
+    ci = median_ci(ratios)
     out = {
         "job": flags,
         "direction": direction,

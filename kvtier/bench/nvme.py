@@ -24,114 +24,31 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import mmap
 import os
 import random
 import shutil
-import statistics
-import subprocess
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-import kvtier
+from kvtier.bench.fio import comparison, comparison_text, fio_command, run_fio
+from kvtier.bench.results import BenchError, Job, normal_text, plot, report, totals
 from kvtier.buffers import aligned_buffer
 from kvtier.profiles import MODELS as PROFILES
 from kvtier.sizes import human_size, parse_size
 from kvtier.tiers.allocator import round_up
-from kvtier.tiers.nvme import NvmeTier, RecordHeader, header_size_for, supports_o_direct
+from kvtier.tiers.nvme import NvmeTier, supports_o_direct
+from kvtier.tiers.record import RecordHeader, header_size_for
 
 ALIGN_BYTES = 4096
-# fio's default completion-latency percentiles, and its key format.
-PERCENTILES = (
-    1.0,
-    5.0,
-    10.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    70.0,
-    80.0,
-    90.0,
-    95.0,
-    99.0,
-    99.5,
-    99.9,
-    99.95,
-    99.99,
-)
 MODELS: dict[str, int] = {name: m.kv_bytes_per_token for name, m in PROFILES.items()}
-
-
-class BenchError(Exception):
-    """A refusal with a message that says what to change."""
-
-
-def percentile_key(p: float) -> str:
-    return f"{p:f}"
-
-
-@dataclass(slots=True)
-class Direction:
-    """Completed I/Os of one direction (read or write) of a job."""
-
-    clat_ns: list[int] = field(default_factory=list)
-    io_bytes: int = 0
-    timeline: list[tuple[float, int]] = field(default_factory=list)  # (seconds, bytes)
-
-    def record(self, started_ns: int, ended_ns: int, size: int, t0_ns: int) -> None:
-        self.clat_ns.append(ended_ns - started_ns)
-        self.io_bytes += size
-        self.timeline.append(((ended_ns - t0_ns) / 1e9, size))
-
-    def to_fio(self, runtime_s: float) -> dict[str, Any]:
-        lat = sorted(self.clat_ns)
-        n = len(lat)
-        pct = {
-            percentile_key(p): (lat[min(n - 1, math.ceil(p / 100 * n) - 1)] if n else 0)
-            for p in PERCENTILES
-        }
-        clat = {
-            "min": lat[0] if n else 0,
-            "max": lat[-1] if n else 0,
-            "mean": statistics.fmean(lat) if n else 0.0,
-            "stddev": statistics.pstdev(lat) if n > 1 else 0.0,
-            "N": n,
-            "percentile": pct,
-        }
-        bw_bytes = int(self.io_bytes / runtime_s) if runtime_s > 0 and n else 0
-        return {
-            "io_bytes": self.io_bytes,
-            "io_kbytes": self.io_bytes // 1024,
-            "bw_bytes": bw_bytes,
-            "bw": bw_bytes // 1024,
-            "iops": n / runtime_s if runtime_s > 0 else 0.0,
-            "runtime": round(runtime_s * 1000) if n else 0,
-            "total_ios": n,
-            "clat_ns": clat,
-            "lat_ns": dict(clat),
-        }
-
-
-@dataclass(slots=True)
-class Job:
-    index: int
-    args: argparse.Namespace
-    path: Path  # file (raw) or directory (tier)
-    read: Direction = field(default_factory=Direction)
-    write: Direction = field(default_factory=Direction)
-    runtime_s: float = 0.0
-    error: str = ""
 
 
 def _blocks(args: argparse.Namespace) -> int:
@@ -530,224 +447,6 @@ def _key(index: int) -> bytes:
     return index.to_bytes(8, "little") * 4
 
 
-# ---- output ---------------------------------------------------------------------------------
-def job_options(args: argparse.Namespace) -> dict[str, str]:
-    return {
-        "rw": args.rw,
-        "bs": str(args.bs),
-        "size": str(args.size),
-        "iodepth": str(args.iodepth),
-        "numjobs": str(args.numjobs),
-        "direct": str(int(args.direct)),
-        "rwmixread": str(args.rwmixread),
-        "runtime": str(args.runtime or 0),
-        "time_based": str(int(args.time_based)),
-        "mode": args.mode,
-        "pattern": args.pattern,
-    }
-
-
-def report(args: argparse.Namespace, jobs: list[Job]) -> dict[str, Any]:
-    """The run as a fio-like JSON document."""
-    return {
-        "kvtier-bench version": f"kvtier-{kvtier.__version__}",
-        "timestamp": int(time.time()),
-        "time": time.strftime("%a %b %d %H:%M:%S %Y"),
-        "global options": {"directory": str(args.directory), "ioengine": args.ioengine},
-        "jobs": [
-            {
-                "jobname": args.name,
-                "groupid": 0,
-                "error": 1 if job.error else 0,
-                "error_message": job.error,
-                "job options": job_options(args),
-                "read": job.read.to_fio(job.runtime_s),
-                "write": job.write.to_fio(job.runtime_s),
-                "job_runtime": int(job.runtime_s * 1000),
-            }
-            for job in jobs
-        ],
-    }
-
-
-def totals(doc: dict[str, Any], direction: str) -> tuple[float, int]:
-    """Aggregate bandwidth (bytes/s) and I/O count of one direction over all jobs."""
-    jobs = doc["jobs"]
-    return (
-        sum(j[direction]["bw_bytes"] for j in jobs),
-        sum(j[direction]["total_ios"] for j in jobs),
-    )
-
-
-def _unit(ns_values: list[float]) -> tuple[str, float]:
-    top = max(ns_values, default=0)
-    return ("msec", 1e6) if top >= 1e7 else ("usec", 1e3)
-
-
-def normal_text(doc: dict[str, Any]) -> str:
-    lines = []
-    for i, job in enumerate(doc["jobs"]):
-        lines.append(
-            f"{job['jobname']}: (groupid=0, jobs=1): err={job['error']:2d}: job={i}"
-            + (f" ({job['error_message']})" if job["error"] else "")
-        )
-        for direction in ("read", "write"):
-            d = job[direction]
-            if not d["total_ios"]:
-                continue
-            mib = d["bw_bytes"] / (1 << 20)
-            lines.append(
-                f"  {direction}: IOPS={d['iops']:.0f}, BW={mib:.0f}MiB/s "
-                f"({d['bw_bytes'] / 1e6:.0f}MB/s)({human_size(d['io_bytes'])}/{d['runtime']}msec)"
-            )
-            clat = d["clat_ns"]
-            unit, div = _unit([clat["max"]])
-            lines.append(
-                f"    clat ({unit}): min={clat['min'] / div:.0f}, max={clat['max'] / div:.0f}, "
-                f"avg={clat['mean'] / div:.2f}, stdev={clat['stddev'] / div:.2f}"
-            )
-            lines.append(f"     clat percentiles ({unit}):")
-            cells = [f"{float(k):5.2f}th=[{v / div:6.0f}]" for k, v in clat["percentile"].items()]
-            for row in range(0, len(cells), 4):
-                lines.append("     | " + ", ".join(cells[row : row + 4]) + ",")
-    return "\n".join(lines) + "\n"
-
-
-# ---- fio, side by side -----------------------------------------------------------------------
-def fio_command(args: argparse.Namespace, directory: Path) -> list[str]:
-    cmd = [
-        "fio",
-        "--name=kvtier-vs-fio",
-        f"--directory={directory}",
-        f"--size={args.size}",
-        f"--bs={args.bs}",
-        f"--iodepth={args.iodepth}",
-        f"--numjobs={args.numjobs}",
-        f"--rw={args.rw}",
-        f"--rwmixread={args.rwmixread}",
-        f"--direct={int(args.direct)}",
-        "--ioengine=libaio",
-        "--group_reporting",
-        "--output-format=json",
-    ]
-    if args.runtime:
-        cmd.append(f"--runtime={args.runtime}")
-    if args.time_based:
-        cmd.append("--time_based")
-    return cmd
-
-
-def run_fio(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
-    if shutil.which("fio") is None:
-        raise BenchError("--vs-fio needs fio on PATH (Debian: apt-get install fio)")
-    out = subprocess.run(
-        fio_command(args, directory),
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=max(600, 10 * (args.runtime or 60)),
-    )
-    if out.returncode:
-        raise BenchError(f"fio failed: {out.stderr.strip()[-400:]}")
-    start = out.stdout.find("{")
-    doc: dict[str, Any] = json.loads(out.stdout[start:])
-    return doc
-
-
-def comparison(
-    ours: dict[str, Any],
-    fio: dict[str, Any],
-    pairs: dict[str, list[tuple[float, float]]] | None = None,
-) -> dict[str, Any]:
-    """Ours against fio's: the median runs' bandwidths and their ratio; with `pairs` (per
-    direction, (ours, fio) bandwidth of each alternation) also the median of the pairs'
-    ratios, which a disk drifting between alternations moves less: each pair ran back to
-    back; from 6 pairs on, its 95 % confidence interval, which says whether the drive's
-    noise leaves the comparison conclusive."""
-    out: dict[str, Any] = {}
-    for direction in ("read", "write"):
-        bw, ios = totals(ours, direction)
-        fio_bw, fio_ios = totals(fio, direction)
-        if ios or fio_ios:
-            fio_p50 = (
-                fio["jobs"][0][direction]["clat_ns"]
-                .get("percentile", {})
-                .get(percentile_key(50.0), 0)
-            )
-            our_p50 = ours["jobs"][0][direction]["clat_ns"]["percentile"][percentile_key(50.0)]
-            out[direction] = {
-                "kvtier_bw_bytes": bw,
-                "fio_bw_bytes": fio_bw,
-                "bw_ratio": round(bw / fio_bw, 4) if fio_bw else None,
-                "kvtier_clat_p50_ns": our_p50,
-                "fio_clat_p50_ns": fio_p50,
-            }
-            paired = [a / b for a, b in (pairs or {}).get(direction, []) if b]
-            if paired:
-                out[direction]["paired_bw_ratio"] = round(statistics.median(paired), 4)
-                ci = median_ci(paired)
-                if ci is not None:
-                    out[direction]["paired_bw_ratio_ci95"] = [round(x, 4) for x in ci]
-    return out
-
-
-def comparison_text(cmp: dict[str, Any]) -> str:
-    lines = ["", f"{'':6} {'kvtier-bench':>14} {'fio':>14} {'ratio':>7}"]
-    for direction, c in cmp.items():
-        ratio = f"{c['bw_ratio']:.3f}" if c["bw_ratio"] is not None else "-"
-        paired = f"  (paired: {c['paired_bw_ratio']:.3f}" if "paired_bw_ratio" in c else ""
-        if "paired_bw_ratio_ci95" in c:
-            low, high = c["paired_bw_ratio_ci95"]
-            paired += f", 95% CI {low:.2f}-{high:.2f}"
-        paired += ")" if paired else ""
-        lines.append(
-            f"{direction:6} {c['kvtier_bw_bytes'] / 1e6:>10.0f} MB/s "
-            f"{c['fio_bw_bytes'] / 1e6:>9.0f} MB/s {ratio:>7}{paired}"
-        )
-        lines.append(
-            f"{'p50':>6} {c['kvtier_clat_p50_ns'] / 1e3:>11.0f} us "
-            f"{c['fio_clat_p50_ns'] / 1e3:>10.0f} us"
-        )
-    return "\n".join(lines) + "\n"
-
-
-# ---- plot -----------------------------------------------------------------------------------
-def plot(jobs: list[Job], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise BenchError("--plot needs matplotlib: pip install matplotlib") from None
-    fig, (ax_lat, ax_bw) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for direction in ("read", "write"):
-        lat = [ns / 1e3 for job in jobs for ns in getattr(job, direction).clat_ns]
-        if lat:
-            # Log-spaced bins: one slow outlier must not squash the distribution.
-            low, high = max(min(lat), 1e-3), max(lat)
-            edges = [low * (high / low) ** (i / 60) for i in range(61)] if high > low else 60
-            ax_lat.hist(lat, bins=edges, alpha=0.6, label=direction)
-            ax_lat.set_xscale("log")
-        points = sorted(p for job in jobs for p in getattr(job, direction).timeline)
-        if points:
-            bin_s = max(0.1, points[-1][0] / 100)
-            bins: dict[int, int] = {}
-            for t, size in points:
-                bins[int(t / bin_s)] = bins.get(int(t / bin_s), 0) + size
-            xs = sorted(bins)
-            ax_bw.plot(
-                [x * bin_s for x in xs], [bins[x] / bin_s / 1e6 for x in xs], label=direction
-            )
-    ax_lat.set(xlabel="completion latency (µs)", ylabel="I/Os", title="latency distribution")
-    ax_bw.set(xlabel="time (s)", ylabel="MB/s", title="bandwidth over time")
-    ax_lat.legend()
-    ax_bw.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 # ---- command line ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -855,24 +554,6 @@ def _fio_run(args: argparse.Namespace) -> dict[str, Any]:
         return run_fio(args, fio_dir)
     finally:
         shutil.rmtree(fio_dir, ignore_errors=True)
-
-
-def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
-    """A distribution-free confidence interval for the median of `values`: the order
-    statistics the sign test gives (k-th smallest and k-th largest, with k as large as
-    keeps the chance of the median falling outside under 1 - confidence). None when
-    there are too few values for that confidence (fewer than 6 at 95 %)."""
-    xs = sorted(values)
-    n = len(xs)
-    tail = (1 - confidence) / 2
-    k = 0
-    below = 0.0  # P(Binomial(n, 1/2) < k)
-    while k < n and (with_k := below + math.comb(n, k) / 2**n) <= tail:
-        below = with_k
-        k += 1
-    if k == 0:
-        return None
-    return xs[k - 1], xs[n - k]
 
 
 def _median_run(docs: list[dict[str, Any]]) -> dict[str, Any]:

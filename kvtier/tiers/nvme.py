@@ -1,23 +1,8 @@
-"""NVMe tier: one checksummed record file per block, written so no partial record is visible.
+"""NVMe tier: one record file per block (format: kvtier/tiers/record.py), never half-visible.
 
-Record layout (little-endian), every part aligned to 4 KiB so it can go through O_DIRECT:
-
-    header region (header_bytes, a multiple of 4096)
-      magic "KVTREC01" | version u16 | codec u16 | header_bytes u32 | generation u64 |
-      payload_bytes u64 | payload_xxh3 u64 | ns_len u16 | key_len u16 | flags u32 |
-      namespace id | key | zero padding |
-      seal: key_id 8 bytes | salt 16 | nonce 12 | tag 16 (zeros unless FLAG_SEALED) |
-      header_xxh3 u64 (over everything before it)
-    payload (payload_bytes), then zero padding to a multiple of 4096
-
-With `nvme.encryption_key_file` set, every record is sealed (FLAG_SEALED): the payload is
-AES-256-GCM ciphertext of the same length (kvtier/tiers/crypto.py), the associated data
-is the header up to the tag, and payload_xxh3 (of the plaintext, checked again after
-decryption) is stored masked. The header stays readable without the key, so recovery and
-`kvtier wipe` work from headers alone. A tier with a key serves only records sealed with
-that key; a tier without one serves only plaintext records: anything else is
-CorruptRecord, dropped at start. The seal's room is reserved in every header, so a
-record's size on disk does not depend on whether it is encrypted.
+With `nvme.encryption_key_file` set, every record is sealed (the record format's
+FLAG_SEALED). A tier with a key serves only records sealed with that key; a tier without
+one serves only plaintext records: anything else is CorruptRecord, dropped at start.
 
 A record is written to a new file in `tmp/` (or over a recycled one where it lies in
 `free/`) and renamed into `v1/<xx>/<digest>.<generation>.kvr` only after every byte is
@@ -49,7 +34,7 @@ import struct
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,188 +43,66 @@ import xxhash
 from kvtier import failpoints
 from kvtier.buffers import aligned_buffer
 from kvtier.errors import ConfigError, CorruptRecord
-from kvtier.tiers.allocator import round_up
-from kvtier.tiers.crypto import SEAL, TAG_BYTES, RecordCipher, Seal
+from kvtier.tiers.crypto import RecordCipher
+from kvtier.tiers.record import (
+    ALIGN_BYTES,
+    CODEC_NONE,
+    FLAG_SEALED,
+    MAGIC,
+    VERSION,
+    ParsedHeader,
+    RecordHeader,
+    decode_header,
+    encode_header,
+    header_size_for,
+    open_header,
+    open_sealed_payload,
+    parse_header,
+    read_header_region,
+    record_size_for,
+    seal_record,
+    verify_record,
+)
 
 if TYPE_CHECKING:
     from kvtier.config import NvmeConfig
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"KVTREC01"
-VERSION = 1
-CODEC_NONE = 0
-ALIGN_BYTES = 4096
-FLAG_SEALED = 0x1  # payload is AES-256-GCM ciphertext; the header's seal opens it
-_KNOWN_FLAGS = FLAG_SEALED
-_FIXED = struct.Struct("<8sHHIQQQHHI")
-_CHECKSUM = struct.Struct("<Q")
+__all__ = [
+    "RECORD_SUFFIX",
+    "TOMBSTONE_LOG",
+    "NvmeTier",
+    "RecoveredRecord",
+    "RecoveryReport",
+    "lock_tier",
+    "supports_o_direct",
+    "tombstone_entries",
+]
+# The record format, re-exported as this module exported it before it moved to record.py.
+__all__ += [
+    "ALIGN_BYTES",
+    "CODEC_NONE",
+    "FLAG_SEALED",
+    "MAGIC",
+    "VERSION",
+    "ParsedHeader",
+    "RecordHeader",
+    "decode_header",
+    "encode_header",
+    "header_size_for",
+    "open_header",
+    "parse_header",
+    "read_header_region",
+    "record_size_for",
+]
+
 RECORD_SUFFIX = ".kvr"
 TOMBSTONE_LOG = "tombstones.log"
 _TOMBSTONE = struct.Struct("<QHH")  # generation, namespace length, key length; then both, xxh3
-_MAX_HEADER_BYTES = 64 << 10  # longest namespace and key fit many times over
+_TOMBSTONE_XXH3 = struct.Struct("<Q")
 _LOGGED_DROPS = 10  # unreadable records named one by one in the log at start
 _SCRATCH_KEEP_BYTES = 16 << 20  # larger sealed records use a buffer of their own
-
-
-@dataclass(frozen=True, slots=True)
-class RecordHeader:
-    ns_id: str
-    key: bytes
-    generation: int
-    payload_bytes: int
-    xxh3_64: int
-    header_bytes: int
-    codec: int = CODEC_NONE
-
-    @property
-    def record_bytes(self) -> int:
-        return self.header_bytes + round_up(self.payload_bytes, ALIGN_BYTES)
-
-
-def header_size_for(ns_id: str, key: bytes, align_bytes: int = ALIGN_BYTES) -> int:
-    """A record's header region. The seal's room is counted whether or not the tier
-    encrypts, so a block's size on disk (what capacity is charged) never depends on it.
-    On disk it fills whole pages (O_DIRECT); over a network (the remote tier) 8 bytes do."""
-    body_bytes = _FIXED.size + len(ns_id.encode()) + len(key) + SEAL.size + _CHECKSUM.size
-    return round_up(body_bytes, align_bytes)
-
-
-def record_size_for(ns_id: str, key: bytes, payload_bytes: int) -> int:
-    """Bytes a record of this block takes on disk (what NVMe capacity is charged)."""
-    return header_size_for(ns_id, key) + round_up(payload_bytes, ALIGN_BYTES)
-
-
-def _tag_offset(header_bytes: int) -> int:
-    """Where a sealed record's tag sits: the associated data is everything before it."""
-    return header_bytes - _CHECKSUM.size - TAG_BYTES
-
-
-def _header_region(
-    header: RecordHeader,
-    flags: int,
-    stored_xxh3: int,
-    seal: bytes,
-    into: memoryview | None = None,
-) -> memoryview:
-    """Everything of a header region but its checksum (see `_finish_header`), in `into`
-    (a reused aligned buffer of header_bytes: cleared first) or a new buffer."""
-    ns = header.ns_id.encode()
-    if into is None:
-        buf = memoryview(aligned_buffer(header.header_bytes))
-    else:
-        buf = into
-        buf[:] = bytes(header.header_bytes)
-    fixed = _FIXED.pack(
-        MAGIC,
-        VERSION,
-        header.codec,
-        header.header_bytes,
-        header.generation,
-        header.payload_bytes,
-        stored_xxh3,
-        len(ns),
-        len(header.key),
-        flags,
-    )
-    body_end = _FIXED.size + len(ns) + len(header.key)
-    buf[: _FIXED.size] = fixed
-    buf[_FIXED.size : body_end] = ns + header.key
-    seal_at = header.header_bytes - _CHECKSUM.size - SEAL.size
-    buf[seal_at : seal_at + len(seal)] = seal
-    return buf
-
-
-def _finish_header(buf: memoryview, header_bytes: int) -> None:
-    end = header_bytes - _CHECKSUM.size
-    buf[end:header_bytes] = _CHECKSUM.pack(xxhash.xxh3_64_intdigest(buf[:end]))
-
-
-def encode_header(header: RecordHeader, into: memoryview | None = None) -> memoryview:
-    """The header region of a plaintext record (in `into`, see `_header_region`)."""
-    buf = _header_region(header, 0, header.xxh3_64, b"", into)
-    _finish_header(buf, header.header_bytes)
-    return buf
-
-
-@dataclass(frozen=True, slots=True)
-class ParsedHeader:
-    """A verified header region as stored: `header.xxh3_64` is masked when `seal` is set."""
-
-    header: RecordHeader
-    seal: Seal | None
-
-
-def parse_header(data: bytes | memoryview, align_bytes: int = ALIGN_BYTES) -> ParsedHeader:
-    """Parse and verify a header region without a key; CorruptRecord says what is wrong."""
-    if len(data) < _FIXED.size:
-        raise CorruptRecord("record shorter than its fixed header")
-    (
-        magic,
-        version,
-        codec,
-        header_bytes,
-        generation,
-        payload_bytes,
-        xxh3_64,
-        ns_len,
-        key_len,
-        flags,
-    ) = _FIXED.unpack_from(data, 0)
-    if magic != MAGIC:
-        raise CorruptRecord("bad magic")
-    if version != VERSION:
-        raise CorruptRecord(f"unknown record version {version}")
-    if flags & ~_KNOWN_FLAGS:
-        raise CorruptRecord(f"unknown record flags {flags:#x}")
-    sealed = bool(flags & FLAG_SEALED)
-    # Records written before the seal's room was reserved have none: fine unless sealed.
-    least = _FIXED.size + ns_len + key_len + (SEAL.size if sealed else 0) + _CHECKSUM.size
-    if header_bytes % align_bytes or header_bytes < least:
-        raise CorruptRecord("bad header length")
-    if len(data) < header_bytes:
-        raise CorruptRecord("truncated header")
-    end = header_bytes - _CHECKSUM.size
-    (stored,) = _CHECKSUM.unpack_from(data, end)
-    if stored != xxhash.xxh3_64_intdigest(data[:end]):
-        raise CorruptRecord("header checksum mismatch")
-    body = bytes(data[_FIXED.size : _FIXED.size + ns_len + key_len])
-    try:
-        ns_id = body[:ns_len].decode()
-    except UnicodeDecodeError:
-        raise CorruptRecord("namespace is not UTF-8") from None
-    header = RecordHeader(
-        ns_id=ns_id,
-        key=body[ns_len:],
-        generation=generation,
-        payload_bytes=payload_bytes,
-        xxh3_64=xxh3_64,
-        header_bytes=header_bytes,
-        codec=codec,
-    )
-    seal = Seal.unpack(data[end - SEAL.size : end]) if sealed else None
-    return ParsedHeader(header, seal)
-
-
-def open_header(parsed: ParsedHeader, cipher: RecordCipher | None) -> RecordHeader:
-    """The header as a tier with `cipher` (None: no encryption) serves it: a sealed record
-    needs this tier's key, a plaintext one needs a tier without a key (anything else could
-    be a planted record); the plaintext's xxh3 unmasked."""
-    if parsed.seal is None:
-        if cipher is not None:
-            raise CorruptRecord("record is not encrypted, but nvme.encryption_key_file is set")
-        return parsed.header
-    if cipher is None:
-        raise CorruptRecord("record is encrypted, but nvme.encryption_key_file is not set")
-    if parsed.seal.key_id != cipher.key_id:
-        raise CorruptRecord("record is encrypted with another key")
-    xxh3_64 = parsed.header.xxh3_64 ^ cipher.xxh3_mask(parsed.seal)
-    return replace(parsed.header, xxh3_64=xxh3_64)
-
-
-def decode_header(data: bytes | memoryview, cipher: RecordCipher | None = None) -> RecordHeader:
-    """Parse and verify a header region as a tier with `cipher` reads it (`open_header`)."""
-    return open_header(parse_header(data), cipher)
 
 
 @dataclass(frozen=True, slots=True)
@@ -524,29 +387,12 @@ class NvmeTier:
     def _seal(
         self, cipher: RecordCipher, header: RecordHeader, payload: Sequence[memoryview | mmap.mmap]
     ) -> list[memoryview | mmap.mmap]:
-        """A sealed record's header region and ciphertext (zero-padded), ready to write."""
-        seal = cipher.new_seal()
-        head = _header_region(
-            header,
-            FLAG_SEALED,
-            header.xxh3_64 ^ cipher.xxh3_mask(seal),
-            seal.pack(),
-            self._scratch(header.header_bytes, "head"),
-        )
-        plaintext: list[memoryview] = []
-        left = header.payload_bytes
-        for buf in payload:
-            part = memoryview(buf)[:left]
-            plaintext.append(part)
-            left -= len(part)
+        """A sealed record's header region and ciphertext (zero-padded), ready to write, in
+        this thread's buffers."""
+        head = self._scratch(header.header_bytes, "head")
         body_bytes = header.record_bytes - header.header_bytes
         body = self._scratch(body_bytes)
-        end = header.payload_bytes
-        tag_at = _tag_offset(header.header_bytes)
-        tag = cipher.encrypt(seal, bytes(head[:tag_at]), plaintext, body[:end])
-        body[end:] = bytes(body_bytes - end)  # the buffer is reused: clear the padding
-        head[tag_at : tag_at + TAG_BYTES] = tag
-        _finish_header(head, header.header_bytes)
+        seal_record(cipher, header, payload, head, body)
         return [head, body] if body_bytes else [head]
 
     def _scratch(self, size_bytes: int, use: str = "body") -> memoryview:
@@ -592,7 +438,7 @@ class NvmeTier:
         buf = aligned_buffer(header.record_bytes)
         self._read_record(header, [memoryview(buf)])
         view = memoryview(buf)
-        self._check(view[: header.header_bytes], view[header.header_bytes :], header)
+        verify_record(view[: header.header_bytes], view[header.header_bytes :], header, self.cipher)
         return buf, header.header_bytes
 
     def read_into(self, header: RecordHeader, dest: memoryview) -> None:
@@ -607,25 +453,16 @@ class NvmeTier:
             return
         head = self._scratch(header.header_bytes, "head")
         self._read_record(header, [head, dest])
-        self._check(head, dest, header)
+        verify_record(head, dest, header, self.cipher)
 
     def _read_sealed(self, cipher: RecordCipher, header: RecordHeader, dest: memoryview) -> None:
         """Read a sealed record into this thread's buffer, check it, decrypt into `dest`."""
         raw = self._scratch(header.record_bytes)
         self._read_record(header, [raw])
         head, body = raw[: header.header_bytes], raw[header.header_bytes :]
-        seal = self._check(head, body, header)
+        seal = verify_record(head, body, header, cipher)
         assert seal is not None  # open_header refuses plaintext records to a tier with a key
-        end = header.payload_bytes
-        cipher.decrypt(
-            seal, bytes(head[: _tag_offset(header.header_bytes)]), body[:end], dest[:end]
-        )
-        dest[end:] = bytes(len(dest) - end)
-        if xxhash.xxh3_64_intdigest(dest[:end]) != header.xxh3_64:
-            # Sealed by a writer that checksummed other bytes than it encrypted: a bug, but
-            # still never served.
-            dest[:end] = bytes(end)
-            raise CorruptRecord("payload checksum mismatch after decryption")
+        open_sealed_payload(cipher, seal, header, head, body, dest)
 
     def _read_record(self, header: RecordHeader, iov: list[memoryview]) -> None:
         """Fill `iov` (adding up to the record's size) from the record file."""
@@ -646,20 +483,6 @@ class NvmeTier:
                 _advance(iov, got)
         finally:
             os.close(fd)
-
-    def _check(self, head: memoryview, body: memoryview, expected: RecordHeader) -> Seal | None:
-        """Header equal to the catalog's, zero padding after the payload, and the payload
-        checksum (of a sealed record: after decryption, by the caller); returns the seal."""
-        parsed = parse_header(head)
-        found = open_header(parsed, self.cipher)
-        if found != expected:
-            raise CorruptRecord("header does not match the catalog")
-        end = found.payload_bytes
-        if parsed.seal is None and xxhash.xxh3_64_intdigest(body[:end]) != found.xxh3_64:
-            raise CorruptRecord("payload checksum mismatch")
-        if body[end:].tobytes().strip(b"\0"):
-            raise CorruptRecord("non-zero padding after the payload")
-        return parsed.seal
 
     def sync(self) -> None:
         """Make every record written so far durable: syncfs(2) on the tier's file system
@@ -716,17 +539,6 @@ class NvmeTier:
             self._free_bytes += int(size_text)
 
 
-def read_header_region(fd: int) -> bytes:
-    """A record's header region (as much of it as the file has)."""
-    data = os.pread(fd, ALIGN_BYTES, 0)
-    if len(data) < _FIXED.size:
-        raise CorruptRecord("truncated header")
-    header_bytes = _FIXED.unpack_from(data, 0)[3]
-    if ALIGN_BYTES < header_bytes <= _MAX_HEADER_BYTES:
-        data += os.pread(fd, header_bytes - ALIGN_BYTES, ALIGN_BYTES)
-    return data
-
-
 def lock_tier(root: Path) -> int:
     """flock `<root>/.lock` for this process (BlockingIOError: someone holds it)."""
     fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
@@ -741,7 +553,7 @@ def lock_tier(root: Path) -> int:
 def _tombstone_entry(ns_id: str, key: bytes, generation: int) -> bytes:
     ns = ns_id.encode()
     entry = _TOMBSTONE.pack(generation, len(ns), len(key)) + ns + key
-    return entry + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(entry))
+    return entry + _TOMBSTONE_XXH3.pack(xxhash.xxh3_64_intdigest(entry))
 
 
 def tombstone_entries(data: bytes) -> Iterator[tuple[str, bytes, int, bytes]]:
@@ -751,16 +563,16 @@ def tombstone_entries(data: bytes) -> Iterator[tuple[str, bytes, int, bytes]]:
     while pos + _TOMBSTONE.size <= len(data):
         generation, ns_len, key_len = _TOMBSTONE.unpack_from(data, pos)
         end = pos + _TOMBSTONE.size + ns_len + key_len
-        if end + _CHECKSUM.size > len(data):
+        if end + _TOMBSTONE_XXH3.size > len(data):
             return
-        (digest,) = _CHECKSUM.unpack_from(data, end)
+        (digest,) = _TOMBSTONE_XXH3.unpack_from(data, end)
         if digest != xxhash.xxh3_64_intdigest(data[pos:end]):
             logger.warning("tombstone log damaged at byte %d; the rest is ignored", pos)
             return
         body = pos + _TOMBSTONE.size
         ns_id = data[body : body + ns_len].decode()
-        yield ns_id, data[body + ns_len : end], generation, data[pos : end + _CHECKSUM.size]
-        pos = end + _CHECKSUM.size
+        yield ns_id, data[body + ns_len : end], generation, data[pos : end + _TOMBSTONE_XXH3.size]
+        pos = end + _TOMBSTONE_XXH3.size
 
 
 @functools.cache

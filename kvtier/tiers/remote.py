@@ -2,7 +2,7 @@
 Store), so a node can fetch a prefix another node computed. kvtier is a client of the
 store; the store keeps its own capacity (its eviction, its leases).
 
-A value is one record in the NVMe tier's format (kvtier/tiers/nvme.py) with the header
+A value is one record in the NVMe tier's format (kvtier/tiers/record.py) with the header
 packed to 8 bytes instead of a page:
 
     header region (header_bytes) | payload, as is or encoded (header.codec)
@@ -37,14 +37,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-import xxhash
-
 from kvtier import failpoints
 from kvtier.errors import ConfigError, CorruptRecord
 from kvtier.keys import tenant_of
 from kvtier.tiers import codec
 from kvtier.tiers.crypto import load_key_file
-from kvtier.tiers.nvme import RecordHeader, encode_header, header_size_for, parse_header
+from kvtier.tiers.record import (
+    RecordHeader,
+    encode_header,
+    header_size_for,
+    parse_header,
+    payload_xxh3,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -217,7 +221,7 @@ class RemoteTier:
             self.meter.observe_decode(end, time.perf_counter() - started_s)
         if len(dest) > end:
             dest[end:] = bytes(len(dest) - end)
-        if xxhash.xxh3_64_intdigest(dest[:end]) != header.xxh3_64:
+        if payload_xxh3(dest[:end]) != header.xxh3_64:
             dest[:end] = bytes(end)
             raise CorruptRecord("remote record's payload checksum mismatch")
 

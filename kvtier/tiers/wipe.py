@@ -10,14 +10,8 @@ from pathlib import Path
 
 from kvtier.errors import ConfigError, CorruptRecord
 from kvtier.keys import tenant_of
-from kvtier.tiers.nvme import (
-    RECORD_SUFFIX,
-    TOMBSTONE_LOG,
-    lock_tier,
-    parse_header,
-    read_header_region,
-    tombstone_entries,
-)
+from kvtier.tiers.nvme import RECORD_SUFFIX, TOMBSTONE_LOG, lock_tier, tombstone_entries
+from kvtier.tiers.record import parse_header, read_header_region
 
 
 @dataclass(frozen=True, slots=True)

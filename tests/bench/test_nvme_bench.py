@@ -19,6 +19,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtier.bench import nvme
+from kvtier.bench.fio import comparison, comparison_text
+from kvtier.bench.results import Direction
+from kvtier.bench.stats import median_ci
 from kvtier.tiers.nvme import NvmeTier
 
 # fio's default completion-latency percentiles, as its JSON writes their keys.
@@ -225,7 +228,7 @@ def test_ctrl_c_leaves_nothing_behind(tmp_path: Path) -> None:
 
 
 def test_percentiles_follow_fios_rank_rule() -> None:
-    d = nvme.Direction()
+    d = Direction()
     for ns in range(1, 101):
         d.record(0, ns, 4096, 0)
     pct = d.to_fio(1.0)["clat_ns"]["percentile"]
@@ -309,13 +312,13 @@ def test_paired_ratio_follows_a_drifting_disk_that_the_ratio_of_medians_does_not
     """The disk slows 3x halfway through: each of our runs is as fast as fio's run right
     after it, but the median runs come from different halves."""
     pairs = {"read": [(900.0, 900.0), (800.0, 800.0), (300.0, 300.0), (250.0, 250.0)]}
-    cmp = nvme.comparison(_run_doc(800.0), _run_doc(300.0), pairs)["read"]
+    cmp = comparison(_run_doc(800.0), _run_doc(300.0), pairs)["read"]
     assert cmp["bw_ratio"] == pytest.approx(800 / 300, rel=1e-3)
     assert cmp["paired_bw_ratio"] == 1.0
-    assert "paired_bw_ratio" not in nvme.comparison(_run_doc(1.0), _run_doc(2.0))["read"]
-    assert nvme.comparison(_run_doc(1.0), _run_doc(2.0), {"read": [(1.0, 2.0), (3.0, 2.0)]})[
-        "read"
-    ]["paired_bw_ratio"] == pytest.approx(1.0)
+    assert "paired_bw_ratio" not in comparison(_run_doc(1.0), _run_doc(2.0))["read"]
+    assert comparison(_run_doc(1.0), _run_doc(2.0), {"read": [(1.0, 2.0), (3.0, 2.0)]})["read"][
+        "paired_bw_ratio"
+    ] == pytest.approx(1.0)
 
 
 def _engines() -> list[str]:
@@ -402,7 +405,7 @@ def test_vs_fio_takes_turns_going_first(tmp_path: Path, monkeypatch: pytest.Monk
 
 @given(st.lists(st.floats(0.01, 100.0), min_size=1, max_size=40))
 def test_the_median_confidence_interval_holds_the_median(values: list[float]) -> None:
-    ci = nvme.median_ci(values)
+    ci = median_ci(values)
     if len(values) < 6:
         assert ci is None  # the widest interval (min, max) covers under 95 % below 6
         return
@@ -414,14 +417,14 @@ def test_the_median_confidence_interval_holds_the_median(values: list[float]) ->
 
 def test_the_median_confidence_interval_is_the_sign_tests() -> None:
     # Published order statistics for 95 %: n=10 -> 2nd..9th, n=20 -> 6th..15th.
-    assert nvme.median_ci([float(x) for x in range(1, 11)]) == (2.0, 9.0)
-    assert nvme.median_ci([float(x) for x in range(20, 0, -1)]) == (6.0, 15.0)
-    assert nvme.median_ci([float(x) for x in range(1, 7)]) == (1.0, 6.0)
-    doc = nvme.comparison(
+    assert median_ci([float(x) for x in range(1, 11)]) == (2.0, 9.0)
+    assert median_ci([float(x) for x in range(20, 0, -1)]) == (6.0, 15.0)
+    assert median_ci([float(x) for x in range(1, 7)]) == (1.0, 6.0)
+    doc = comparison(
         _run_doc(1.0), _run_doc(1.0), {"read": [(float(x), 10.0) for x in range(1, 11)]}
     )
     assert doc["read"]["paired_bw_ratio_ci95"] == [0.2, 0.9]
-    assert "95% CI 0.20-0.90" in nvme.comparison_text(doc)
+    assert "95% CI 0.20-0.90" in comparison_text(doc)
 
 
 @pytest.mark.parametrize("mode", ["raw", "tier"])

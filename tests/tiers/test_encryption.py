@@ -16,12 +16,8 @@ from kvtier.config import NvmeConfig
 from kvtier.errors import ConfigError, CorruptRecord
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.crypto import SEAL, RecordCipher, load_key_file, parse_key
-from kvtier.tiers.nvme import (
-    NvmeTier,
-    RecordHeader,
-    header_size_for,
-    record_size_for,
-)
+from kvtier.tiers.nvme import NvmeTier
+from kvtier.tiers.record import RecordHeader, header_size_for, record_size_for
 from tests.tiers.conftest import reopen
 
 NS = "alice|m/l"

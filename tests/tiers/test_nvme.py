@@ -12,13 +12,8 @@ from kvtier import failpoints
 from kvtier.buffers import aligned_buffer
 from kvtier.errors import CorruptRecord
 from kvtier.tiers.allocator import round_up
-from kvtier.tiers.nvme import (
-    NvmeTier,
-    RecordHeader,
-    RecoveryReport,
-    encode_header,
-    header_size_for,
-)
+from kvtier.tiers.nvme import NvmeTier, RecoveryReport
+from kvtier.tiers.record import RecordHeader, encode_header, header_size_for
 
 NS = "default|m/l"
 

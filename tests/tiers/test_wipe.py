@@ -13,12 +13,8 @@ from kvtier.buffers import aligned_buffer
 from kvtier.cli import main as cli_main
 from kvtier.errors import ConfigError
 from kvtier.tiers.allocator import round_up
-from kvtier.tiers.nvme import (
-    NvmeTier,
-    RecordHeader,
-    header_size_for,
-    parse_header,
-)
+from kvtier.tiers.nvme import NvmeTier
+from kvtier.tiers.record import RecordHeader, header_size_for, parse_header
 from kvtier.tiers.wipe import wipe
 from tests.tiers.conftest import reopen
 
