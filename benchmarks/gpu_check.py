@@ -41,7 +41,8 @@ from kvtier.movers.io import IoPool
 from kvtier.movers.pinned import pin, unregister
 from kvtier.sizes import human_size, parse_size
 from kvtier.tiers.dram import DramTier
-from kvtier.tiers.nvme import NvmeTier, RecordHeader, header_size_for
+from kvtier.tiers.nvme import NvmeTier
+from kvtier.tiers.record import RecordHeader, header_size_for
 
 REPEATS = 7
 

@@ -29,7 +29,8 @@ import xxhash
 
 from kvtier.buffers import aligned_buffer
 from kvtier.sizes import parse_size
-from kvtier.tiers.nvme import NvmeTier, RecordHeader, header_size_for
+from kvtier.tiers.nvme import NvmeTier
+from kvtier.tiers.record import RecordHeader, header_size_for
 
 NS_ID = "bench|kv"
 

@@ -37,7 +37,8 @@ from kvtier.buffers import aligned_buffer
 from kvtier.sizes import format_size, parse_size
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.crypto import RecordCipher, Seal
-from kvtier.tiers.nvme import NvmeTier, RecordHeader, header_size_for
+from kvtier.tiers.nvme import NvmeTier
+from kvtier.tiers.record import RecordHeader, header_size_for
 
 NS_ID = "bench|encryption"
 MODES = ("plain", "aes-gcm")

@@ -26,7 +26,8 @@ import xxhash
 
 from kvtier.buffers import aligned_buffer
 from kvtier.errors import CorruptRecord
-from kvtier.tiers.nvme import NvmeTier, RecordHeader, header_size_for
+from kvtier.tiers.nvme import NvmeTier
+from kvtier.tiers.record import RecordHeader, header_size_for
 
 # A namespace id no tenant can have ("tenant|namespace" always has a '|'), so a record
 # left by a crash mid-calibration is recognised and removed at the next start.

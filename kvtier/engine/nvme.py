@@ -29,7 +29,8 @@ from kvtier.engine.health import TierHealth
 from kvtier.errors import CorruptRecord
 from kvtier.movers.io import IoPool
 from kvtier.sizes import human_size
-from kvtier.tiers.nvme import NvmeTier, RecordHeader, RecoveryReport, header_size_for
+from kvtier.tiers.nvme import NvmeTier, RecoveryReport
+from kvtier.tiers.record import RecordHeader, header_size_for
 from kvtier.types import BlockId
 
 logger = logging.getLogger(__name__)

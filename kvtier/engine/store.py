@@ -67,7 +67,7 @@ from kvtier.profiles import MODELS
 from kvtier.sizes import human_size
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.dram import DramTier
-from kvtier.tiers.nvme import ALIGN_BYTES, RecordHeader, header_size_for
+from kvtier.tiers.record import ALIGN_BYTES, RecordHeader, header_size_for
 from kvtier.types import (
     BlockCosts,
     BlockId,

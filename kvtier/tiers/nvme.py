@@ -46,20 +46,11 @@ from kvtier.errors import ConfigError, CorruptRecord
 from kvtier.tiers.crypto import RecordCipher
 from kvtier.tiers.record import (
     ALIGN_BYTES,
-    CODEC_NONE,
-    FLAG_SEALED,
-    MAGIC,
-    VERSION,
-    ParsedHeader,
     RecordHeader,
     decode_header,
     encode_header,
-    header_size_for,
-    open_header,
     open_sealed_payload,
-    parse_header,
     read_header_region,
-    record_size_for,
     seal_record,
     verify_record,
 )
@@ -80,22 +71,6 @@ __all__ = [
     "tombstone_entries",
 ]
 # The record format, re-exported as this module exported it before it moved to record.py.
-__all__ += [
-    "ALIGN_BYTES",
-    "CODEC_NONE",
-    "FLAG_SEALED",
-    "MAGIC",
-    "VERSION",
-    "ParsedHeader",
-    "RecordHeader",
-    "decode_header",
-    "encode_header",
-    "header_size_for",
-    "open_header",
-    "parse_header",
-    "read_header_region",
-    "record_size_for",
-]
 
 RECORD_SUFFIX = ".kvr"
 TOMBSTONE_LOG = "tombstones.log"

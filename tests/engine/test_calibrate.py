@@ -10,7 +10,8 @@ import xxhash
 from kvtier.config import Config
 from kvtier.engine.calibrate import CALIBRATION_NS_ID, calibrate
 from kvtier.engine.store import Store
-from kvtier.tiers.nvme import NvmeTier, RecordHeader, header_size_for
+from kvtier.tiers.nvme import NvmeTier
+from kvtier.tiers.record import RecordHeader, header_size_for
 
 
 def _config(tmp_path: Path, **planner: object) -> Config:

@@ -15,7 +15,8 @@ from kvtier.movers.cuda import Mover, StagedUpload, TorchDevice
 from kvtier.movers.io import IoPool
 from kvtier.movers.pinned import pin, unregister
 from kvtier.tiers.dram import DramTier
-from kvtier.tiers.nvme import NvmeTier, RecordHeader, header_size_for
+from kvtier.tiers.nvme import NvmeTier
+from kvtier.tiers.record import RecordHeader, header_size_for
 
 pytestmark = pytest.mark.gpu
 
