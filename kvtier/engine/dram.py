@@ -75,37 +75,44 @@ class DramSpace:
         self._space_freed = asyncio.Event()
 
     def reserving(self, tenant: str) -> int:
-        """How many reservations of `tenant` are in progress."""
+        """How many puts of `tenant` are reserving room now."""
         return self._reserving[tenant]
 
     async def reserve(
-        self, tenant: str, size_bytes: int, make_room: MakeRoom, busy: Busy
+        self, tenant: str, size_bytes: int, make_room: MakeRoom, busy: Busy, put: bool = False
     ) -> Extent:
         """An extent of `size_bytes` in `tenant`'s arena, evicting (`make_room`) as needed;
-        ResourceExhausted if none frees up within `limits.reserve_wait_s`."""
-        arena = self.arena(tenant)
+        ResourceExhausted if none frees up within `limits.reserve_wait_s`. `put`: the
+        reservation is a put's (counted in `reserving`)."""
+        if put:
+            self._reserving[tenant] += 1
+        try:
+            return await self._reserve(self.arena(tenant), tenant, size_bytes, make_room, busy)
+        finally:
+            if put:
+                self._reserving[tenant] -= 1
+
+    async def _reserve(
+        self, arena: DramTier, tenant: str, size_bytes: int, make_room: MakeRoom, busy: Busy
+    ) -> Extent:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._config.limits.reserve_wait_s
-        self._reserving[tenant] += 1
-        try:
-            while True:
-                extent = arena.allocate(size_bytes)
-                if extent is not None:
-                    return extent
-                if await make_room(tenant, size_bytes):
-                    continue
-                # Everything left is being written or read; wait (bounded) for some to end.
-                remaining = deadline - loop.time()
-                if remaining > 0 and busy(tenant):
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._space_freed.wait(), remaining)
-                    continue
-                raise ResourceExhausted(
-                    f"no room for a {size_bytes}-byte block: DRAM is full of blocks being "
-                    "written or read; retry later"
-                )
-        finally:
-            self._reserving[tenant] -= 1
+        while True:
+            extent = arena.allocate(size_bytes)
+            if extent is not None:
+                return extent
+            if await make_room(tenant, size_bytes):
+                continue
+            # Everything left is being written or read; wait (bounded) for some to end.
+            remaining = deadline - loop.time()
+            if remaining > 0 and busy(tenant):
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._space_freed.wait(), remaining)
+                continue
+            raise ResourceExhausted(
+                f"no room for a {size_bytes}-byte block: DRAM is full of blocks being "
+                "written or read; retry later"
+            )
 
     def reconfigure(self, config: Config) -> None:
         self._config = config

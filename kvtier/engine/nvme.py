@@ -97,11 +97,15 @@ class NvmeDriver:
         self._watch_task = asyncio.ensure_future(self._watch_forever())
         return report
 
-    async def close(self) -> None:
+    async def stop_watching(self) -> None:
         if self._watch_task is not None:
             self._watch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
+            self._watch_task = None
+
+    async def close(self) -> None:
+        await self.stop_watching()
         # Records are complete files once renamed; this makes them survive a power loss
         # too, so a restart after a clean stop finds every one of them.
         try:

@@ -304,7 +304,8 @@ class Store:
         self.policies.admission.min_p_reuse = config.policy.min_p_reuse
 
     async def flush(self) -> int:
-        """Write every DRAM-only block to NVMe (most recent first); returns how many."""
+        """Write every DRAM-only block to NVMe (most recently stored first); returns how
+        many."""
         if self.nvme is None:
             return 0
         written = 0
@@ -327,6 +328,8 @@ class Store:
         if self._expiry_task is not None:
             self._expiry_task.cancel()
             await asyncio.gather(self._expiry_task, return_exceptions=True)
+        if self.nvme is not None:
+            await self.nvme.stop_watching()
         for lease_id in self.leases.ids():
             self.zero_copy.end_lease(lease_id)
         await self.tasks.drain()
@@ -349,7 +352,7 @@ class Store:
                 f"{largest} bytes (limits.max_block_bytes, capped by the tenant's DRAM "
                 "arena): split it or raise the limit"
             )
-        extent = await self.reserve_dram(tenant, size_bytes)
+        extent = await self.reserve_dram(tenant, size_bytes, put=True)
         return PutWriter(block_id, size_bytes, overwrite, extent, self.arena(tenant).view(extent))
 
     async def put_commit(self, writer: PutWriter, client_xxh3_64: int) -> PutResult:
@@ -652,8 +655,8 @@ class Store:
         return True
 
     # ---- making room --------------------------------------------------------------------
-    async def reserve_dram(self, tenant: str, size_bytes: int) -> Extent:
-        return await self.space.reserve(tenant, size_bytes, self._evict_dram, self._dram_busy)
+    async def reserve_dram(self, tenant: str, size_bytes: int, put: bool = False) -> Extent:
+        return await self.space.reserve(tenant, size_bytes, self._evict_dram, self._dram_busy, put)
 
     def _dram_busy(self, tenant: str) -> bool:
         # Reservations in progress and pinned blocks free space when they finish.
@@ -687,10 +690,12 @@ class Store:
                 self.counters.admitted += 1
                 if failpoints.ACTIVE:
                     failpoints.fire("store.evict")
-        finally:
-            # A reader that pinned it while it was written out keeps its DRAM copy (now
-            # also on NVMe, so a later eviction is free), freed no earlier than unpin.
-            extent, released = self.residency.finish_dram_eviction(entry)
+        except BaseException:
+            self.residency.end_move(entry)  # not evicted: it stays where it was
+            raise
+        # A reader that pinned it while it was written out keeps its DRAM copy (now also
+        # on NVMe, so a later eviction is free), freed no earlier than unpin.
+        extent, released = self.residency.finish_dram_eviction(entry)
         if extent is not None:
             self.arena_of(entry.block_id).free(extent)
         self._apply(entry, released)
