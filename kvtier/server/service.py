@@ -1,5 +1,7 @@
 """The kvtier.v1.KVTier gRPC servicer: validates requests, calls the store, maps errors.
 
+Responses are built in kvtier.server.messages.
+
 Exceptions from kvtier.errors become status codes here and nowhere else: every handler
 runs its body under `_status`, which aborts with the exception's code and message.
 
@@ -41,28 +43,30 @@ from kvtier.errors import (
     Unavailable,
     Unimplemented,
 )
-from kvtier.index.catalog import BlockId, Entry, TierName
+from kvtier.index.catalog import BlockId
 from kvtier.index.planner import OVERLAPS
 from kvtier.keys import DEFAULT_TENANT, check_key, check_namespace, hash_token, namespace_id
 from kvtier.server.arena_socket import ArenaSocket
 from kvtier.server.cuda_path import CudaBlock, CudaPath
-from kvtier.server.events import BlockEvent, Resync
+from kvtier.server.events import Resync
+from kvtier.server.messages import (
+    TIER_NAME_TO_PB,
+    TIER_TO_PB,
+    block_event,
+    block_info,
+    commit_results,
+    cuda_got,
+    leased,
+    plan_response,
+    prefill_response,
+    stats_response,
+)
 from kvtier.server.ratelimit import RateLimiter
-from kvtier.server.store import CommitOutcome, LeasedSlot, Store
+from kvtier.server.store import Store
 from kvtier.server.telemetry import Telemetry
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVTier"].full_name
-TIER_TO_PB: dict[TierName | None, pb.Tier.ValueType] = {
-    None: pb.TIER_UNSPECIFIED,
-    TierName.HBM: pb.TIER_HBM,
-    TierName.DRAM: pb.TIER_DRAM,
-    TierName.NVME: pb.TIER_NVME,
-    TierName.REMOTE: pb.TIER_REMOTE,
-}
-TIER_NAME_TO_PB: dict[str | None, pb.Tier.ValueType] = {
-    (k.value if k else None): v for k, v in TIER_TO_PB.items()
-}
 
 logger = logging.getLogger(__name__)
 EVENT_BATCH = 1024  # blocks or events per streamed message (well under 4 MiB)
@@ -202,18 +206,6 @@ class KVTierService:
         ns_id = self._ns_id(tenant, namespace)
         return tenant, (ns_id, check_key(key, self._limits.max_key_bytes))
 
-    @staticmethod
-    def _info(entry: Entry) -> pb.BlockInfo:
-        ns_id, key = entry.block_id
-        return pb.BlockInfo(
-            namespace=ns_id.partition("|")[2],
-            key=key,
-            size_bytes=entry.size_bytes,
-            xxh3_64=entry.xxh3_64,
-            tiers=[TIER_TO_PB[t] for t in entry.tiers],
-            generation=entry.generation,
-        )
-
     # ---- RPCs ---------------------------------------------------------------------------
     async def Put(
         self,
@@ -302,7 +294,7 @@ class KVTierService:
             entry = self._store.stat(self._block_id(context, request.namespace, request.key))
             if entry is None:
                 raise NotFound("block not found in this namespace")
-            return pb.StatResponse(info=self._info(entry))
+            return pb.StatResponse(info=block_info(entry))
         raise AssertionError("unreachable")
 
     async def List(
@@ -314,7 +306,7 @@ class KVTierService:
             accepts = self._namespace_filter(self._caller(context), request.namespace)
             entries = (e for e in self._store.catalog.entries() if accepts(e.block_id[0]))
             for count, entry in enumerate(entries, start=1):
-                yield pb.ListEntry(info=self._info(entry))
+                yield pb.ListEntry(info=block_info(entry))
                 if request.limit and count >= request.limit:
                     break
 
@@ -340,7 +332,7 @@ class KVTierService:
             # Built before the first yield (no await between): exactly the state at `seq`.
             epoch, seq = events.epoch, events.seq
             blocks = [
-                self._info(e) for e in self._store.catalog.entries() if accepts(e.block_id[0])
+                block_info(e) for e in self._store.catalog.entries() if accepts(e.block_id[0])
             ]
             for start in range(0, max(len(blocks), 1), EVENT_BATCH):
                 yield pb.SnapshotResponse(
@@ -363,7 +355,7 @@ class KVTierService:
                 batch = watcher.queued(EVENT_BATCH)
                 while True:
                     yield pb.WatchEventsResponse(
-                        epoch=events.epoch, events=[_event(e) for e in batch]
+                        epoch=events.epoch, events=[block_event(e) for e in batch]
                     )
                     batch = await watcher.next_batch(EVENT_BATCH)  # []: the daemon is stopping
                     if not batch:
@@ -395,45 +387,7 @@ class KVTierService:
         # Counters are node-wide: only callers who can authenticate may read them.
         async with _status(context):
             self._caller(context)
-        s = self._store.stats()
-        from kvtier import __version__
-
-        return pb.StatsResponse(
-            tiers=[
-                pb.TierStats(
-                    name=t.name,
-                    used_bytes=t.used_bytes,
-                    capacity_bytes=t.capacity_bytes,
-                    blocks=t.blocks,
-                    hits=t.hits,
-                    evictions=t.evictions,
-                    online=t.online,
-                    io_errors=t.io_errors,
-                )
-                for t in s.tiers
-            ],
-            hits=s.hits,
-            misses=s.misses,
-            puts=s.puts,
-            demotions=s.demotions,
-            checksum_failures=s.checksum_failures,
-            dropped_blocks=s.dropped_blocks,
-            uptime_s=s.uptime_s,
-            version=__version__,
-            nvme_direct_io=s.nvme_direct_io,
-            leases=s.leases,
-            promotions=s.promotions,
-            recompute_avoided_s=s.recompute_avoided_s,
-            fetch_regret_s=s.fetch_regret_s,
-            remote_puts=s.remote_puts,
-            remote_fetches=s.remote_fetches,
-            planned_fetch_blocks=s.planned_fetch_blocks,
-            planned_recompute_blocks=s.planned_recompute_blocks,
-            lost_reuse=s.lost_reuse,
-            nvme_admitted=s.admitted,
-            nvme_not_admitted=s.not_admitted,
-            policy=self._store.policies.name,
-        )
+        return stats_response(self._store.stats(), self._store.policies.name)
 
     # ---- deciding ---------------------------------------------------------------------------
     async def Plan(self, request: pb.PlanRequest, context: Ctx) -> pb.PlanResponse:
@@ -468,7 +422,7 @@ class KVTierService:
                 f"blocks, more than limits.max_plan_blocks={self._limits.max_plan_blocks}: "
                 "plan the prompt in parts or raise the limit"
             )
-        result, (tiers, fetch_s, recompute_s) = await self._store.plan(
+        plan, costs = await self._store.plan(
             ns_id,
             keys,
             tpb,
@@ -477,19 +431,8 @@ class KVTierService:
             overlap,
             request.kv_bytes_per_token,
         )
-        logger.debug("plan %s, %d blocks: %s", request.namespace, len(keys), result.reason)
-        return pb.PlanResponse(
-            total_s=result.total_s,
-            recompute_all_s=result.recompute_all_s,
-            fetch_all_s=result.fetch_all_s,
-            engine_blocks=result.engine_blocks,
-            fetch_start=result.fetch_start,
-            fetch_end=result.fetch_end,
-            reason=result.reason,
-            tiers=[TIER_NAME_TO_PB[t] for t in tiers],
-            fetch_s=fetch_s,
-            recompute_s=recompute_s,
-        )
+        logger.debug("plan %s, %d blocks: %s", request.namespace, len(keys), plan.reason)
+        return plan_response(plan, costs)
 
     async def _report_prefill(
         self, session_id: int, tenant: str, request: pb.ReportPrefillRequest
@@ -513,11 +456,7 @@ class KVTierService:
             fit.c_s_per_token2,
             fit.step_s,
         )
-        return pb.ReportPrefillResponse(
-            a_s_per_token=fit.a_s_per_token,
-            c_s_per_token2=fit.c_s_per_token2,
-            step_s=fit.step_s,
-        )
+        return prefill_response(fit)
 
     # ---- zero-copy path -------------------------------------------------------------------
     def _session_tenant(self, session_id: int) -> str:
@@ -588,7 +527,7 @@ class KVTierService:
         outcomes = await self._store.commit(
             session_id, request.lease_id, list(request.xxh3_64), request.abort
         )
-        return pb.CommitResponse(results=_commit_results(outcomes))
+        return pb.CommitResponse(results=commit_results(outcomes))
 
     async def _acquire(
         self, session_id: int, tenant: str, request: pb.AcquireRequest
@@ -600,7 +539,7 @@ class KVTierService:
         self._admit_bytes(tenant, sum(e.size_bytes for e in entries if e is not None))
         lease_id, slots = await self._store.acquire(session_id, keys)
         self._drop_if_session_ended(session_id)
-        return pb.AcquireResponse(lease_id=lease_id, blocks=[_leased(s) for s in slots])
+        return pb.AcquireResponse(lease_id=lease_id, blocks=[leased(s) for s in slots])
 
     async def _release(
         self, session_id: int, tenant: str, request: pb.ReleaseRequest
@@ -647,7 +586,7 @@ class KVTierService:
         ns_id = self._ns_id(tenant, request.namespace)
         blocks = self._cuda_blocks(tenant, request.blocks)
         outcomes = await cuda.put(session_id, ns_id, request.buffer_id, blocks, request.overwrite)
-        return pb.CudaPutResponse(results=_commit_results(outcomes))
+        return pb.CudaPutResponse(results=commit_results(outcomes))
 
     async def _cuda_get(
         self, session_id: int, tenant: str, request: pb.CudaGetRequest
@@ -662,14 +601,14 @@ class KVTierService:
             return pb.CudaGetResponse(request_id=request_id)
         tiers = await cuda.get(session_id, ns_id, request.buffer_id, blocks)
         self._drop_if_session_ended(session_id)
-        return _cuda_got(tiers)
+        return cuda_got(tiers)
 
     async def _cuda_wait(
         self, session_id: int, tenant: str, request: pb.CudaWaitRequest
     ) -> pb.CudaGetResponse:
         tiers = await self._cuda_path().wait(session_id, request.request_id, request.group)
         self._drop_if_session_ended(session_id)
-        return _cuda_got(tiers)
+        return cuda_got(tiers)
 
     async def RegisterCuda(
         self, request: pb.RegisterCudaRequest, context: Ctx
@@ -760,35 +699,6 @@ def _op_name(op: int) -> str:
         return "UNKNOWN_OP"  # bounded: one label value for any number a client sends
 
 
-def _commit_results(outcomes: Iterable[CommitOutcome]) -> list[pb.CommitResult]:
-    return [
-        pb.CommitResult(
-            stored=o.stored,
-            code=o.error.grpc_code.value[0] if o.error else 0,
-            message=str(o.error) if o.error else "",
-        )
-        for o in outcomes
-    ]
-
-
-def _cuda_got(tiers: Iterable[TierName | None]) -> pb.CudaGetResponse:
-    return pb.CudaGetResponse(
-        blocks=[pb.CudaGetResult(found=t is not None, tier=TIER_TO_PB[t]) for t in tiers]
-    )
-
-
-def _leased(slot: LeasedSlot | None) -> pb.LeasedBlock:
-    if slot is None:
-        return pb.LeasedBlock(found=False)
-    return pb.LeasedBlock(
-        found=True,
-        offset=slot.offset,
-        size_bytes=slot.size_bytes,
-        xxh3_64=slot.xxh3_64,
-        tier=TIER_TO_PB[slot.tier],
-    )
-
-
 def _code_name(context: Ctx, default: grpc.StatusCode) -> str:
     code = context.code()
     if isinstance(code, grpc.StatusCode):
@@ -805,16 +715,6 @@ async def _refuse_undecodable(name: str, request: Any, context: Ctx) -> None:
             f"the {name} request is not a valid protobuf message ({request.error}): "
             "send bytes serialized from kvtier.v1 messages (strings must be UTF-8)",
         )
-
-
-def _event(event: BlockEvent) -> pb.BlockEvent:
-    ns_id, key = event.block_id
-    return pb.BlockEvent(
-        seq=event.seq,
-        namespace=ns_id.partition("|")[2],
-        key=key,
-        tiers=[TIER_TO_PB[t] for t in event.tiers],
-    )
 
 
 def _counted(telemetry: Telemetry, name: str, fn: Any, streaming: bool) -> Any:
