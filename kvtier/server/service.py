@@ -1,9 +1,8 @@
-"""The kvtier.v1.KVTier gRPC servicer: validates requests, calls the store, maps errors.
+"""The kvtier.v1.KVTier gRPC servicer: validates requests, calls the store.
 
-Responses are built in kvtier.server.messages.
-
-Exceptions from kvtier.errors become status codes here and nowhere else: every handler
-runs its body under `_status`, which aborts with the exception's code and message.
+Handlers raise kvtier.errors exceptions and never abort: `add_to_server` registers each
+through kvtier.server.rpc, which ends the call with the exception's status (the mapping
+itself is kvtier.errors.to_status). Responses are built in kvtier.server.messages.
 
 Identity and rate limits: every tenant-scoped RPC (all but Stats) learns its tenant from
 `_tenant` (client certificate and/or bearer token) and is charged one request by `_admit`
@@ -17,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
@@ -35,7 +33,6 @@ from kvtier._wire import (
 from kvtier.config import Config
 from kvtier.errors import (
     InvalidArgument,
-    KVTierError,
     NotFound,
     PermissionDenied,
     RateLimited,
@@ -46,6 +43,7 @@ from kvtier.errors import (
 from kvtier.index.catalog import BlockId
 from kvtier.index.planner import OVERLAPS
 from kvtier.keys import DEFAULT_TENANT, check_key, check_namespace, hash_token, namespace_id
+from kvtier.server import rpc
 from kvtier.server.arena_socket import ArenaSocket
 from kvtier.server.cuda_path import CudaBlock, CudaPath
 from kvtier.server.events import Resync
@@ -63,9 +61,8 @@ from kvtier.server.messages import (
 )
 from kvtier.server.ratelimit import RateLimiter
 from kvtier.server.store import Store
-from kvtier.server.telemetry import Telemetry
 
-Ctx = grpc.aio.ServicerContext[Any, Any]
+Ctx = rpc.Ctx
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVTier"].full_name
 
 logger = logging.getLogger(__name__)
@@ -74,18 +71,6 @@ EVENT_BATCH = 1024  # blocks or events per streamed message (well under 4 MiB)
 
 # Ops that finish work a Reserve or an Acquire was admitted for: never rate-limited.
 FINISHING_OPS = frozenset({Op.COMMIT, Op.RELEASE, Op.CUDA_WAIT})  # end admitted work
-
-
-@asynccontextmanager
-async def _status(context: Ctx) -> AsyncIterator[None]:
-    try:
-        yield
-    except KVTierError as err:
-        trailing: tuple[tuple[str, str], ...] = ()
-        if isinstance(err, RateLimited):
-            retry_ms = max(1, math.ceil(err.retry_after_s * 1000))
-            trailing = (("retry-after-ms", str(retry_ms)),)
-        await context.abort(err.grpc_code, str(err), trailing_metadata=trailing)
 
 
 class KVTierService:
@@ -212,103 +197,95 @@ class KVTierService:
         request_iterator: AsyncIterator[pb.PutRequest | RawChunk],
         context: Ctx,
     ) -> pb.PutResponse:
-        async with _status(context):
-            first = await anext(aiter(request_iterator), None)
-            if not isinstance(first, pb.PutRequest) or first.WhichOneof("msg") != "header":
-                raise InvalidArgument("a put stream must start with a header message")
-            header = first.header
-            tenant, block_id = self._tenant_block(context, header.namespace, header.key)
-            self._admit_bytes(tenant, header.size_bytes)
-            writer = await self._store.put_begin(block_id, header.size_bytes, header.overwrite)
-            try:
-                async for msg in request_iterator:
-                    if isinstance(msg, RawChunk):
-                        writer.write(msg.data)
-                    elif isinstance(msg, pb.PutRequest) and msg.WhichOneof("msg") == "chunk":
-                        writer.write(msg.chunk)
-                    elif isinstance(msg, Undecodable):
-                        raise InvalidArgument(
-                            f"a put stream message is not valid protobuf ({msg.error}); "
-                            "nothing was stored"
-                        )
-                    else:
-                        raise InvalidArgument("only data chunks may follow the put header")
-                result = await self._store.put_commit(writer, header.xxh3_64)
-            finally:
-                self._store.put_abort(writer)
-            return pb.PutResponse(
-                size_bytes=result.size_bytes,
-                xxh3_64=result.xxh3_64,
-                tier=TIER_TO_PB[result.tier],
-                already_present=result.already_present,
-            )
-        raise AssertionError("unreachable")  # context.abort raised
+        first = await anext(aiter(request_iterator), None)
+        if not isinstance(first, pb.PutRequest) or first.WhichOneof("msg") != "header":
+            raise InvalidArgument("a put stream must start with a header message")
+        header = first.header
+        tenant, block_id = self._tenant_block(context, header.namespace, header.key)
+        self._admit_bytes(tenant, header.size_bytes)
+        writer = await self._store.put_begin(block_id, header.size_bytes, header.overwrite)
+        try:
+            async for msg in request_iterator:
+                if isinstance(msg, RawChunk):
+                    writer.write(msg.data)
+                elif isinstance(msg, pb.PutRequest) and msg.WhichOneof("msg") == "chunk":
+                    writer.write(msg.chunk)
+                elif isinstance(msg, Undecodable):
+                    raise InvalidArgument(
+                        f"a put stream message is not valid protobuf ({msg.error}); "
+                        "nothing was stored"
+                    )
+                else:
+                    raise InvalidArgument("only data chunks may follow the put header")
+            result = await self._store.put_commit(writer, header.xxh3_64)
+        finally:
+            self._store.put_abort(writer)
+        return pb.PutResponse(
+            size_bytes=result.size_bytes,
+            xxh3_64=result.xxh3_64,
+            tier=TIER_TO_PB[result.tier],
+            already_present=result.already_present,
+        )
 
     async def Get(
         self,
         request: pb.GetRequest,
         context: Ctx,
     ) -> AsyncIterator[pb.GetResponse | RawChunk]:
-        async with _status(context):
-            tenant, block_id = self._tenant_block(context, request.namespace, request.key)
-            entry = self._store.stat(block_id)
-            if entry is not None:  # charged before the bytes move (a read may hit NVMe)
-                self._admit_bytes(tenant, entry.size_bytes)
-            reader = await self._store.open_block(block_id)
-            if reader is None:
-                raise NotFound("block not found in this namespace")
-            try:
-                yield pb.GetResponse(
-                    header=pb.GetHeader(
-                        size_bytes=reader.size_bytes,
-                        xxh3_64=reader.xxh3_64,
-                        tier=TIER_TO_PB[reader.tier],
-                    )
+        tenant, block_id = self._tenant_block(context, request.namespace, request.key)
+        entry = self._store.stat(block_id)
+        if entry is not None:  # charged before the bytes move (a read may hit NVMe)
+            self._admit_bytes(tenant, entry.size_bytes)
+        reader = await self._store.open_block(block_id)
+        if reader is None:
+            raise NotFound("block not found in this namespace")
+        try:
+            yield pb.GetResponse(
+                header=pb.GetHeader(
+                    size_bytes=reader.size_bytes,
+                    xxh3_64=reader.xxh3_64,
+                    tier=TIER_TO_PB[reader.tier],
                 )
-                for chunk in reader.chunks(self._chunk_bytes):
-                    yield RawChunk(chunk)
-            finally:
-                reader.close()
+            )
+            for chunk in reader.chunks(self._chunk_bytes):
+                yield RawChunk(chunk)
+        finally:
+            reader.close()
 
     async def Lookup(
         self,
         request: pb.LookupRequest,
         context: Ctx,
     ) -> pb.LookupResponse:
-        async with _status(context):
-            ns_id = self._ns_id(self._caller(context), request.namespace)
-            keys = [check_key(k, self._limits.max_key_bytes) for k in request.keys]
-            result = await self._store.lookup(ns_id, keys)
-            return pb.LookupResponse(
-                prefix_blocks=result.prefix_blocks,
-                tiers=[TIER_NAME_TO_PB[t] for t in result.tiers],
-            )
-        raise AssertionError("unreachable")
+        ns_id = self._ns_id(self._caller(context), request.namespace)
+        keys = [check_key(k, self._limits.max_key_bytes) for k in request.keys]
+        result = await self._store.lookup(ns_id, keys)
+        return pb.LookupResponse(
+            prefix_blocks=result.prefix_blocks,
+            tiers=[TIER_NAME_TO_PB[t] for t in result.tiers],
+        )
 
     async def Stat(
         self,
         request: pb.StatRequest,
         context: Ctx,
     ) -> pb.StatResponse:
-        async with _status(context):
-            entry = self._store.stat(self._block_id(context, request.namespace, request.key))
-            if entry is None:
-                raise NotFound("block not found in this namespace")
-            return pb.StatResponse(info=block_info(entry))
-        raise AssertionError("unreachable")
+        entry = self._store.stat(self._block_id(context, request.namespace, request.key))
+        if entry is None:
+            raise NotFound("block not found in this namespace")
+        return pb.StatResponse(info=block_info(entry))
 
     async def List(
         self,
         request: pb.ListRequest,
         context: Ctx,
     ) -> AsyncIterator[pb.ListEntry]:
-        async with _status(context):
-            accepts = self._namespace_filter(self._caller(context), request.namespace)
-            entries = (e for e in self._store.catalog.entries() if accepts(e.block_id[0]))
-            for count, entry in enumerate(entries, start=1):
-                yield pb.ListEntry(info=block_info(entry))
-                if request.limit and count >= request.limit:
-                    break
+        accepts = self._namespace_filter(self._caller(context), request.namespace)
+        entries = (e for e in self._store.catalog.entries() if accepts(e.block_id[0]))
+        for count, entry in enumerate(entries, start=1):
+            yield pb.ListEntry(info=block_info(entry))
+            if request.limit and count >= request.limit:
+                break
 
     def _namespace_filter(self, tenant: str, namespace: str) -> Callable[[str], bool]:
         """Which namespace ids a List, Snapshot or WatchEvents of `namespace` (empty: all
@@ -326,58 +303,50 @@ class KVTierService:
         request: pb.SnapshotRequest,
         context: Ctx,
     ) -> AsyncIterator[pb.SnapshotResponse]:
-        async with _status(context):
-            accepts = self._namespace_filter(self._caller(context), request.namespace)
-            events = self._store.events
-            # Built before the first yield (no await between): exactly the state at `seq`.
-            epoch, seq = events.epoch, events.seq
-            blocks = [
-                block_info(e) for e in self._store.catalog.entries() if accepts(e.block_id[0])
-            ]
-            for start in range(0, max(len(blocks), 1), EVENT_BATCH):
-                yield pb.SnapshotResponse(
-                    epoch=epoch, seq=seq, blocks=blocks[start : start + EVENT_BATCH]
-                )
+        accepts = self._namespace_filter(self._caller(context), request.namespace)
+        events = self._store.events
+        # Built before the first yield (no await between): exactly the state at `seq`.
+        epoch, seq = events.epoch, events.seq
+        blocks = [block_info(e) for e in self._store.catalog.entries() if accepts(e.block_id[0])]
+        for start in range(0, max(len(blocks), 1), EVENT_BATCH):
+            yield pb.SnapshotResponse(
+                epoch=epoch, seq=seq, blocks=blocks[start : start + EVENT_BATCH]
+            )
 
     async def WatchEvents(
         self,
         request: pb.WatchEventsRequest,
         context: Ctx,
     ) -> AsyncIterator[pb.WatchEventsResponse]:
-        async with _status(context):
-            accepts = self._namespace_filter(self._caller(context), request.namespace)
-            events = self._store.events
-            watcher = None
-            try:
-                watcher = events.watch(accepts, request.epoch, request.after_seq)
-                # The first message, even with nothing to say: the watcher learns the epoch
-                # and that it is registered (a change made after it will reach it).
-                batch = watcher.queued(EVENT_BATCH)
-                while True:
-                    yield pb.WatchEventsResponse(
-                        epoch=events.epoch, events=[block_event(e) for e in batch]
-                    )
-                    batch = await watcher.next_batch(EVENT_BATCH)  # []: the daemon is stopping
-                    if not batch:
-                        return
-            except Resync as why:  # resuming was not possible, or the watcher fell behind
-                logger.info("a watcher must resync: %s", why)
-                yield pb.WatchEventsResponse(epoch=events.epoch, resync=True)
-            finally:
-                if watcher is not None:
-                    events.unwatch(watcher)
+        accepts = self._namespace_filter(self._caller(context), request.namespace)
+        events = self._store.events
+        watcher = None
+        try:
+            watcher = events.watch(accepts, request.epoch, request.after_seq)
+            # The first message, even with nothing to say: the watcher learns the epoch
+            # and that it is registered (a change made after it will reach it).
+            batch = watcher.queued(EVENT_BATCH)
+            while True:
+                yield pb.WatchEventsResponse(
+                    epoch=events.epoch, events=[block_event(e) for e in batch]
+                )
+                batch = await watcher.next_batch(EVENT_BATCH)  # []: the daemon is stopping
+                if not batch:
+                    return
+        except Resync as why:  # resuming was not possible, or the watcher fell behind
+            logger.info("a watcher must resync: %s", why)
+            yield pb.WatchEventsResponse(epoch=events.epoch, resync=True)
+        finally:
+            if watcher is not None:
+                events.unwatch(watcher)
 
     async def Delete(
         self,
         request: pb.DeleteRequest,
         context: Ctx,
     ) -> pb.DeleteResponse:
-        async with _status(context):
-            deleted = await self._store.delete(
-                self._block_id(context, request.namespace, request.key)
-            )
-            return pb.DeleteResponse(deleted=deleted)
-        raise AssertionError("unreachable")
+        deleted = await self._store.delete(self._block_id(context, request.namespace, request.key))
+        return pb.DeleteResponse(deleted=deleted)
 
     async def Stats(
         self,
@@ -385,22 +354,17 @@ class KVTierService:
         context: Ctx,
     ) -> pb.StatsResponse:
         # Counters are node-wide: only callers who can authenticate may read them.
-        async with _status(context):
-            self._caller(context)
+        self._caller(context)
         return stats_response(self._store.stats(), self._store.policies.name)
 
     # ---- deciding ---------------------------------------------------------------------------
     async def Plan(self, request: pb.PlanRequest, context: Ctx) -> pb.PlanResponse:
-        async with _status(context):
-            return await self._plan(0, self._caller(context), request)
-        raise AssertionError("unreachable")
+        return await self._plan(0, self._caller(context), request)
 
     async def ReportPrefill(
         self, request: pb.ReportPrefillRequest, context: Ctx
     ) -> pb.ReportPrefillResponse:
-        async with _status(context):
-            return await self._report_prefill(0, self._caller(context), request)
-        raise AssertionError("unreachable")
+        return await self._report_prefill(0, self._caller(context), request)
 
     async def _plan(self, session_id: int, tenant: str, request: pb.PlanRequest) -> pb.PlanResponse:
         ns_id = self._ns_id(tenant, request.namespace)
@@ -487,23 +451,21 @@ class KVTierService:
         return session_id, tenant
 
     async def Attach(self, request: pb.AttachRequest, context: Ctx) -> pb.AttachResponse:
-        async with _status(context):
-            if self._draining():
-                raise Unavailable("kvtier is shutting down")
-            tenant = self._caller(context)
-            if self._arena is None:
-                self._session_tenant(0)  # raises Unimplemented
-            assert self._arena is not None
-            arena_bytes = self._store.arena(tenant).capacity_bytes
-            session = self._arena.new_session(tenant)
-            return pb.AttachResponse(
-                session_id=session.session_id,
-                nonce=session.nonce,
-                arena_socket=str(self._arena.path),
-                arena_bytes=arena_bytes,
-                lease_ttl_s=self._limits.lease_ttl_s,
-            )
-        raise AssertionError("unreachable")
+        if self._draining():
+            raise Unavailable("kvtier is shutting down")
+        tenant = self._caller(context)
+        if self._arena is None:
+            self._session_tenant(0)  # raises Unimplemented
+        assert self._arena is not None
+        arena_bytes = self._store.arena(tenant).capacity_bytes
+        session = self._arena.new_session(tenant)
+        return pb.AttachResponse(
+            session_id=session.session_id,
+            nonce=session.nonce,
+            arena_socket=str(self._arena.path),
+            arena_bytes=arena_bytes,
+            lease_ttl_s=self._limits.lease_ttl_s,
+        )
 
     async def _reserve(
         self, session_id: int, tenant: str, request: pb.ReserveRequest
@@ -613,34 +575,29 @@ class KVTierService:
     async def RegisterCuda(
         self, request: pb.RegisterCudaRequest, context: Ctx
     ) -> pb.RegisterCudaResponse:
-        async with _status(context):
-            session = self._session(request.session_id, context, Op.REGISTER_CUDA)
-            return await self._register_cuda(*session, request)
-        raise AssertionError("unreachable")
+        session = self._session(request.session_id, context, Op.REGISTER_CUDA)
+        return await self._register_cuda(*session, request)
 
     async def CudaPut(self, request: pb.CudaPutRequest, context: Ctx) -> pb.CudaPutResponse:
-        async with _status(context):
-            session = self._session(request.session_id, context, Op.CUDA_PUT)
-            return await self._cuda_put(*session, request)
-        raise AssertionError("unreachable")
+        session = self._session(request.session_id, context, Op.CUDA_PUT)
+        return await self._cuda_put(*session, request)
 
     async def CudaGet(self, request: pb.CudaGetRequest, context: Ctx) -> pb.CudaGetResponse:
-        async with _status(context):
-            session = self._session(request.session_id, context, Op.CUDA_GET)
-            return await self._cuda_get(*session, request)
-        raise AssertionError("unreachable")
+        session = self._session(request.session_id, context, Op.CUDA_GET)
+        return await self._cuda_get(*session, request)
 
     async def CudaWait(self, request: pb.CudaWaitRequest, context: Ctx) -> pb.CudaGetResponse:
-        async with _status(context):
-            session = self._session(request.session_id, context, Op.CUDA_WAIT)
-            return await self._cuda_wait(*session, request)
-        raise AssertionError("unreachable")
+        session = self._session(request.session_id, context, Op.CUDA_WAIT)
+        return await self._cuda_wait(*session, request)
 
     async def session_call(self, session_id: int, op: int, payload: bytes) -> tuple[int, bytes]:
         """A framed request from an attached session's socket (see kvtier._session)."""
         try:
-            kind = Op(op)
-            request = REQUEST_TYPES[kind].FromString(payload)
+            try:
+                kind = Op(op)
+                request = REQUEST_TYPES[kind].FromString(payload)
+            except (ValueError, DecodeError):
+                raise InvalidArgument("malformed session request") from None
             tenant = self._session_tenant(session_id)
             if kind not in FINISHING_OPS:
                 self._admit(tenant)
@@ -658,38 +615,28 @@ class KVTierService:
             }
             handler = handlers[kind]
             response = await handler(session_id, tenant, request)
-        except KVTierError as err:
-            self.telemetry.request(f"session/{_op_name(op)}", err.grpc_code.name)
-            return err.grpc_code.value[0], str(err).encode()
-        except (ValueError, DecodeError):
-            self.telemetry.request(f"session/{_op_name(op)}", "INVALID_ARGUMENT")
-            return grpc.StatusCode.INVALID_ARGUMENT.value[0], b"malformed session request"
+        except Exception as err:
+            status = rpc.answer(f"session op {_op_name(op)}", err)
+            self.telemetry.request(f"session/{_op_name(op)}", status.code.name)
+            return status.value, status.message.encode()
         self.telemetry.request(f"session/{kind.name}", "OK")
         return 0, response.SerializeToString()
 
     async def Reserve(self, request: pb.ReserveRequest, context: Ctx) -> pb.ReserveResponse:
-        async with _status(context):
-            session = self._session(request.session_id, context, Op.RESERVE)
-            return await self._reserve(*session, request)
-        raise AssertionError("unreachable")
+        session = self._session(request.session_id, context, Op.RESERVE)
+        return await self._reserve(*session, request)
 
     async def Commit(self, request: pb.CommitRequest, context: Ctx) -> pb.CommitResponse:
-        async with _status(context):
-            session = self._session(request.session_id, context, Op.COMMIT)
-            return await self._commit(*session, request)
-        raise AssertionError("unreachable")
+        session = self._session(request.session_id, context, Op.COMMIT)
+        return await self._commit(*session, request)
 
     async def Acquire(self, request: pb.AcquireRequest, context: Ctx) -> pb.AcquireResponse:
-        async with _status(context):
-            session = self._session(request.session_id, context, Op.ACQUIRE)
-            return await self._acquire(*session, request)
-        raise AssertionError("unreachable")
+        session = self._session(request.session_id, context, Op.ACQUIRE)
+        return await self._acquire(*session, request)
 
     async def Release(self, request: pb.ReleaseRequest, context: Ctx) -> pb.ReleaseResponse:
-        async with _status(context):
-            session = self._session(request.session_id, context, Op.RELEASE)
-            return await self._release(*session, request)
-        raise AssertionError("unreachable")
+        session = self._session(request.session_id, context, Op.RELEASE)
+        return await self._release(*session, request)
 
 
 def _op_name(op: int) -> str:
@@ -697,53 +644,6 @@ def _op_name(op: int) -> str:
         return Op(op).name
     except ValueError:
         return "UNKNOWN_OP"  # bounded: one label value for any number a client sends
-
-
-def _code_name(context: Ctx, default: grpc.StatusCode) -> str:
-    code = context.code()
-    if isinstance(code, grpc.StatusCode):
-        return code.name
-    if isinstance(code, int):
-        return next((c.name for c in grpc.StatusCode if c.value[0] == code), default.name)
-    return default.name
-
-
-async def _refuse_undecodable(name: str, request: Any, context: Ctx) -> None:
-    if isinstance(request, Undecodable):
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"the {name} request is not a valid protobuf message ({request.error}): "
-            "send bytes serialized from kvtier.v1 messages (strings must be UTF-8)",
-        )
-
-
-def _counted(telemetry: Telemetry, name: str, fn: Any, streaming: bool) -> Any:
-    """`fn` (a handler) counting each call it answers by status code."""
-    if streaming:
-
-        async def stream(request: Any, context: Ctx) -> AsyncIterator[Any]:
-            try:
-                await _refuse_undecodable(name, request, context)
-                async for item in fn(request, context):
-                    yield item
-            except BaseException:
-                telemetry.request(name, _code_name(context, grpc.StatusCode.UNKNOWN))
-                raise
-            telemetry.request(name, _code_name(context, grpc.StatusCode.OK))
-
-        return stream
-
-    async def unary(request: Any, context: Ctx) -> Any:
-        try:
-            await _refuse_undecodable(name, request, context)
-            response = await fn(request, context)
-        except BaseException:
-            telemetry.request(name, _code_name(context, grpc.StatusCode.UNKNOWN))
-            raise
-        telemetry.request(name, _code_name(context, grpc.StatusCode.OK))
-        return response
-
-    return unary
 
 
 def add_to_server(service: KVTierService, server: grpc.aio.Server) -> None:
@@ -764,13 +664,9 @@ def add_to_server(service: KVTierService, server: grpc.aio.Server) -> None:
             (True, False): grpc.stream_unary_rpc_method_handler,
             (True, True): grpc.stream_stream_rpc_method_handler,
         }[(method.client_streaming, method.server_streaming)]
+        wrap = rpc.stream if method.server_streaming else rpc.unary
         handlers[method.name] = make(
-            _counted(
-                service.telemetry,
-                method.name,
-                getattr(service, method.name),
-                method.server_streaming,
-            ),
+            wrap(service.telemetry, method.name, getattr(service, method.name)),
             request_deserializer=tolerant(
                 custom_deserializers.get(method.name, request_cls.FromString)
             ),
