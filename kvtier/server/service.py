@@ -6,23 +6,23 @@ itself is kvtier.errors.to_status). Responses are built in kvtier.server.message
 
 Identity and rate limits: every tenant-scoped RPC (all but Stats) learns its tenant from
 `_tenant` (client certificate and/or bearer token) and is charged one request by `_admit`
-before it does any work; zero-copy session ops are charged in `session_call` (or `_session`
-for their gRPC twins). Commit and Release are not charged: they finish work already
-admitted, and refusing them would only keep DRAM pinned until the lease expires.
+before it does any work; zero-copy session ops are charged by `session_call` (a
+kvtier.server.session_dispatch.SessionDispatch) or `_session` for their gRPC twins.
+Commit and Release are not charged: they finish work already admitted, and refusing them
+would only keep DRAM pinned until the lease expires.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError, Message
 
 from kvtier._proto import kvtier_pb2 as pb
-from kvtier._session import REQUEST_TYPES, Op
+from kvtier._session import Op
 from kvtier._wire import (
     RawChunk,
     Undecodable,
@@ -60,6 +60,7 @@ from kvtier.server.messages import (
     stats_response,
 )
 from kvtier.server.ratelimit import RateLimiter
+from kvtier.server.session_dispatch import FINISHING_OPS, SessionDispatch
 from kvtier.server.store import Store
 
 Ctx = rpc.Ctx
@@ -67,10 +68,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVTier"].full_name
 
 logger = logging.getLogger(__name__)
 EVENT_BATCH = 1024  # blocks or events per streamed message (well under 4 MiB)
-
-
-# Ops that finish work a Reserve or an Acquire was admitted for: never rate-limited.
-FINISHING_OPS = frozenset({Op.COMMIT, Op.RELEASE, Op.CUDA_WAIT})  # end admitted work
 
 
 class KVTierService:
@@ -96,6 +93,23 @@ class KVTierService:
         self._tokens = dict(config.auth.tokens)
         self._certificates = dict(config.auth.certificates)
         self._limiter = RateLimiter(config)
+        self.session_call = SessionDispatch(
+            {
+                Op.RESERVE: self._reserve,
+                Op.COMMIT: self._commit,
+                Op.ACQUIRE: self._acquire,
+                Op.RELEASE: self._release,
+                Op.PLAN: self._plan,
+                Op.REPORT_PREFILL: self._report_prefill,
+                Op.REGISTER_CUDA: self._register_cuda,
+                Op.CUDA_PUT: self._cuda_put,
+                Op.CUDA_GET: self._cuda_get,
+                Op.CUDA_WAIT: self._cuda_wait,
+            },
+            self._session_tenant,
+            self._admit,
+            self.telemetry,
+        )
 
     def reconfigure(self, config: Config) -> None:
         """Apply settings a reload may change while calls are in flight (each call reads
@@ -590,38 +604,6 @@ class KVTierService:
         session = self._session(request.session_id, context, Op.CUDA_WAIT)
         return await self._cuda_wait(*session, request)
 
-    async def session_call(self, session_id: int, op: int, payload: bytes) -> tuple[int, bytes]:
-        """A framed request from an attached session's socket (see kvtier._session)."""
-        try:
-            try:
-                kind = Op(op)
-                request = REQUEST_TYPES[kind].FromString(payload)
-            except (ValueError, DecodeError):
-                raise InvalidArgument("malformed session request") from None
-            tenant = self._session_tenant(session_id)
-            if kind not in FINISHING_OPS:
-                self._admit(tenant)
-            handlers: dict[Op, Callable[[int, str, Any], Awaitable[Message]]] = {
-                Op.RESERVE: self._reserve,
-                Op.COMMIT: self._commit,
-                Op.ACQUIRE: self._acquire,
-                Op.RELEASE: self._release,
-                Op.PLAN: self._plan,
-                Op.REPORT_PREFILL: self._report_prefill,
-                Op.REGISTER_CUDA: self._register_cuda,
-                Op.CUDA_PUT: self._cuda_put,
-                Op.CUDA_GET: self._cuda_get,
-                Op.CUDA_WAIT: self._cuda_wait,
-            }
-            handler = handlers[kind]
-            response = await handler(session_id, tenant, request)
-        except Exception as err:
-            status = rpc.answer(f"session op {_op_name(op)}", err)
-            self.telemetry.request(f"session/{_op_name(op)}", status.code.name)
-            return status.value, status.message.encode()
-        self.telemetry.request(f"session/{kind.name}", "OK")
-        return 0, response.SerializeToString()
-
     async def Reserve(self, request: pb.ReserveRequest, context: Ctx) -> pb.ReserveResponse:
         session = self._session(request.session_id, context, Op.RESERVE)
         return await self._reserve(*session, request)
@@ -637,13 +619,6 @@ class KVTierService:
     async def Release(self, request: pb.ReleaseRequest, context: Ctx) -> pb.ReleaseResponse:
         session = self._session(request.session_id, context, Op.RELEASE)
         return await self._release(*session, request)
-
-
-def _op_name(op: int) -> str:
-    try:
-        return Op(op).name
-    except ValueError:
-        return "UNKNOWN_OP"  # bounded: one label value for any number a client sends
 
 
 def add_to_server(service: KVTierService, server: grpc.aio.Server) -> None:
