@@ -1,26 +1,39 @@
 """Every exception kvtier raises, and the one place they map to gRPC status codes.
 
-    KVTierError                      base; never raised itself
-    ├── ConfigError                  bad configuration: fix the named key/file and restart
-    ├── InvalidArgument              bad key, namespace or size: fix the request
-    ├── NotFound                     the block is absent (clients turn this into None)
-    ├── AlreadyExists                same key, different bytes: use overwrite=True or a new key
-    ├── ResourceExhausted            oversize block, or no room (all pinned): retry later/smaller
-    │   └── RateLimited              the tenant is over its rate limit: retry after retry_after_s
-    ├── DataLoss                     bytes changed in transit: retry the call
-    ├── Unavailable                  daemon draining or a tier offline: retry elsewhere/later
-    ├── Unauthenticated              missing or unknown bearer token: pass the right token
-    ├── PermissionDenied             the credentials do not allow this (another tenant's session)
-    ├── Unimplemented                operation needs something this daemon lacks (e.g. a GPU)
-    └── CorruptRecord                a stored record failed verification; internal: the daemon
-                                     turns it into a miss and drops the record
+    class                     status               how the caller recovers
+    KVTierError               INTERNAL             base; never raised itself
+    ├── ConfigError           FAILED_PRECONDITION  fix the named key/file and restart
+    ├── InvalidArgument       INVALID_ARGUMENT     bad key, namespace or size: fix the request
+    ├── NotFound              NOT_FOUND            the block is absent (clients return None)
+    ├── AlreadyExists         ALREADY_EXISTS       same key, other bytes: overwrite=True or a
+    │                                              new key
+    ├── ResourceExhausted     RESOURCE_EXHAUSTED   oversize block, or no room (all pinned):
+    │   │                                          retry later or smaller
+    │   └── RateLimited       RESOURCE_EXHAUSTED   over the tenant's rate: retry after
+    │                                              retry_after_s (trailing `retry-after-ms`)
+    ├── DataLoss              DATA_LOSS            bytes changed in transit: retry the call
+    ├── Unavailable           UNAVAILABLE          draining or a tier offline: retry
+    │                                              elsewhere or later
+    ├── Unauthenticated       UNAUTHENTICATED      missing or unknown bearer token: pass the
+    │                                              right token
+    ├── PermissionDenied      PERMISSION_DENIED    the credentials do not allow this (another
+    │                                              tenant's session)
+    ├── Unimplemented         UNIMPLEMENTED        needs what this daemon lacks (e.g. a GPU)
+    └── CorruptRecord         DATA_LOSS            a stored record failed verification;
+                                                   internal: served as a miss, record dropped
+    any other exception       INTERNAL             a daemon bug: the caller gets a fixed
+                                                   message, the daemon's log the traceback
 
-Clients receive the same classes: `kvtier.Client` converts a gRPC status back through
-`from_grpc_code`, so callers catch one tree whichever side raised.
+The status is each class's `grpc_code`; `to_status` is the daemon's only way from an
+exception to what a caller is told (gRPC handlers, the session socket and per-item batch
+results all go through it). Clients receive the same classes: `kvtier.Client` converts a
+gRPC status back through `from_grpc_code`, so callers catch one tree whichever side raised.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import ClassVar
 
 import grpc
@@ -124,6 +137,38 @@ _BY_CODE: dict[grpc.StatusCode, type[KVTierError]] = {
 }
 
 
+RETRY_AFTER_METADATA = "retry-after-ms"
+# Deliberately says nothing about the exception: its text may hold a tenant's key or
+# namespace, and the caller can do nothing with a daemon bug but report it.
+INTERNAL_MESSAGE = "internal error in the kvtier daemon; its log has the details"
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """What a caller is told about a failed call."""
+
+    code: grpc.StatusCode
+    message: str
+    trailing_metadata: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def value(self) -> int:
+        """The code as the number the session socket and batch results carry."""
+        number: int = self.code.value[0]
+        return number
+
+
+def to_status(err: Exception) -> Status:
+    """The status for `err`: a kvtier exception's `grpc_code` and message (RateLimited adds
+    its retry hint); any other exception is INTERNAL with a fixed message."""
+    if not isinstance(err, KVTierError):
+        return Status(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+    if isinstance(err, RateLimited):
+        retry_ms = max(1, math.ceil(err.retry_after_s * 1000))
+        return Status(err.grpc_code, str(err), ((RETRY_AFTER_METADATA, str(retry_ms)),))
+    return Status(err.grpc_code, str(err))
+
+
 def from_status_value(value: int, message: str) -> KVTierError:
     """The exception for a status code sent as a number (per-item results of batch calls)."""
     for code in grpc.StatusCode:
@@ -141,6 +186,8 @@ def from_grpc_code(code: grpc.StatusCode | None, message: str) -> KVTierError:
 
 
 __all__ = [
+    "INTERNAL_MESSAGE",
+    "RETRY_AFTER_METADATA",
     "AlreadyExists",
     "ConfigError",
     "CorruptRecord",
@@ -151,9 +198,11 @@ __all__ = [
     "PermissionDenied",
     "RateLimited",
     "ResourceExhausted",
+    "Status",
     "Unauthenticated",
     "Unavailable",
     "Unimplemented",
     "from_grpc_code",
     "from_status_value",
+    "to_status",
 ]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier._session import HEADER, MAX_FRAME_BYTES, Op, frame
+from kvtier.errors import Unimplemented, to_status
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,8 @@ SessionHandler = Callable[[int, int, bytes], Awaitable[tuple[int, bytes]]]
 
 
 async def _no_handler(session_id: int, op: int, payload: bytes) -> tuple[int, bytes]:
-    return 12, b"no request handler"  # UNIMPLEMENTED
+    status = to_status(Unimplemented("no request handler"))
+    return status.value, status.message.encode()
 
 
 @dataclass(slots=True)

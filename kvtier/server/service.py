@@ -1,28 +1,28 @@
-"""The kvtier.v1.KVTier gRPC servicer: validates requests, calls the store, maps errors.
+"""The kvtier.v1.KVTier gRPC servicer: validates requests, calls the store.
 
-Exceptions from kvtier.errors become status codes here and nowhere else: every handler
-runs its body under `_status`, which aborts with the exception's code and message.
+Handlers raise kvtier.errors exceptions and never abort: `add_to_server` registers each
+through kvtier.server.rpc, which ends the call with the exception's status (the mapping
+itself is kvtier.errors.to_status). Responses are built in kvtier.server.messages.
 
 Identity and rate limits: every tenant-scoped RPC (all but Stats) learns its tenant from
 `_tenant` (client certificate and/or bearer token) and is charged one request by `_admit`
-before it does any work; zero-copy session ops are charged in `session_call` (or `_session`
-for their gRPC twins). Commit and Release are not charged: they finish work already
-admitted, and refusing them would only keep DRAM pinned until the lease expires.
+before it does any work; zero-copy session ops are charged by `session_call` (a
+kvtier.server.session_dispatch.SessionDispatch) or `_session` for their gRPC twins.
+Commit and Release are not charged: they finish work already admitted, and refusing them
+would only keep DRAM pinned until the lease expires.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError, Message
 
 from kvtier._proto import kvtier_pb2 as pb
-from kvtier._session import REQUEST_TYPES, Op
+from kvtier._session import Op
 from kvtier._wire import (
     RawChunk,
     Undecodable,
@@ -32,12 +32,10 @@ from kvtier._wire import (
 )
 from kvtier.config import Config
 from kvtier.engine.cuda_path import CudaBlock, CudaPath
-from kvtier.engine.events import BlockEvent, Resync
-from kvtier.engine.store import CommitOutcome, LeasedSlot, Store
-from kvtier.engine.telemetry import Telemetry
+from kvtier.engine.events import Resync
+from kvtier.engine.store import Store
 from kvtier.errors import (
     InvalidArgument,
-    KVTierError,
     NotFound,
     PermissionDenied,
     RateLimited,
@@ -45,43 +43,31 @@ from kvtier.errors import (
     Unavailable,
     Unimplemented,
 )
-from kvtier.index.catalog import BlockId, Entry, TierName
+from kvtier.index.catalog import BlockId
 from kvtier.index.planner import OVERLAPS
 from kvtier.keys import DEFAULT_TENANT, check_key, check_namespace, hash_token, namespace_id
+from kvtier.server import rpc
 from kvtier.server.arena_socket import ArenaSocket
+from kvtier.server.messages import (
+    TIER_NAME_TO_PB,
+    TIER_TO_PB,
+    block_event,
+    block_info,
+    commit_results,
+    cuda_got,
+    leased,
+    plan_response,
+    prefill_response,
+    stats_response,
+)
 from kvtier.server.ratelimit import RateLimiter
+from kvtier.server.session_dispatch import FINISHING_OPS, SessionDispatch
 
-Ctx = grpc.aio.ServicerContext[Any, Any]
+Ctx = rpc.Ctx
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVTier"].full_name
-TIER_TO_PB: dict[TierName | None, pb.Tier.ValueType] = {
-    None: pb.TIER_UNSPECIFIED,
-    TierName.HBM: pb.TIER_HBM,
-    TierName.DRAM: pb.TIER_DRAM,
-    TierName.NVME: pb.TIER_NVME,
-    TierName.REMOTE: pb.TIER_REMOTE,
-}
-TIER_NAME_TO_PB: dict[str | None, pb.Tier.ValueType] = {
-    (k.value if k else None): v for k, v in TIER_TO_PB.items()
-}
 
 logger = logging.getLogger(__name__)
 EVENT_BATCH = 1024  # blocks or events per streamed message (well under 4 MiB)
-
-
-# Ops that finish work a Reserve or an Acquire was admitted for: never rate-limited.
-FINISHING_OPS = frozenset({Op.COMMIT, Op.RELEASE, Op.CUDA_WAIT})  # end admitted work
-
-
-@asynccontextmanager
-async def _status(context: Ctx) -> AsyncIterator[None]:
-    try:
-        yield
-    except KVTierError as err:
-        trailing: tuple[tuple[str, str], ...] = ()
-        if isinstance(err, RateLimited):
-            retry_ms = max(1, math.ceil(err.retry_after_s * 1000))
-            trailing = (("retry-after-ms", str(retry_ms)),)
-        await context.abort(err.grpc_code, str(err), trailing_metadata=trailing)
 
 
 class KVTierService:
@@ -107,6 +93,23 @@ class KVTierService:
         self._tokens = dict(config.auth.tokens)
         self._certificates = dict(config.auth.certificates)
         self._limiter = RateLimiter(config)
+        self.session_call = SessionDispatch(
+            {
+                Op.RESERVE: self._reserve,
+                Op.COMMIT: self._commit,
+                Op.ACQUIRE: self._acquire,
+                Op.RELEASE: self._release,
+                Op.PLAN: self._plan,
+                Op.REPORT_PREFILL: self._report_prefill,
+                Op.REGISTER_CUDA: self._register_cuda,
+                Op.CUDA_PUT: self._cuda_put,
+                Op.CUDA_GET: self._cuda_get,
+                Op.CUDA_WAIT: self._cuda_wait,
+            },
+            self._session_tenant,
+            self._admit,
+            self.telemetry,
+        )
 
     def reconfigure(self, config: Config) -> None:
         """Apply settings a reload may change while calls are in flight (each call reads
@@ -202,121 +205,101 @@ class KVTierService:
         ns_id = self._ns_id(tenant, namespace)
         return tenant, (ns_id, check_key(key, self._limits.max_key_bytes))
 
-    @staticmethod
-    def _info(entry: Entry) -> pb.BlockInfo:
-        ns_id, key = entry.block_id
-        return pb.BlockInfo(
-            namespace=ns_id.partition("|")[2],
-            key=key,
-            size_bytes=entry.size_bytes,
-            xxh3_64=entry.xxh3_64,
-            tiers=[TIER_TO_PB[t] for t in entry.tiers],
-            generation=entry.generation,
-        )
-
     # ---- RPCs ---------------------------------------------------------------------------
     async def Put(
         self,
         request_iterator: AsyncIterator[pb.PutRequest | RawChunk],
         context: Ctx,
     ) -> pb.PutResponse:
-        async with _status(context):
-            first = await anext(aiter(request_iterator), None)
-            if not isinstance(first, pb.PutRequest) or first.WhichOneof("msg") != "header":
-                raise InvalidArgument("a put stream must start with a header message")
-            header = first.header
-            tenant, block_id = self._tenant_block(context, header.namespace, header.key)
-            self._admit_bytes(tenant, header.size_bytes)
-            writer = await self._store.put_begin(block_id, header.size_bytes, header.overwrite)
-            try:
-                async for msg in request_iterator:
-                    if isinstance(msg, RawChunk):
-                        writer.write(msg.data)
-                    elif isinstance(msg, pb.PutRequest) and msg.WhichOneof("msg") == "chunk":
-                        writer.write(msg.chunk)
-                    elif isinstance(msg, Undecodable):
-                        raise InvalidArgument(
-                            f"a put stream message is not valid protobuf ({msg.error}); "
-                            "nothing was stored"
-                        )
-                    else:
-                        raise InvalidArgument("only data chunks may follow the put header")
-                result = await self._store.put_commit(writer, header.xxh3_64)
-            finally:
-                self._store.put_abort(writer)
-            return pb.PutResponse(
-                size_bytes=result.size_bytes,
-                xxh3_64=result.xxh3_64,
-                tier=TIER_TO_PB[result.tier],
-                already_present=result.already_present,
-            )
-        raise AssertionError("unreachable")  # context.abort raised
+        first = await anext(aiter(request_iterator), None)
+        if not isinstance(first, pb.PutRequest) or first.WhichOneof("msg") != "header":
+            raise InvalidArgument("a put stream must start with a header message")
+        header = first.header
+        tenant, block_id = self._tenant_block(context, header.namespace, header.key)
+        self._admit_bytes(tenant, header.size_bytes)
+        writer = await self._store.put_begin(block_id, header.size_bytes, header.overwrite)
+        try:
+            async for msg in request_iterator:
+                if isinstance(msg, RawChunk):
+                    writer.write(msg.data)
+                elif isinstance(msg, pb.PutRequest) and msg.WhichOneof("msg") == "chunk":
+                    writer.write(msg.chunk)
+                elif isinstance(msg, Undecodable):
+                    raise InvalidArgument(
+                        f"a put stream message is not valid protobuf ({msg.error}); "
+                        "nothing was stored"
+                    )
+                else:
+                    raise InvalidArgument("only data chunks may follow the put header")
+            result = await self._store.put_commit(writer, header.xxh3_64)
+        finally:
+            self._store.put_abort(writer)
+        return pb.PutResponse(
+            size_bytes=result.size_bytes,
+            xxh3_64=result.xxh3_64,
+            tier=TIER_TO_PB[result.tier],
+            already_present=result.already_present,
+        )
 
     async def Get(
         self,
         request: pb.GetRequest,
         context: Ctx,
     ) -> AsyncIterator[pb.GetResponse | RawChunk]:
-        async with _status(context):
-            tenant, block_id = self._tenant_block(context, request.namespace, request.key)
-            entry = self._store.stat(block_id)
-            if entry is not None:  # charged before the bytes move (a read may hit NVMe)
-                self._admit_bytes(tenant, entry.size_bytes)
-            reader = await self._store.open_block(block_id)
-            if reader is None:
-                raise NotFound("block not found in this namespace")
-            try:
-                yield pb.GetResponse(
-                    header=pb.GetHeader(
-                        size_bytes=reader.size_bytes,
-                        xxh3_64=reader.xxh3_64,
-                        tier=TIER_TO_PB[reader.tier],
-                    )
+        tenant, block_id = self._tenant_block(context, request.namespace, request.key)
+        entry = self._store.stat(block_id)
+        if entry is not None:  # charged before the bytes move (a read may hit NVMe)
+            self._admit_bytes(tenant, entry.size_bytes)
+        reader = await self._store.open_block(block_id)
+        if reader is None:
+            raise NotFound("block not found in this namespace")
+        try:
+            yield pb.GetResponse(
+                header=pb.GetHeader(
+                    size_bytes=reader.size_bytes,
+                    xxh3_64=reader.xxh3_64,
+                    tier=TIER_TO_PB[reader.tier],
                 )
-                for chunk in reader.chunks(self._chunk_bytes):
-                    yield RawChunk(chunk)
-            finally:
-                reader.close()
+            )
+            for chunk in reader.chunks(self._chunk_bytes):
+                yield RawChunk(chunk)
+        finally:
+            reader.close()
 
     async def Lookup(
         self,
         request: pb.LookupRequest,
         context: Ctx,
     ) -> pb.LookupResponse:
-        async with _status(context):
-            ns_id = self._ns_id(self._caller(context), request.namespace)
-            keys = [check_key(k, self._limits.max_key_bytes) for k in request.keys]
-            result = await self._store.lookup(ns_id, keys)
-            return pb.LookupResponse(
-                prefix_blocks=result.prefix_blocks,
-                tiers=[TIER_NAME_TO_PB[t] for t in result.tiers],
-            )
-        raise AssertionError("unreachable")
+        ns_id = self._ns_id(self._caller(context), request.namespace)
+        keys = [check_key(k, self._limits.max_key_bytes) for k in request.keys]
+        result = await self._store.lookup(ns_id, keys)
+        return pb.LookupResponse(
+            prefix_blocks=result.prefix_blocks,
+            tiers=[TIER_NAME_TO_PB[t] for t in result.tiers],
+        )
 
     async def Stat(
         self,
         request: pb.StatRequest,
         context: Ctx,
     ) -> pb.StatResponse:
-        async with _status(context):
-            entry = self._store.stat(self._block_id(context, request.namespace, request.key))
-            if entry is None:
-                raise NotFound("block not found in this namespace")
-            return pb.StatResponse(info=self._info(entry))
-        raise AssertionError("unreachable")
+        entry = self._store.stat(self._block_id(context, request.namespace, request.key))
+        if entry is None:
+            raise NotFound("block not found in this namespace")
+        return pb.StatResponse(info=block_info(entry))
 
     async def List(
         self,
         request: pb.ListRequest,
         context: Ctx,
     ) -> AsyncIterator[pb.ListEntry]:
-        async with _status(context):
-            accepts = self._namespace_filter(self._caller(context), request.namespace)
-            entries = (e for e in self._store.blocks() if accepts(e.block_id[0]))
-            for count, entry in enumerate(entries, start=1):
-                yield pb.ListEntry(info=self._info(entry))
-                if request.limit and count >= request.limit:
-                    break
+        accepts = self._namespace_filter(self._caller(context), request.namespace)
+        entries = (e for e in self._store.blocks() if accepts(e.block_id[0]))
+        for count, entry in enumerate(entries, start=1):
+            yield pb.ListEntry(info=block_info(entry))
+            if request.limit and count >= request.limit:
+                break
 
     def _namespace_filter(self, tenant: str, namespace: str) -> Callable[[str], bool]:
         """Which namespace ids a List, Snapshot or WatchEvents of `namespace` (empty: all
@@ -334,56 +317,50 @@ class KVTierService:
         request: pb.SnapshotRequest,
         context: Ctx,
     ) -> AsyncIterator[pb.SnapshotResponse]:
-        async with _status(context):
-            accepts = self._namespace_filter(self._caller(context), request.namespace)
-            events = self._store.events
-            # Built before the first yield (no await between): exactly the state at `seq`.
-            epoch, seq = events.epoch, events.seq
-            blocks = [self._info(e) for e in self._store.blocks() if accepts(e.block_id[0])]
-            for start in range(0, max(len(blocks), 1), EVENT_BATCH):
-                yield pb.SnapshotResponse(
-                    epoch=epoch, seq=seq, blocks=blocks[start : start + EVENT_BATCH]
-                )
+        accepts = self._namespace_filter(self._caller(context), request.namespace)
+        events = self._store.events
+        # Built before the first yield (no await between): exactly the state at `seq`.
+        epoch, seq = events.epoch, events.seq
+        blocks = [block_info(e) for e in self._store.blocks() if accepts(e.block_id[0])]
+        for start in range(0, max(len(blocks), 1), EVENT_BATCH):
+            yield pb.SnapshotResponse(
+                epoch=epoch, seq=seq, blocks=blocks[start : start + EVENT_BATCH]
+            )
 
     async def WatchEvents(
         self,
         request: pb.WatchEventsRequest,
         context: Ctx,
     ) -> AsyncIterator[pb.WatchEventsResponse]:
-        async with _status(context):
-            accepts = self._namespace_filter(self._caller(context), request.namespace)
-            events = self._store.events
-            watcher = None
-            try:
-                watcher = events.watch(accepts, request.epoch, request.after_seq)
-                # The first message, even with nothing to say: the watcher learns the epoch
-                # and that it is registered (a change made after it will reach it).
-                batch = watcher.queued(EVENT_BATCH)
-                while True:
-                    yield pb.WatchEventsResponse(
-                        epoch=events.epoch, events=[_event(e) for e in batch]
-                    )
-                    batch = await watcher.next_batch(EVENT_BATCH)  # []: the daemon is stopping
-                    if not batch:
-                        return
-            except Resync as why:  # resuming was not possible, or the watcher fell behind
-                logger.info("a watcher must resync: %s", why)
-                yield pb.WatchEventsResponse(epoch=events.epoch, resync=True)
-            finally:
-                if watcher is not None:
-                    events.unwatch(watcher)
+        accepts = self._namespace_filter(self._caller(context), request.namespace)
+        events = self._store.events
+        watcher = None
+        try:
+            watcher = events.watch(accepts, request.epoch, request.after_seq)
+            # The first message, even with nothing to say: the watcher learns the epoch
+            # and that it is registered (a change made after it will reach it).
+            batch = watcher.queued(EVENT_BATCH)
+            while True:
+                yield pb.WatchEventsResponse(
+                    epoch=events.epoch, events=[block_event(e) for e in batch]
+                )
+                batch = await watcher.next_batch(EVENT_BATCH)  # []: the daemon is stopping
+                if not batch:
+                    return
+        except Resync as why:  # resuming was not possible, or the watcher fell behind
+            logger.info("a watcher must resync: %s", why)
+            yield pb.WatchEventsResponse(epoch=events.epoch, resync=True)
+        finally:
+            if watcher is not None:
+                events.unwatch(watcher)
 
     async def Delete(
         self,
         request: pb.DeleteRequest,
         context: Ctx,
     ) -> pb.DeleteResponse:
-        async with _status(context):
-            deleted = await self._store.delete(
-                self._block_id(context, request.namespace, request.key)
-            )
-            return pb.DeleteResponse(deleted=deleted)
-        raise AssertionError("unreachable")
+        deleted = await self._store.delete(self._block_id(context, request.namespace, request.key))
+        return pb.DeleteResponse(deleted=deleted)
 
     async def Stats(
         self,
@@ -391,60 +368,17 @@ class KVTierService:
         context: Ctx,
     ) -> pb.StatsResponse:
         # Counters are node-wide: only callers who can authenticate may read them.
-        async with _status(context):
-            self._caller(context)
-        s = self._store.stats()
-        from kvtier import __version__
-
-        return pb.StatsResponse(
-            tiers=[
-                pb.TierStats(
-                    name=t.name,
-                    used_bytes=t.used_bytes,
-                    capacity_bytes=t.capacity_bytes,
-                    blocks=t.blocks,
-                    hits=t.hits,
-                    evictions=t.evictions,
-                    online=t.online,
-                    io_errors=t.io_errors,
-                )
-                for t in s.tiers
-            ],
-            hits=s.hits,
-            misses=s.misses,
-            puts=s.puts,
-            demotions=s.demotions,
-            checksum_failures=s.checksum_failures,
-            dropped_blocks=s.dropped_blocks,
-            uptime_s=s.uptime_s,
-            version=__version__,
-            nvme_direct_io=s.nvme_direct_io,
-            leases=s.leases,
-            promotions=s.promotions,
-            recompute_avoided_s=s.recompute_avoided_s,
-            fetch_regret_s=s.fetch_regret_s,
-            remote_puts=s.remote_puts,
-            remote_fetches=s.remote_fetches,
-            planned_fetch_blocks=s.planned_fetch_blocks,
-            planned_recompute_blocks=s.planned_recompute_blocks,
-            lost_reuse=s.lost_reuse,
-            nvme_admitted=s.admitted,
-            nvme_not_admitted=s.not_admitted,
-            policy=self._store.policies.name,
-        )
+        self._caller(context)
+        return stats_response(self._store.stats(), self._store.policies.name)
 
     # ---- deciding ---------------------------------------------------------------------------
     async def Plan(self, request: pb.PlanRequest, context: Ctx) -> pb.PlanResponse:
-        async with _status(context):
-            return await self._plan(0, self._caller(context), request)
-        raise AssertionError("unreachable")
+        return await self._plan(0, self._caller(context), request)
 
     async def ReportPrefill(
         self, request: pb.ReportPrefillRequest, context: Ctx
     ) -> pb.ReportPrefillResponse:
-        async with _status(context):
-            return await self._report_prefill(0, self._caller(context), request)
-        raise AssertionError("unreachable")
+        return await self._report_prefill(0, self._caller(context), request)
 
     async def _plan(self, session_id: int, tenant: str, request: pb.PlanRequest) -> pb.PlanResponse:
         ns_id = self._ns_id(tenant, request.namespace)
@@ -466,7 +400,7 @@ class KVTierService:
                 f"blocks, more than limits.max_plan_blocks={self._limits.max_plan_blocks}: "
                 "plan the prompt in parts or raise the limit"
             )
-        result, (tiers, fetch_s, recompute_s) = await self._store.plan(
+        plan, costs = await self._store.plan(
             ns_id,
             keys,
             tpb,
@@ -475,19 +409,8 @@ class KVTierService:
             overlap,
             request.kv_bytes_per_token,
         )
-        logger.debug("plan %s, %d blocks: %s", request.namespace, len(keys), result.reason)
-        return pb.PlanResponse(
-            total_s=result.total_s,
-            recompute_all_s=result.recompute_all_s,
-            fetch_all_s=result.fetch_all_s,
-            engine_blocks=result.engine_blocks,
-            fetch_start=result.fetch_start,
-            fetch_end=result.fetch_end,
-            reason=result.reason,
-            tiers=[TIER_NAME_TO_PB[t] for t in tiers],
-            fetch_s=fetch_s,
-            recompute_s=recompute_s,
-        )
+        logger.debug("plan %s, %d blocks: %s", request.namespace, len(keys), plan.reason)
+        return plan_response(plan, costs)
 
     async def _report_prefill(
         self, session_id: int, tenant: str, request: pb.ReportPrefillRequest
@@ -511,11 +434,7 @@ class KVTierService:
             fit.c_s_per_token2,
             fit.step_s,
         )
-        return pb.ReportPrefillResponse(
-            a_s_per_token=fit.a_s_per_token,
-            c_s_per_token2=fit.c_s_per_token2,
-            step_s=fit.step_s,
-        )
+        return prefill_response(fit)
 
     # ---- zero-copy path -------------------------------------------------------------------
     def _session_tenant(self, session_id: int) -> str:
@@ -546,23 +465,21 @@ class KVTierService:
         return session_id, tenant
 
     async def Attach(self, request: pb.AttachRequest, context: Ctx) -> pb.AttachResponse:
-        async with _status(context):
-            if self._draining():
-                raise Unavailable("kvtier is shutting down")
-            tenant = self._caller(context)
-            if self._arena is None:
-                self._session_tenant(0)  # raises Unimplemented
-            assert self._arena is not None
-            arena_bytes = self._store.arena(tenant).capacity_bytes
-            session = self._arena.new_session(tenant)
-            return pb.AttachResponse(
-                session_id=session.session_id,
-                nonce=session.nonce,
-                arena_socket=str(self._arena.path),
-                arena_bytes=arena_bytes,
-                lease_ttl_s=self._limits.lease_ttl_s,
-            )
-        raise AssertionError("unreachable")
+        if self._draining():
+            raise Unavailable("kvtier is shutting down")
+        tenant = self._caller(context)
+        if self._arena is None:
+            self._session_tenant(0)  # raises Unimplemented
+        assert self._arena is not None
+        arena_bytes = self._store.arena(tenant).capacity_bytes
+        session = self._arena.new_session(tenant)
+        return pb.AttachResponse(
+            session_id=session.session_id,
+            nonce=session.nonce,
+            arena_socket=str(self._arena.path),
+            arena_bytes=arena_bytes,
+            lease_ttl_s=self._limits.lease_ttl_s,
+        )
 
     async def _reserve(
         self, session_id: int, tenant: str, request: pb.ReserveRequest
@@ -586,7 +503,7 @@ class KVTierService:
         outcomes = await self._store.commit(
             session_id, request.lease_id, list(request.xxh3_64), request.abort
         )
-        return pb.CommitResponse(results=_commit_results(outcomes))
+        return pb.CommitResponse(results=commit_results(outcomes))
 
     async def _acquire(
         self, session_id: int, tenant: str, request: pb.AcquireRequest
@@ -598,7 +515,7 @@ class KVTierService:
         self._admit_bytes(tenant, sum(e.size_bytes for e in entries if e is not None))
         lease_id, slots = await self._store.acquire(session_id, keys)
         self._drop_if_session_ended(session_id)
-        return pb.AcquireResponse(lease_id=lease_id, blocks=[_leased(s) for s in slots])
+        return pb.AcquireResponse(lease_id=lease_id, blocks=[leased(s) for s in slots])
 
     async def _release(
         self, session_id: int, tenant: str, request: pb.ReleaseRequest
@@ -645,7 +562,7 @@ class KVTierService:
         ns_id = self._ns_id(tenant, request.namespace)
         blocks = self._cuda_blocks(tenant, request.blocks)
         outcomes = await cuda.put(session_id, ns_id, request.buffer_id, blocks, request.overwrite)
-        return pb.CudaPutResponse(results=_commit_results(outcomes))
+        return pb.CudaPutResponse(results=commit_results(outcomes))
 
     async def _cuda_get(
         self, session_id: int, tenant: str, request: pb.CudaGetRequest
@@ -660,188 +577,48 @@ class KVTierService:
             return pb.CudaGetResponse(request_id=request_id)
         tiers = await cuda.get(session_id, ns_id, request.buffer_id, blocks)
         self._drop_if_session_ended(session_id)
-        return _cuda_got(tiers)
+        return cuda_got(tiers)
 
     async def _cuda_wait(
         self, session_id: int, tenant: str, request: pb.CudaWaitRequest
     ) -> pb.CudaGetResponse:
         tiers = await self._cuda_path().wait(session_id, request.request_id, request.group)
         self._drop_if_session_ended(session_id)
-        return _cuda_got(tiers)
+        return cuda_got(tiers)
 
     async def RegisterCuda(
         self, request: pb.RegisterCudaRequest, context: Ctx
     ) -> pb.RegisterCudaResponse:
-        async with _status(context):
-            session = self._session(request.session_id, context, Op.REGISTER_CUDA)
-            return await self._register_cuda(*session, request)
-        raise AssertionError("unreachable")
+        session = self._session(request.session_id, context, Op.REGISTER_CUDA)
+        return await self._register_cuda(*session, request)
 
     async def CudaPut(self, request: pb.CudaPutRequest, context: Ctx) -> pb.CudaPutResponse:
-        async with _status(context):
-            session = self._session(request.session_id, context, Op.CUDA_PUT)
-            return await self._cuda_put(*session, request)
-        raise AssertionError("unreachable")
+        session = self._session(request.session_id, context, Op.CUDA_PUT)
+        return await self._cuda_put(*session, request)
 
     async def CudaGet(self, request: pb.CudaGetRequest, context: Ctx) -> pb.CudaGetResponse:
-        async with _status(context):
-            session = self._session(request.session_id, context, Op.CUDA_GET)
-            return await self._cuda_get(*session, request)
-        raise AssertionError("unreachable")
+        session = self._session(request.session_id, context, Op.CUDA_GET)
+        return await self._cuda_get(*session, request)
 
     async def CudaWait(self, request: pb.CudaWaitRequest, context: Ctx) -> pb.CudaGetResponse:
-        async with _status(context):
-            session = self._session(request.session_id, context, Op.CUDA_WAIT)
-            return await self._cuda_wait(*session, request)
-        raise AssertionError("unreachable")
-
-    async def session_call(self, session_id: int, op: int, payload: bytes) -> tuple[int, bytes]:
-        """A framed request from an attached session's socket (see kvtier._session)."""
-        try:
-            kind = Op(op)
-            request = REQUEST_TYPES[kind].FromString(payload)
-            tenant = self._session_tenant(session_id)
-            if kind not in FINISHING_OPS:
-                self._admit(tenant)
-            handlers: dict[Op, Callable[[int, str, Any], Awaitable[Message]]] = {
-                Op.RESERVE: self._reserve,
-                Op.COMMIT: self._commit,
-                Op.ACQUIRE: self._acquire,
-                Op.RELEASE: self._release,
-                Op.PLAN: self._plan,
-                Op.REPORT_PREFILL: self._report_prefill,
-                Op.REGISTER_CUDA: self._register_cuda,
-                Op.CUDA_PUT: self._cuda_put,
-                Op.CUDA_GET: self._cuda_get,
-                Op.CUDA_WAIT: self._cuda_wait,
-            }
-            handler = handlers[kind]
-            response = await handler(session_id, tenant, request)
-        except KVTierError as err:
-            self.telemetry.request(f"session/{_op_name(op)}", err.grpc_code.name)
-            return err.grpc_code.value[0], str(err).encode()
-        except (ValueError, DecodeError):
-            self.telemetry.request(f"session/{_op_name(op)}", "INVALID_ARGUMENT")
-            return grpc.StatusCode.INVALID_ARGUMENT.value[0], b"malformed session request"
-        self.telemetry.request(f"session/{kind.name}", "OK")
-        return 0, response.SerializeToString()
+        session = self._session(request.session_id, context, Op.CUDA_WAIT)
+        return await self._cuda_wait(*session, request)
 
     async def Reserve(self, request: pb.ReserveRequest, context: Ctx) -> pb.ReserveResponse:
-        async with _status(context):
-            session = self._session(request.session_id, context, Op.RESERVE)
-            return await self._reserve(*session, request)
-        raise AssertionError("unreachable")
+        session = self._session(request.session_id, context, Op.RESERVE)
+        return await self._reserve(*session, request)
 
     async def Commit(self, request: pb.CommitRequest, context: Ctx) -> pb.CommitResponse:
-        async with _status(context):
-            session = self._session(request.session_id, context, Op.COMMIT)
-            return await self._commit(*session, request)
-        raise AssertionError("unreachable")
+        session = self._session(request.session_id, context, Op.COMMIT)
+        return await self._commit(*session, request)
 
     async def Acquire(self, request: pb.AcquireRequest, context: Ctx) -> pb.AcquireResponse:
-        async with _status(context):
-            session = self._session(request.session_id, context, Op.ACQUIRE)
-            return await self._acquire(*session, request)
-        raise AssertionError("unreachable")
+        session = self._session(request.session_id, context, Op.ACQUIRE)
+        return await self._acquire(*session, request)
 
     async def Release(self, request: pb.ReleaseRequest, context: Ctx) -> pb.ReleaseResponse:
-        async with _status(context):
-            session = self._session(request.session_id, context, Op.RELEASE)
-            return await self._release(*session, request)
-        raise AssertionError("unreachable")
-
-
-def _op_name(op: int) -> str:
-    try:
-        return Op(op).name
-    except ValueError:
-        return "UNKNOWN_OP"  # bounded: one label value for any number a client sends
-
-
-def _commit_results(outcomes: Iterable[CommitOutcome]) -> list[pb.CommitResult]:
-    return [
-        pb.CommitResult(
-            stored=o.stored,
-            code=o.error.grpc_code.value[0] if o.error else 0,
-            message=str(o.error) if o.error else "",
-        )
-        for o in outcomes
-    ]
-
-
-def _cuda_got(tiers: Iterable[TierName | None]) -> pb.CudaGetResponse:
-    return pb.CudaGetResponse(
-        blocks=[pb.CudaGetResult(found=t is not None, tier=TIER_TO_PB[t]) for t in tiers]
-    )
-
-
-def _leased(slot: LeasedSlot | None) -> pb.LeasedBlock:
-    if slot is None:
-        return pb.LeasedBlock(found=False)
-    return pb.LeasedBlock(
-        found=True,
-        offset=slot.offset,
-        size_bytes=slot.size_bytes,
-        xxh3_64=slot.xxh3_64,
-        tier=TIER_TO_PB[slot.tier],
-    )
-
-
-def _code_name(context: Ctx, default: grpc.StatusCode) -> str:
-    code = context.code()
-    if isinstance(code, grpc.StatusCode):
-        return code.name
-    if isinstance(code, int):
-        return next((c.name for c in grpc.StatusCode if c.value[0] == code), default.name)
-    return default.name
-
-
-async def _refuse_undecodable(name: str, request: Any, context: Ctx) -> None:
-    if isinstance(request, Undecodable):
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"the {name} request is not a valid protobuf message ({request.error}): "
-            "send bytes serialized from kvtier.v1 messages (strings must be UTF-8)",
-        )
-
-
-def _event(event: BlockEvent) -> pb.BlockEvent:
-    ns_id, key = event.block_id
-    return pb.BlockEvent(
-        seq=event.seq,
-        namespace=ns_id.partition("|")[2],
-        key=key,
-        tiers=[TIER_TO_PB[t] for t in event.tiers],
-    )
-
-
-def _counted(telemetry: Telemetry, name: str, fn: Any, streaming: bool) -> Any:
-    """`fn` (a handler) counting each call it answers by status code."""
-    if streaming:
-
-        async def stream(request: Any, context: Ctx) -> AsyncIterator[Any]:
-            try:
-                await _refuse_undecodable(name, request, context)
-                async for item in fn(request, context):
-                    yield item
-            except BaseException:
-                telemetry.request(name, _code_name(context, grpc.StatusCode.UNKNOWN))
-                raise
-            telemetry.request(name, _code_name(context, grpc.StatusCode.OK))
-
-        return stream
-
-    async def unary(request: Any, context: Ctx) -> Any:
-        try:
-            await _refuse_undecodable(name, request, context)
-            response = await fn(request, context)
-        except BaseException:
-            telemetry.request(name, _code_name(context, grpc.StatusCode.UNKNOWN))
-            raise
-        telemetry.request(name, _code_name(context, grpc.StatusCode.OK))
-        return response
-
-    return unary
+        session = self._session(request.session_id, context, Op.RELEASE)
+        return await self._release(*session, request)
 
 
 def add_to_server(service: KVTierService, server: grpc.aio.Server) -> None:
@@ -862,13 +639,9 @@ def add_to_server(service: KVTierService, server: grpc.aio.Server) -> None:
             (True, False): grpc.stream_unary_rpc_method_handler,
             (True, True): grpc.stream_stream_rpc_method_handler,
         }[(method.client_streaming, method.server_streaming)]
+        wrap = rpc.stream if method.server_streaming else rpc.unary
         handlers[method.name] = make(
-            _counted(
-                service.telemetry,
-                method.name,
-                getattr(service, method.name),
-                method.server_streaming,
-            ),
+            wrap(service.telemetry, method.name, getattr(service, method.name)),
             request_deserializer=tolerant(
                 custom_deserializers.get(method.name, request_cls.FromString)
             ),
