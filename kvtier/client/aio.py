@@ -14,7 +14,7 @@ import grpc
 import kvtier.client._core as _core
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.client._common import translate
-from kvtier.client._core import ClientBase, Operation, Run, Step, Stream, as_method
+from kvtier.client._core import ClientBase, Operation, Run, Step, as_method
 from kvtier.client.cuda import CudaGetGroups
 from kvtier.client.zerocopy import AsyncSharedArena
 from kvtier.errors import KVTierError
@@ -35,7 +35,7 @@ def awaiting(
 
 
 def async_iterating(
-    stream: Callable[P, Stream[T]],
+    stream: Callable[P, _core.Stream[T]],
 ) -> Callable[Concatenate[AsyncClient, P], AsyncIterator[T]]:
     """An AsyncClient method that returns an async iterator over the `stream`."""
 
@@ -116,9 +116,9 @@ class AsyncClient(ClientBase[AsyncSharedArena, grpc.aio.Channel]):
     async def _run(self, operation: Operation[T]) -> T:
         run = Run(operation)
         while (step := run.next_step()) is not None:
+            # Failures, a cancellation too, go to the operation: its cleanup steps still run.
             try:
                 run.reply = await self._perform(step)
-            # A cancellation too: the operation's cleanup steps (an abort) still run.
             except BaseException as err:
                 run.failure = self._failure(err)
         return run.result
@@ -128,14 +128,14 @@ class AsyncClient(ClientBase[AsyncSharedArena, grpc.aio.Channel]):
             return await self._attached().call(step.op, step.request, step.response_type)
         if isinstance(step, _core.Rpc):
             return await self._grpc(step.method, step.request)
-        if isinstance(step, Stream):
+        if isinstance(step, _core.Stream):
             return [item async for item in self._aiterate(step)]
         if isinstance(step, _core.OpenSession):
             arena = await self._shared_arena()
             return None if arena is None else arena.view
         return await self._attached().send(step.op, step.request)
 
-    async def _aiterate(self, stream: Stream[T]) -> AsyncIterator[T]:
+    async def _aiterate(self, stream: _core.Stream[T]) -> AsyncIterator[T]:
         call = self._grpc(stream.method, stream.request, stream.timeout_s)
         try:
             async for message in call:

@@ -14,7 +14,7 @@ import grpc
 import kvtier.client._core as _core
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.client._common import translate
-from kvtier.client._core import ClientBase, Operation, Run, Step, Stream, as_method
+from kvtier.client._core import ClientBase, Operation, Run, Step, as_method
 from kvtier.client.cuda import CudaGetGroups
 from kvtier.client.zerocopy import SharedArena
 from kvtier.errors import KVTierError, Unavailable
@@ -32,7 +32,9 @@ def blocking(operation: Callable[P, Operation[T]]) -> Callable[Concatenate[Clien
     return as_method(method, operation)
 
 
-def iterating(stream: Callable[P, Stream[T]]) -> Callable[Concatenate[Client, P], Iterator[T]]:
+def iterating(
+    stream: Callable[P, _core.Stream[T]],
+) -> Callable[Concatenate[Client, P], Iterator[T]]:
     """A Client method that returns an iterator over the `stream`."""
 
     def method(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> Iterator[T]:
@@ -125,9 +127,9 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
     def _run(self, operation: Operation[T]) -> T:
         run = Run(operation)
         while (step := run.next_step()) is not None:
+            # Any failure goes to the operation, which may clean up (abort a reservation).
             try:
                 run.reply = self._perform(step)
-            # Any failure goes to the operation, which may clean up (abort a reservation).
             except BaseException as err:
                 run.failure = self._failure(err)
         return run.result
@@ -137,14 +139,14 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
             return self._attached().call(step.op, step.request, step.response_type)
         if isinstance(step, _core.Rpc):
             return self._grpc(step.method, step.request)
-        if isinstance(step, Stream):
+        if isinstance(step, _core.Stream):
             return list(self._iterate(step))
         if isinstance(step, _core.OpenSession):
             arena = self._shared_arena()
             return None if arena is None else arena.view
         return self._attached().send(step.op, step.request)
 
-    def _iterate(self, stream: Stream[T]) -> Iterator[T]:
+    def _iterate(self, stream: _core.Stream[T]) -> Iterator[T]:
         call = self._grpc(stream.method, stream.request, stream.timeout_s)
         try:
             for message in call:
