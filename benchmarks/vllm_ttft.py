@@ -71,7 +71,7 @@ class Daemon:
             self.proc.wait(120)
             self.proc = None
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> kvtier.Stats:
         with kvtier.Client(self.target) as client:
             return client.stats()
 

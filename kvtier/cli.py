@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError, KVTierError
+
+if TYPE_CHECKING:
+    from kvtier.client import Client
 
 EXIT_MISS = 1
 EXIT_ERROR = 2
@@ -71,7 +75,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _client(args: argparse.Namespace) -> Any:
+def _client(args: argparse.Namespace) -> Client:
     from kvtier.client import Client
 
     return Client(args.target, token=args.token)
@@ -166,31 +170,31 @@ def cmd_stats(args: argparse.Namespace) -> int:
     with _client(args) as client:
         stats = client.stats()
     if args.json:
-        print(json.dumps(stats, indent=2))
+        print(json.dumps(dataclasses.asdict(stats), indent=2))
         return 0
-    print(f"kvtier {stats['version']}  up {stats['uptime_s']:.0f} s")
-    for name, tier in stats["tiers"].items():
-        cap = tier["capacity_bytes"] or 1
+    print(f"kvtier {stats.version}  up {stats.uptime_s:.0f} s")
+    for name, tier in stats.tiers.items():
+        cap = tier.capacity_bytes or 1
         print(
-            f"  {name:5s} {human_size(tier['used_bytes']):>10s} / "
-            f"{human_size(tier['capacity_bytes']):<10s} ({100 * tier['used_bytes'] / cap:5.1f} %)"
-            f"  {tier['blocks']} blocks, {tier['hits']} hits, {tier['evictions']} evictions"
+            f"  {name:5s} {human_size(tier.used_bytes):>10s} / "
+            f"{human_size(tier.capacity_bytes):<10s} ({100 * tier.used_bytes / cap:5.1f} %)"
+            f"  {tier.blocks} blocks, {tier.hits} hits, {tier.evictions} evictions"
         )
-    lookups = stats["hits"] + stats["misses"]
-    ratio = stats["hits"] / lookups if lookups else 0.0
-    print(f"  gets: {stats['hits']} hits, {stats['misses']} misses (hit ratio {ratio:.1%})")
+    lookups = stats.hits + stats.misses
+    ratio = stats.hits / lookups if lookups else 0.0
+    print(f"  gets: {stats.hits} hits, {stats.misses} misses (hit ratio {ratio:.1%})")
     print(
-        f"  puts: {stats['puts']}, demotions: {stats['demotions']}, "
-        f"dropped: {stats['dropped_blocks']}, checksum failures: {stats['checksum_failures']}"
+        f"  puts: {stats.puts}, demotions: {stats.demotions}, "
+        f"dropped: {stats.dropped_blocks}, checksum failures: {stats.checksum_failures}"
     )
     print(
-        f"  policy {stats['policy']}: lost reuse {stats['lost_reuse']}, NVMe admissions "
-        f"{stats['nvme_admitted']} written / {stats['nvme_not_admitted']} skipped, "
-        f"promotions {stats['promotions']}"
+        f"  policy {stats.policy}: lost reuse {stats.lost_reuse}, NVMe admissions "
+        f"{stats.nvme_admitted} written / {stats.nvme_not_admitted} skipped, "
+        f"promotions {stats.promotions}"
     )
     print(
-        f"  prefill avoided {stats['recompute_avoided_s']:.2f} s, fetch regret "
-        f"{stats['fetch_regret_s']:.2f} s"
+        f"  prefill avoided {stats.recompute_avoided_s:.2f} s, fetch regret "
+        f"{stats.fetch_regret_s:.2f} s"
     )
     return 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.client._common import PlanResult
+from kvtier import PlanResult
 from kvtier.integrations.prefix import (
     RequestState,
     engine_namespace,

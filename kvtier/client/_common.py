@@ -1,4 +1,5 @@
-"""What the blocking and asyncio clients share: targets, message building, result shapes."""
+"""The connection both clients open and the wire helpers under their calls: targets, TLS,
+the bearer token, the chunk codecs of Put and Get, and gRPC status -> KVTierError."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from kvtier._wire import (
 )
 from kvtier.env import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TOKEN, default_target
 from kvtier.errors import DataLoss, InvalidArgument, KVTierError, RateLimited, from_grpc_code
-from kvtier.index.planner import BlockPlan
 
 CHUNK_BYTES = 1 << 20
 MESSAGE_LIMIT_BYTES = 64 << 20
@@ -144,85 +144,6 @@ def normalize_target(target: str | None) -> str:
     return target
 
 
-@dataclass(frozen=True, slots=True)
-class BlockStat:
-    """Metadata of one stored block."""
-
-    namespace: str
-    key: bytes
-    size_bytes: int
-    xxh3_64: int
-    tiers: list[str]
-    generation: int
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    """A node's blocks (of one namespace, or all of the tenant's) as of event `seq`."""
-
-    epoch: str
-    seq: int
-    blocks: list[BlockStat]
-
-
-@dataclass(frozen=True, slots=True)
-class BlockEvent:
-    """A block's new set of tiers, fastest first (empty: it is gone from the node)."""
-
-    seq: int
-    namespace: str
-    key: bytes
-    tiers: list[str]
-
-
-@dataclass(frozen=True, slots=True)
-class EventBatch:
-    """Events from WatchEvents. `resync`: those asked for are gone; take a snapshot."""
-
-    epoch: str
-    events: list[BlockEvent]
-    resync: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class PlanResult:
-    """The daemon's fetch-or-recompute decision for a chain (see kvtier.index.planner):
-    blocks [0, engine_blocks) are held by the engine, [fetch_start, fetch_end) fetched,
-    the others recomputed."""
-
-    total_s: float
-    recompute_all_s: float
-    fetch_all_s: float
-    engine_blocks: int
-    fetch_start: int
-    fetch_end: int
-    reason: str
-    tiers: list[str | None]
-    fetch_s: list[float]
-    recompute_s: list[float]
-
-    @property
-    def fetch_blocks(self) -> int:
-        return self.fetch_end - self.fetch_start
-
-    @property
-    def blocks(self) -> list[BlockPlan]:
-        return [
-            BlockPlan(
-                index=i,
-                action="engine"
-                if i < self.engine_blocks
-                else "fetch"
-                if self.fetch_start <= i < self.fetch_end
-                else "recompute",
-                tier=tier,
-                fetch_s=self.fetch_s[i] if tier else None,
-                recompute_s=self.recompute_s[i],
-            )
-            for i, tier in enumerate(self.tiers)
-        ]
-
-
 def plan_request(
     namespace: str,
     keys: list[bytes],
@@ -240,56 +161,6 @@ def plan_request(
         engine_cached_blocks=engine_cached_blocks,
         overlap=overlap,
         kv_bytes_per_token=kv_bytes_per_token or 0,
-    )
-
-
-def plan_result(resp: pb.PlanResponse) -> PlanResult:
-    return PlanResult(
-        total_s=resp.total_s,
-        recompute_all_s=resp.recompute_all_s,
-        fetch_all_s=resp.fetch_all_s,
-        engine_blocks=resp.engine_blocks,
-        fetch_start=resp.fetch_start,
-        fetch_end=resp.fetch_end,
-        reason=resp.reason,
-        tiers=[PB_TO_TIER[t] for t in resp.tiers],
-        fetch_s=list(resp.fetch_s),
-        recompute_s=list(resp.recompute_s),
-    )
-
-
-def block_stat(info: pb.BlockInfo) -> BlockStat:
-    return BlockStat(
-        namespace=info.namespace,
-        key=info.key,
-        size_bytes=info.size_bytes,
-        xxh3_64=info.xxh3_64,
-        tiers=[t for t in (PB_TO_TIER[x] for x in info.tiers) if t],
-        generation=info.generation,
-    )
-
-
-def snapshot_of(responses: list[pb.SnapshotResponse]) -> Snapshot:
-    """One Snapshot from its streamed batches (each carries the same epoch and seq)."""
-    last = responses[-1] if responses else pb.SnapshotResponse()
-    return Snapshot(
-        last.epoch, last.seq, [block_stat(info) for resp in responses for info in resp.blocks]
-    )
-
-
-def event_batch(resp: pb.WatchEventsResponse) -> EventBatch:
-    return EventBatch(
-        epoch=resp.epoch,
-        events=[
-            BlockEvent(
-                seq=e.seq,
-                namespace=e.namespace,
-                key=e.key,
-                tiers=[t for t in (PB_TO_TIER[x] for x in e.tiers) if t],
-            )
-            for e in resp.events
-        ],
-        resync=resp.resync,
     )
 
 
@@ -346,45 +217,9 @@ class GetAssembler:
         return data
 
 
-def stats_dict(resp: pb.StatsResponse) -> dict[str, Any]:
-    return {
-        "version": resp.version,
-        "uptime_s": resp.uptime_s,
-        "hits": resp.hits,
-        "misses": resp.misses,
-        "puts": resp.puts,
-        "demotions": resp.demotions,
-        "checksum_failures": resp.checksum_failures,
-        "dropped_blocks": resp.dropped_blocks,
-        "nvme_direct_io": resp.nvme_direct_io,
-        "leases": resp.leases,
-        "promotions": resp.promotions,
-        "recompute_avoided_s": resp.recompute_avoided_s,
-        "fetch_regret_s": resp.fetch_regret_s,
-        "planned_fetch_blocks": resp.planned_fetch_blocks,
-        "planned_recompute_blocks": resp.planned_recompute_blocks,
-        "lost_reuse": resp.lost_reuse,
-        "nvme_admitted": resp.nvme_admitted,
-        "nvme_not_admitted": resp.nvme_not_admitted,
-        "policy": resp.policy,
-        "remote_puts": resp.remote_puts,
-        "remote_fetches": resp.remote_fetches,
-        "tiers": {
-            t.name: {
-                "used_bytes": t.used_bytes,
-                "capacity_bytes": t.capacity_bytes,
-                "blocks": t.blocks,
-                "hits": t.hits,
-                "evictions": t.evictions,
-                "online": t.online,
-                "io_errors": t.io_errors,
-            }
-            for t in resp.tiers
-        },
-    }
-
-
 def translate(err: grpc.RpcError) -> KVTierError:
+    """The KVTierError for a failed gRPC call (both clients' only mapping of a gRPC status;
+    the session socket's numeric statuses go through `errors.from_status_value`)."""
     code = err.code() if hasattr(err, "code") else None
     details = err.details() if hasattr(err, "details") else str(err)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and hasattr(err, "trailing_metadata"):

@@ -76,7 +76,7 @@ def wait_request(request_id: int, group: int) -> pb.CudaWaitRequest:
 R = TypeVar("R")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CudaGetGroups(Generic[R]):
     """A grouped get_into_cuda in flight (`start_get_into_cuda`): every group's copies
     have started; `wait(g)` answers once group g's blocks are in GPU memory, per block

@@ -16,7 +16,7 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from kvtier.client._common import EventBatch, Snapshot
+from kvtier.client._results import EventBatch, Snapshot
 from kvtier.client.sync import Client
 from kvtier.errors import KVTierError
 
@@ -59,11 +59,11 @@ class BlockIndex:
                 self.seq = event.seq
             return True
 
-    def sync_once(self, client: Client, timeout_s: float | None = None) -> None:
+    def sync_once(self, client: Client, *, timeout_s: float | None = None) -> None:
         """Snapshot if needed, then apply events until the stream ends or `timeout_s`."""
         if not self.epoch:
             self.load(client.snapshot(self.namespace))
-        for batch in client.watch_events(self.namespace, self.epoch, self.seq, timeout_s):
+        for batch in client.watch_events(self.namespace, self.epoch, self.seq, timeout_s=timeout_s):
             if not self.apply(batch):
                 return
 

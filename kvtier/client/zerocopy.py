@@ -147,7 +147,6 @@ class AsyncSharedArena:
         self._arena.close()
 
 
-AnyArena = SharedArena | AsyncSharedArena
 Parts = list[memoryview]
 
 
@@ -164,14 +163,14 @@ def reserve_request(
     )
 
 
-def fill_slots(arena: AnyArena, slots: Iterable[pb.Slot], blocks: list[Parts]) -> list[int]:
-    """Copy each block's parts, back to back, into its reserved slot; returns their
-    checksums for the commit."""
+def fill_slots(arena: memoryview, slots: Iterable[pb.Slot], blocks: list[Parts]) -> list[int]:
+    """Copy each block's parts, back to back, into its reserved slot of the mapped
+    `arena`; returns their checksums for the commit."""
     checksums = []
     for slot, parts in zip(slots, blocks, strict=True):
         offset = slot.offset
         for part in parts:
-            arena.view[offset : offset + part.nbytes] = part
+            arena[offset : offset + part.nbytes] = part
             offset += part.nbytes
         checksums.append(checksum(parts))
     return checksums
@@ -186,10 +185,10 @@ def commit_results(done: pb.CommitResponse | pb.CudaPutResponse) -> list[bool]:
 
 
 def copy_out(
-    arena: AnyArena, blocks: Iterable[pb.LeasedBlock], buffers: list[Parts], verify: bool
+    arena: memoryview, blocks: Iterable[pb.LeasedBlock], buffers: list[Parts], verify: bool
 ) -> list[int | None]:
-    """Copy leased blocks out of the arena into their buffers (each block's parts filled
-    in order); None for each miss."""
+    """Copy leased blocks out of the mapped `arena` into their buffers (each block's parts
+    filled in order); None for each miss."""
     out: list[int | None] = []
     for block, parts in zip(blocks, buffers, strict=True):
         if not block.found:
@@ -197,7 +196,7 @@ def copy_out(
             continue
         size = block.size_bytes
         check_fits(size, parts)
-        filled = scatter(arena.view[block.offset : block.offset + size], parts)
+        filled = scatter(arena[block.offset : block.offset + size], parts)
         if verify and checksum(filled) != block.xxh3_64:
             raise DataLoss("block bytes changed in the shared arena; retry the get")
         out.append(size)

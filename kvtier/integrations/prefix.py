@@ -15,7 +15,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvtier.client._common import PlanResult
+from kvtier.client import PlanResult
 from kvtier.keys import chain_keys
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:@+=-]+")

@@ -124,7 +124,7 @@ class _Daemon:
         if time.monotonic() < self._down_until_s:
             return None
         if self._client is None:
-            self._client = kvtier.Client(self._target, self._timeout_s, self._token)
+            self._client = kvtier.Client(self._target, timeout_s=self._timeout_s, token=self._token)
         return self._client
 
     def failed(self, doing: str, err: Exception) -> None:

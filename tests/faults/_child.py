@@ -14,6 +14,7 @@ Block contents come from `det_bytes`, which parent and child compute alike (the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import struct
@@ -205,7 +206,7 @@ def _history(target: str, ns: str, proc: int, ops: int, seed: int, keys: int, ou
         log.append(rec)
     stats = client.stats()
     client.close()
-    Path(out).write_text(json.dumps({"log": log, "stats": stats}))
+    Path(out).write_text(json.dumps({"log": log, "stats": dataclasses.asdict(stats)}))
     _say("done")
 
 

@@ -1,0 +1,560 @@
+"""The client, written once: each call as an operation that yields the I/O it needs.
+
+An operation (`put`, `plan`, `get_many`, ...) is a generator. It builds its request
+messages, yields one step at a time (`Rpc`, `Stream`, `OpenSession`, `SessionCall`,
+`SessionSend`), is sent each step's reply, or has the step's failure thrown in (already a
+KVTierError), and returns the typed result. It never touches a channel or a socket: the
+same "sans-IO" shape as h11's or httpcore's protocol code. `Client` (kvtier/client/sync.py)
+carries out the steps blocking, `AsyncClient` (kvtier/client/aio.py) awaiting (`Run`
+steps either), and both make their public methods from these functions, so each
+method's arguments, docstring and logic exist here only. Calls that return an iterator
+(`list_`, `watch_events`) return the `Stream` itself: the caller pulls it item by item.
+
+    op = put("ns", b"k", data)        # nothing has happened yet
+    step = op.send(None)              # Rpc("Put", <messages>): the client performs it...
+    op.send(reply)                    # ...and sends the reply: StopIteration(value=True)
+
+A step's failure reaches the operation as the exception it is thrown (`get` turns a
+NotFound into None; `put_many` aborts its reservation), so cleanup reads as plain
+try/except/finally whichever client runs it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Generic, Protocol, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from kvtier._proto import kvtier_pb2 as pb
+from kvtier._session import Op
+from kvtier.client._common import (
+    CHANNEL_OPTIONS,
+    Buffer,
+    GetAssembler,
+    PemSource,
+    as_key,
+    auth_metadata,
+    channel_security,
+    make_calls,
+    normalize_target,
+    plan_request,
+    put_messages,
+    translate,
+)
+from kvtier.client._results import (
+    BlockStat,
+    EventBatch,
+    PlanResult,
+    Snapshot,
+    Stats,
+    block_stat,
+    event_batch,
+    lookup_result,
+    plan_result,
+    prefill_cost,
+    snapshot_of,
+    stats_of,
+)
+from kvtier.client.cuda import (
+    NO_SESSION,
+    cuda_ipc_handle,
+    found,
+    get_request,
+    put_request,
+    register_request,
+    wait_request,
+)
+from kvtier.client.zerocopy import (
+    block_parts,
+    commit_results,
+    copy_bytes,
+    copy_out,
+    fill_slots,
+    joined,
+    release_request,
+    reserve_request,
+)
+from kvtier.errors import InvalidArgument, KVTierError, NotFound, Unavailable, Unimplemented
+from kvtier.types import LookupResult, PrefillCost
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+T = TypeVar("T")
+
+
+class _Timeout(Enum):
+    CLIENT = "the client's timeout_s"
+
+
+CLIENT_TIMEOUT = _Timeout.CLIENT
+
+
+# ---- the steps an operation yields ---------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Rpc:
+    """A gRPC call with one response (the reply): the KVTier service's `method` with
+    `request` (for Put, a client stream: an iterator of messages)."""
+
+    method: str
+    request: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Stream(Generic[T]):
+    """A server-streaming gRPC call: each message of `method`, as `on_message` makes it.
+
+    Yielded as a step, it is read to its end and the reply is the list of what
+    `on_message` returned (an exception from it ends the call). Returned by `list_` and
+    `watch_events`, it is what the caller iterates; the call is cancelled when the caller
+    stops."""
+
+    method: str
+    request: Message
+    on_message: Callable[[Any], T]
+    timeout_s: float | _Timeout | None = CLIENT_TIMEOUT
+
+
+@dataclass(frozen=True, slots=True)
+class OpenSession:
+    """The same-node session (`zerocopy.SharedArena`), attached on first use. The reply is
+    the mapped arena, or None where there is none (a TCP target, or the daemon refused)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionCall:
+    """A request on the session socket (the reply: its `response_type` response); only
+    after OpenSession answered with an arena."""
+
+    op: Op
+    request: Message
+    response_type: type[Message]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSend:
+    """A request on the session socket that gets no response (Release). The reply is None."""
+
+    op: Op
+    request: Message
+
+
+Step = Rpc | Stream[Any] | OpenSession | SessionCall | SessionSend
+Operation = Generator[Step, Any, T]
+
+
+class Run(Generic[T]):
+    """One operation being carried out. While `next_step()` gives a step, perform it and
+    set `reply` to its reply, or `failure` to the exception the operation is to be thrown;
+    after it gives None, `result` is the operation's value. An exception the operation
+    raises propagates from `next_step()`."""
+
+    def __init__(self, operation: Operation[T]) -> None:
+        self._operation = operation
+        self.reply: Any = None
+        self.failure: BaseException | None = None
+        self.result: T
+
+    def next_step(self) -> Step | None:
+        reply, failure = self.reply, self.failure
+        self.reply = self.failure = None
+        try:
+            if failure is not None:
+                return self._operation.throw(failure)
+            return self._operation.send(reply)
+        except StopIteration as done:
+            self.result = done.value
+            return None
+
+
+def _snapshot_response(message: Any) -> pb.SnapshotResponse:
+    return _expect(message, pb.SnapshotResponse)
+
+
+def _expect(reply: Any, response_type: type[M]) -> M:
+    if not isinstance(reply, response_type):
+        raise KVTierError(
+            f"protocol error: expected {response_type.__name__}, got {type(reply).__name__}"
+        )
+    return reply
+
+
+def rpc(method: str, request: Any, response_type: type[M]) -> Operation[M]:
+    return _expect((yield Rpc(method, request)), response_type)
+
+
+def session() -> Operation[memoryview | None]:
+    arena = yield OpenSession()
+    return arena if isinstance(arena, memoryview) else None
+
+
+def session_call(op: Op, request: Message, response_type: type[M]) -> Operation[M]:
+    return _expect((yield SessionCall(op, request, response_type)), response_type)
+
+
+def planner_call(op: Op, method: str, request: Message, response_type: type[M]) -> Operation[M]:
+    """A planner call on the session socket when there is one: a fraction of gRPC's round
+    trip, which the engine pays on its scheduling path. Else over gRPC."""
+    if (yield from session()) is not None:
+        return (yield from session_call(op, request, response_type))
+    return (yield from rpc(method, request, response_type))
+
+
+def gpu_call(op: Op, request: Message, response_type: type[M]) -> Operation[M]:
+    """A CUDA IPC call: handles only mean something to a daemon on the same node."""
+    if (yield from session()) is None:
+        raise Unimplemented(NO_SESSION)
+    return (yield from session_call(op, request, response_type))
+
+
+# ---- the operations: one per public method of Client and AsyncClient -----------------------
+def put(namespace: str, key: bytes | str, data: Buffer, overwrite: bool = False) -> Operation[bool]:
+    """Store `data`; True if stored now, False if these exact bytes were already there."""
+    messages = put_messages(namespace, as_key(key), data, overwrite)
+    return not (yield from rpc("Put", messages, pb.PutResponse)).already_present
+
+
+def get(namespace: str, key: bytes | str) -> Operation[bytes | None]:
+    """The block's bytes, exactly as put, or None when it is not cached."""
+    out = GetAssembler()
+    try:
+        yield Stream("Get", pb.GetRequest(namespace=namespace, key=as_key(key)), out.feed)
+    except NotFound:
+        return None
+    return out.result()
+
+
+def lookup(namespace: str, keys: Sequence[bytes | str]) -> Operation[LookupResult]:
+    """How many leading keys of the chain are cached, and the tier of each key."""
+    request = pb.LookupRequest(namespace=namespace, keys=[as_key(k) for k in keys])
+    return lookup_result((yield from rpc("Lookup", request, pb.LookupResponse)))
+
+
+def stat(namespace: str, key: bytes | str) -> Operation[BlockStat | None]:
+    """The block's metadata (size, checksum, tiers), or None when it is not cached."""
+    request = pb.StatRequest(namespace=namespace, key=as_key(key))
+    try:
+        resp = yield from rpc("Stat", request, pb.StatResponse)
+    except NotFound:
+        return None
+    return block_stat(resp.info)
+
+
+def list_(namespace: str = "", limit: int = 0) -> Stream[BlockStat]:
+    """The metadata of each block of `namespace` (empty: of every namespace of this
+    tenant), at most `limit` of them (0: all)."""
+    request = pb.ListRequest(namespace=namespace, limit=limit)
+    return Stream("List", request, lambda entry: block_stat(entry.info))
+
+
+def snapshot(namespace: str = "") -> Operation[Snapshot]:
+    """Every block of `namespace` (empty: of every namespace of this tenant) and its
+    tiers, as of event `seq`: watch_events(epoch, seq) continues from it."""
+    request = pb.SnapshotRequest(namespace=namespace)
+    return snapshot_of((yield Stream("Snapshot", request, _snapshot_response)))
+
+
+def watch_events(
+    namespace: str = "", epoch: str = "", after_seq: int = 0, *, timeout_s: float | None = None
+) -> Stream[EventBatch]:
+    """Residency events as they happen (the first batch may be empty: it says the
+    epoch). With `epoch` and `after_seq` (from a snapshot or the last event seen) it
+    resumes exactly there, or yields one batch with `resync` and ends. Runs until the
+    daemon stops, `timeout_s` passes (then Unavailable, "deadline exceeded"), or the caller
+    stops iterating."""
+    request = pb.WatchEventsRequest(namespace=namespace, epoch=epoch, after_seq=after_seq)
+    return Stream("WatchEvents", request, event_batch, timeout_s)
+
+
+def delete(namespace: str, key: bytes | str) -> Operation[bool]:
+    """True if a block was removed, False if there was none."""
+    request = pb.DeleteRequest(namespace=namespace, key=as_key(key))
+    return bool((yield from rpc("Delete", request, pb.DeleteResponse)).deleted)
+
+
+def stats() -> Operation[Stats]:
+    """The daemon's counters, and under `tiers` each tier's (used_bytes, capacity_bytes,
+    ...)."""
+    return stats_of((yield from rpc("Stats", pb.StatsRequest(), pb.StatsResponse)))
+
+
+def plan(
+    namespace: str,
+    keys: Sequence[bytes | str],
+    tokens_per_block: int,
+    engine_cached_blocks: int = 0,
+    overlap: str = "none",
+    prompt_tokens: int | None = None,
+    kv_bytes_per_token: int | None = None,
+) -> Operation[PlanResult]:
+    """Per block of the chain: fetch (from which tier) or recompute, and the estimates."""
+    request = plan_request(
+        namespace,
+        [as_key(k) for k in keys],
+        tokens_per_block,
+        engine_cached_blocks,
+        overlap,
+        prompt_tokens,
+        kv_bytes_per_token,
+    )
+    return plan_result((yield from planner_call(Op.PLAN, "Plan", request, pb.PlanResponse)))
+
+
+def report_prefill(
+    namespace: str, start_token: int, end_token: int, seconds: float
+) -> Operation[PrefillCost]:
+    """Tell the daemon how long prefilling tokens [start, end) took; returns its estimate."""
+    request = pb.ReportPrefillRequest(
+        namespace=namespace, start_token=start_token, end_token=end_token, seconds=seconds
+    )
+    resp = yield from planner_call(
+        Op.REPORT_PREFILL, "ReportPrefill", request, pb.ReportPrefillResponse
+    )
+    return prefill_cost(resp)
+
+
+# The zero-copy path (same node, UNIX socket); elsewhere the same calls go over gRPC.
+def put_from(
+    namespace: str, key: bytes | str, buffer: Any, overwrite: bool = False
+) -> Operation[bool]:
+    """Store a block straight from `buffer` through the shared arena (one copy, no gRPC
+    payload). True if stored now, False if the same bytes were already there."""
+    return (yield from put_many(namespace, [(key, buffer)], overwrite))[0]
+
+
+def get_into(
+    namespace: str, key: bytes | str, buffer: Any, verify: bool = False
+) -> Operation[int | None]:
+    """Copy a block into `buffer` (any writable buffer); bytes written, or None on a miss."""
+    return (yield from get_many(namespace, [key], [buffer], verify))[0]
+
+
+def put_many(
+    namespace: str, items: Sequence[tuple[bytes | str, Any]], overwrite: bool = False
+) -> Operation[list[bool]]:
+    """Store many blocks with one reserve and one commit round trip. A block's buffer
+    may be a list of buffers holding it back to back (one per layer, say): each is
+    copied into place, never joined first."""
+    blocks = [block_parts(buf, writable=False) for _, buf in items]
+    arena = yield from session()
+    if arena is None:
+        stored = []
+        for (key, _), parts in zip(items, blocks, strict=True):
+            stored.append((yield from put(namespace, key, joined(parts), overwrite)))
+        return stored
+    keys = [as_key(k) for k, _ in items]
+    request = reserve_request(namespace, keys, blocks, overwrite)
+    reserved = yield from session_call(Op.RESERVE, request, pb.ReserveResponse)
+    try:
+        checksums = fill_slots(arena, reserved.slots, blocks)
+    except BaseException:
+        abort = pb.CommitRequest(lease_id=reserved.lease_id, abort=True)
+        yield from session_call(Op.COMMIT, abort, pb.CommitResponse)
+        raise
+    commit = pb.CommitRequest(lease_id=reserved.lease_id, xxh3_64=checksums)
+    return commit_results((yield from session_call(Op.COMMIT, commit, pb.CommitResponse)))
+
+
+def get_many(
+    namespace: str, keys: Sequence[bytes | str], buffers: Sequence[Any], verify: bool = False
+) -> Operation[list[int | None]]:
+    """Copy many blocks into their buffers with one round trip; None for each miss. A
+    block's buffer may be a list of buffers, filled in order (as put_many takes them)."""
+    if len(keys) != len(buffers):
+        raise InvalidArgument("get_many needs one buffer per key")
+    views = [block_parts(buf, writable=True) for buf in buffers]
+    arena = yield from session()
+    if arena is None:
+        copied_bytes = []
+        for key, parts in zip(keys, views, strict=True):
+            copied_bytes.append(copy_bytes((yield from get(namespace, key)), parts))
+        return copied_bytes
+    request = pb.AcquireRequest(namespace=namespace, keys=[as_key(k) for k in keys])
+    started_s = time.perf_counter()
+    leased = yield from session_call(Op.ACQUIRE, request, pb.AcquireResponse)
+    copied: list[int | None] = []
+    try:
+        copied = copy_out(arena, leased.blocks, views, verify)
+        return copied
+    finally:
+        if leased.lease_id:
+            # No reply awaited: the caller has its bytes; the pin goes a moment later.
+            yield SessionSend(Op.RELEASE, release_request(leased.lease_id, started_s, copied))
+
+
+# GPU engines: CUDA IPC (same node; the daemon serves the GPU).
+def register_cuda(tensor: Any) -> Operation[int]:
+    """Register a contiguous CUDA tensor (the engine's KV cache) once; blocks are then
+    named by (offset, size) in bytes. It must stay allocated while registered (until
+    this client closes). Returns the buffer id."""
+    return (yield from register_cuda_handle(*cuda_ipc_handle(tensor)))
+
+
+def register_cuda_handle(
+    device: int, ipc_handle: bytes, offset_bytes: int, size_bytes: int
+) -> Operation[int]:
+    """`register_cuda` from a raw cudaIpcMemHandle (and the tensor's offset in its
+    allocation), for engines that are not torch."""
+    request = register_request(device, ipc_handle, offset_bytes, size_bytes)
+    return (yield from gpu_call(Op.REGISTER_CUDA, request, pb.RegisterCudaResponse)).buffer_id
+
+
+def put_from_cuda(
+    namespace: str,
+    keys: Sequence[bytes | str],
+    buffer_id: int,
+    block_slices: Sequence[tuple[int, int]],
+    overwrite: bool = False,
+) -> Operation[list[bool]]:
+    """Store blocks straight from GPU memory, each a (offset, size) in bytes of the
+    registered buffer (the daemon copies them on its streams); per block: stored now,
+    or already there. Returns once the copies are done."""
+    request = put_request(namespace, keys, buffer_id, block_slices, overwrite)
+    return commit_results((yield from gpu_call(Op.CUDA_PUT, request, pb.CudaPutResponse)))
+
+
+def get_into_cuda(
+    namespace: str,
+    keys: Sequence[bytes | str],
+    buffer_id: int,
+    block_slices: Sequence[tuple[int, int]],
+) -> Operation[list[bool]]:
+    """Copy cached blocks into GPU memory; per block found (False: a miss, its range
+    untouched). Returns once the copies are done."""
+    request = get_request(namespace, keys, buffer_id, block_slices)
+    return found((yield from gpu_call(Op.CUDA_GET, request, pb.CudaGetResponse)))
+
+
+def start_get_into_cuda(
+    namespace: str,
+    keys: Sequence[bytes | str],
+    buffer_id: int,
+    block_slices: Sequence[tuple[int, int]],
+    group_sizes: Sequence[int],
+) -> Operation[int]:
+    """Start a grouped get_into_cuda; the request id that `cuda_wait` names."""
+    request = get_request(namespace, keys, buffer_id, block_slices, group_sizes)
+    return (yield from gpu_call(Op.CUDA_GET, request, pb.CudaGetResponse)).request_id
+
+
+def cuda_wait(request_id: int, group: int) -> Operation[list[bool]]:
+    """Wait for one group of a started grouped get; per block found."""
+    request = wait_request(request_id, group)
+    return found((yield from gpu_call(Op.CUDA_WAIT, request, pb.CudaGetResponse)))
+
+
+# ---- what both clients hold ----------------------------------------------------------------
+class _Arena(Protocol):
+    view: memoryview
+
+    def close(self) -> None: ...
+
+
+ArenaT = TypeVar("ArenaT", bound=_Arena)
+ChannelT = TypeVar("ChannelT")
+
+
+class ClientBase(ABC, Generic[ArenaT, ChannelT]):
+    """The state both clients share: the target, the credentials, the channel and the
+    same-node session. Lifecycle: construction opens the channel (no I/O until the first
+    call); the first call that can use the session attaches it (`OpenSession`); a lost
+    session is closed, and the next call attaches again; `close()` ends both.
+    """
+
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        timeout_s: float | None = 60.0,
+        token: str | None = None,
+        tls: bool | None = None,
+        tls_ca: PemSource | None = None,
+        tls_cert: PemSource | None = None,
+        tls_key: PemSource | None = None,
+        tls_server_name: str | None = None,
+    ) -> None:
+        self.target = normalize_target(target)
+        self.timeout_s = timeout_s
+        self._metadata = auth_metadata(token)
+        security = channel_security(self.target, tls, tls_ca, tls_cert, tls_key, tls_server_name)
+        self._channel = self._open_channel(
+            security.credentials, [*CHANNEL_OPTIONS, *security.options]
+        )
+        calls = make_calls(self._channel)
+        self._stub, self._put, self._get = calls.stub, calls.put, calls.get
+        self._arena: ArenaT | None = None
+        self._zero_copy_possible = self.target.startswith("unix:")
+
+    @abstractmethod
+    def _open_channel(
+        self, credentials: grpc.ChannelCredentials | None, options: list[tuple[str, Any]]
+    ) -> ChannelT:
+        """The channel to `self.target`: plain when `credentials` is None, else TLS."""
+
+    def _grpc(
+        self, method: str, request: Any, timeout_s: float | _Timeout | None = CLIENT_TIMEOUT
+    ) -> Any:
+        """Start the call: its response (blocking), or what to await or iterate (asyncio,
+        and every server stream)."""
+        timeout = self.timeout_s if timeout_s is CLIENT_TIMEOUT else timeout_s
+        # Put and Get carry the copy-saving chunk codecs; the others are the stub's own.
+        if method == "Put":
+            call = self._put
+        elif method == "Get":
+            call = self._get
+        else:
+            call = getattr(self._stub, method)
+        return call(request, timeout=timeout, metadata=self._metadata)
+
+    def _attached(self) -> ArenaT:
+        if self._arena is None:  # another call lost it since this operation's OpenSession
+            raise Unavailable("the session with the daemon is closed")
+        return self._arena
+
+    def _attach_failed(self, err: Exception) -> None:
+        if isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            # Over a rate limit for now: not a reason to give up zero-copy.
+            raise translate(err) from None
+        self._zero_copy_possible = False
+        logger.info("zero-copy path unavailable (%s); using the gRPC byte path", err)
+
+    def _close_session(self) -> None:
+        if self._arena is not None:
+            self._arena.close()  # the daemon ends the session and any lease left
+            self._arena = None
+
+    def _failure(self, err: BaseException) -> BaseException:
+        """What an operation is told when one of its steps failed: a gRPC status or a lost
+        session as the KVTierError for it, anything else (a cancellation) as it is."""
+        if isinstance(err, grpc.RpcError):
+            return translate(err)
+        if isinstance(err, OSError):
+            self._close_session()  # the next call attaches again
+            return Unavailable(f"lost the session with the daemon: {err}")
+        return err
+
+
+_SELF = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def as_method(method: F, operation: Callable[..., Any]) -> F:
+    """`method`, which runs `operation`, named and documented as it: its docstring, and
+    its signature with `self` first, so that help() and editors show the real arguments.
+    A trailing underscore (`list_`, to keep the builtin's name free) is dropped."""
+    method.__name__ = method.__qualname__ = operation.__name__.rstrip("_")
+    method.__doc__ = operation.__doc__
+    signature = inspect.signature(operation)
+    method.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[_SELF, *signature.parameters.values()],
+        return_annotation=inspect.Signature.empty,
+    )
+    return method
