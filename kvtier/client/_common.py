@@ -22,7 +22,14 @@ from kvtier._wire import (
     put_request_serializer,
 )
 from kvtier.env import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TOKEN, default_target
-from kvtier.errors import DataLoss, InvalidArgument, KVTierError, RateLimited, from_grpc_code
+from kvtier.errors import (
+    RETRY_AFTER_METADATA,
+    DataLoss,
+    InvalidArgument,
+    KVTierError,
+    RateLimited,
+    from_grpc_code,
+)
 
 CHUNK_BYTES = 1 << 20
 MESSAGE_LIMIT_BYTES = 64 << 20
@@ -226,7 +233,7 @@ def translate(err: grpc.RpcError) -> KVTierError:
         # (key, value) pairs on both channel kinds; the stubs type them differently.
         trailing: Any = err.trailing_metadata()
         for name, value in trailing or ():
-            if name == "retry-after-ms" and str(value).isdigit():
+            if name == RETRY_AFTER_METADATA and str(value).isdigit():
                 return RateLimited(details or "", int(value) / 1000)
     return from_grpc_code(code, details or "")
 
