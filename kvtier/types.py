@@ -35,10 +35,10 @@ class LookupResult:
     """How much of an ordered chain of keys is cached, and where each key lives."""
 
     prefix_blocks: int
-    tiers: list[str | None] = field(default_factory=list)
+    tiers: list[TierName | None] = field(default_factory=list)
 
     @classmethod
-    def of(cls, tiers: list[str | None]) -> LookupResult:
+    def of(cls, tiers: list[TierName | None]) -> LookupResult:
         """The result for per-key `tiers` (None: not cached): the prefix ends at the first
         None."""
         return cls(tiers.index(None) if None in tiers else len(tiers), tiers)

@@ -30,6 +30,7 @@ from kvtier.errors import (
     RateLimited,
     from_grpc_code,
 )
+from kvtier.types import TierName
 
 CHUNK_BYTES = 1 << 20
 MESSAGE_LIMIT_BYTES = 64 << 20
@@ -37,12 +38,12 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MESSAGE_LIMIT_BYTES),
     ("grpc.max_send_message_length", MESSAGE_LIMIT_BYTES),
 ]
-PB_TO_TIER: dict[int, str | None] = {
+PB_TO_TIER: dict[int, TierName | None] = {
     pb.TIER_UNSPECIFIED: None,
-    pb.TIER_HBM: "hbm",
-    pb.TIER_DRAM: "dram",
-    pb.TIER_NVME: "nvme",
-    pb.TIER_REMOTE: "remote",
+    pb.TIER_HBM: TierName.HBM,
+    pb.TIER_DRAM: TierName.DRAM,
+    pb.TIER_NVME: TierName.NVME,
+    pb.TIER_REMOTE: TierName.REMOTE,
 }
 Buffer = bytes | bytearray | memoryview
 # PEM bytes, PEM text, or the path of a PEM file.

@@ -84,7 +84,7 @@ class BlockIndex:
             return list(self.blocks.get((namespace, key), []))
 
     def chain_tiers(self, namespace: str, keys: Sequence[bytes]) -> list[str | None]:
-        """Per key: the fastest tier holding it, or None (`kvtier.routing.NodeState`)."""
+        """Per key: the fastest tier holding it, or None (`kvtier.index.routing.NodeState`)."""
         with self._lock:
             held = [self.blocks.get((namespace, k)) for k in keys]
             return [tiers[0] if tiers else None for tiers in held]

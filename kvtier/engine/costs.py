@@ -106,7 +106,7 @@ class CostModel:
         self,
         ns_id: str,
         keys: list[bytes],
-        tiers: list[str | None],
+        tiers: list[TierName | None],
         tokens_per_block: int,
         prompt_tokens: int,
         engine_cached_blocks: int,

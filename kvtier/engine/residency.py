@@ -309,7 +309,7 @@ class Residency:
         return Released(extent, had_record)
 
     # ---- chains and ghosts ------------------------------------------------------------------
-    def _learn_chain(self, ns_id: str, keys: list[bytes], tiers: list[str | None]) -> None:
+    def _learn_chain(self, ns_id: str, keys: list[bytes], tiers: list[TierName | None]) -> None:
         """A chain an engine asked about: where each cached block sits in it (on every
         Plan, so the common case — nothing changed since the last one — is a dict probe)."""
         last = len(keys) - 1

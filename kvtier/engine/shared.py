@@ -33,8 +33,8 @@ class SharedTier:
         return self._store.remote
 
     async def probe(
-        self, ns_id: str, keys: list[bytes], tiers: list[str | None]
-    ) -> list[str | None]:
+        self, ns_id: str, keys: list[bytes], tiers: list[TierName | None]
+    ) -> list[TierName | None]:
         """`tiers` with "remote" for the blocks missing here that the remote store holds:
         those after the local prefix, at most remote.max_probe_blocks, in one round trip."""
         store = self._store
@@ -45,7 +45,7 @@ class SharedTier:
         out = list(tiers)
         for i, held in zip(missing, found, strict=True):
             if held:
-                out[i] = TierName.REMOTE.value
+                out[i] = TierName.REMOTE
         return out
 
     async def fetch(self, block_id: BlockId) -> Entry | None:

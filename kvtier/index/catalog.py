@@ -58,7 +58,7 @@ class Entry:
         return tiers[0] if tiers else None
 
 
-_DRAM, _NVME = TierName.DRAM.value, TierName.NVME.value
+_DRAM, _NVME = TierName.DRAM, TierName.NVME
 
 
 class Catalog:
@@ -186,7 +186,7 @@ class Catalog:
     def lookup(self, ns_id: str, keys: list[bytes]) -> LookupResult:
         # On the Plan path for every prompt (hundreds of keys): no per-key allocations.
         entries = self._entries
-        tiers: list[str | None] = []
+        tiers: list[TierName | None] = []
         for key in keys:
             entry = entries.get((ns_id, key))
             if entry is None:

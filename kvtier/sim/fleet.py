@@ -6,7 +6,7 @@ that prefills one request at a time. A request is routed when it arrives:
 - sticky: by conversation (its first block id: every turn of a conversation starts with
   it), hashed to a node, as session-affinity load balancers do;
 - round-robin: the next node in turn;
-- prefix-aware: `kvtier.routing.choose_node` — the node where queue wait + the planner's
+- prefix-aware: `kvtier.index.routing.choose_node` — the node where queue wait + the planner's
   fetch-or-recompute total is smallest.
 
 The request then waits for its node's engine and prefills for the planned total (fetch what
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvtier.index.planner import TierCost
-from kvtier.routing import NodeState, choose_node
+from kvtier.index.routing import NodeState, choose_node
 from kvtier.sim.replay import ORACLE, Replay, ReplayConfig, Request
 
 Routing = Literal["sticky", "round-robin", "prefix-aware"]

@@ -348,10 +348,10 @@ class Replay:
         remote), or None."""
         return self._with_remote(self.catalog.lookup(NS, list(keys)).tiers, keys)
 
-    def _with_remote(self, local: list[str | None], keys: Sequence[bytes]) -> list[str | None]:
+    def _with_remote(self, local: Sequence[str | None], keys: Sequence[bytes]) -> list[str | None]:
         remote = self.remote
         if remote is None:
-            return local
+            return list(local)
         return [
             tier if tier is not None or not remote.holds(key) else REMOTE
             for tier, key in zip(local, keys, strict=True)

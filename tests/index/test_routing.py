@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.index.planner import PrefillCost, TierCost
-from kvtier.routing import NodeState, choose_node, estimate
+from kvtier.index.routing import NodeState, choose_node, estimate
 
 PREFILL = PrefillCost(4e-5, 1.3e-9)  # ~21 ms for the first 512-token block
 FAST = {"dram": TierCost(50e9, 10e-6), "nvme": TierCost(7e9, 100e-6)}
