@@ -169,7 +169,22 @@ def _printed_json(args: argparse.Namespace, reports: list[dict[str, Any]]) -> bo
     return bool(args.json)
 
 
+def _plotting_missing() -> str | None:
+    """Why --plot cannot work here, or None; asked before a replay that may run minutes."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return (
+            "--plot needs matplotlib, which is not installed: pip install matplotlib "
+            "(in a checkout: pip install -e '.[bench]'), or leave out --plot"
+        )
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.plot and (why := _plotting_missing()):
+        print(f"kvtier replay: {why}", file=sys.stderr)
+        return 2
     try:
         requests = read_trace(args.trace)
     except (OSError, ValueError) as err:

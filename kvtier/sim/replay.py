@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -222,7 +223,17 @@ class OraclePolicy(TierPolicy):
                 heapq.heappush(self._heap, item)
             return None
         now = self._future.now
-        chosen = min(usable, key=lambda c: self._saving(self._info[c[1]]) / (-c[0] - now))
+
+        def value_per_request(candidate: tuple[float, Key]) -> float:
+            distance = -candidate[0] - now
+            # Distance 0: the request being served uses it and has not reached it yet (its
+            # next use moves on when it does). Needed now, so the last to go; dividing by
+            # it was a ZeroDivisionError whenever DRAM was smaller than a chain.
+            if distance <= 0:
+                return math.inf
+            return self._saving(self._info[candidate[1]]) / distance
+
+        chosen = min(usable, key=value_per_request)
         for item in candidates:
             if item is not chosen:
                 heapq.heappush(self._heap, item)

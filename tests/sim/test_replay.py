@@ -112,3 +112,41 @@ def test_cli_on_the_shared_trace_matches_its_published_lru_figure(tmp_path: Path
         assert field in report
     assert report["requests"] == 3993
     assert (tmp_path / "replay.png").stat().st_size > 10_000
+
+
+def _run_replay(tmp_path: Path, *args: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
+    """`kvtier replay` as a user runs it; `prelude` runs first in the same interpreter."""
+    trace = tmp_path / "trace.jsonl"
+    # One 100-block prompt twice: longer than a DRAM of 4 GiB (64 llama3-8b blocks).
+    line = {"input_length": 100 * 512, "hash_ids": list(range(100))}
+    trace.write_text("".join(json.dumps({"timestamp": t, **line}) + "\n" for t in (0, 1000)))
+    code = f"{prelude}\nimport sys\nfrom kvtier.cli import main\nsys.exit(main(sys.argv[1:]))"
+    return subprocess.run(
+        [sys.executable, "-c", code, "replay", str(trace), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_replays_a_chain_longer_than_dram_under_every_policy(tmp_path: Path) -> None:
+    # The oracle divided by the distance to a block's next use, 0 for a block of the
+    # request being served: ZeroDivisionError with any DRAM smaller than a prompt.
+    result = _run_replay(tmp_path, "--dram-capacity", "4GiB", "--json")
+    assert result.returncode == 0, result.stderr
+    reports = {r["policy"]: r for r in json.loads(result.stdout)}
+    assert set(reports) == {"lru", "s3fifo", "kvtier", "oracle"}
+    oracle = reports["oracle"]
+    assert oracle["dram_blocks"] == 64
+    # It keeps what the second request needs: every one of its 100 blocks is a hit.
+    assert oracle["block_hit_ratio"] == pytest.approx(0.5)
+    assert oracle["tiers"]["dram"]["hits"] == 64 and oracle["tiers"]["nvme"]["hits"] == 36
+
+
+def test_cli_plot_without_matplotlib_says_how_to_get_it(tmp_path: Path) -> None:
+    hide = "import sys\nsys.modules['matplotlib'] = None  # import matplotlib: ImportError"
+    result = _run_replay(tmp_path, "--plot", str(tmp_path / "r.png"), prelude=hide)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "--plot needs matplotlib" in result.stderr and "pip install" in result.stderr
+    assert not (tmp_path / "r.png").exists()
