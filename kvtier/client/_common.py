@@ -4,10 +4,12 @@ the bearer token, the chunk codecs of Put and Get, and gRPC status -> KVTierErro
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import grpc
 import xxhash
@@ -21,13 +23,21 @@ from kvtier._wire import (
     get_response_deserializer,
     put_request_serializer,
 )
-from kvtier.env import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TOKEN, default_target
+from kvtier.env import (
+    ENV_TARGET,
+    ENV_TLS_CA,
+    ENV_TLS_CERT,
+    ENV_TLS_KEY,
+    ENV_TOKEN,
+    default_target,
+)
 from kvtier.errors import (
     RETRY_AFTER_METADATA,
     DataLoss,
     InvalidArgument,
     KVTierError,
     RateLimited,
+    Unavailable,
     from_grpc_code,
 )
 from kvtier.types import TierName
@@ -225,11 +235,42 @@ class GetAssembler:
         return data
 
 
+# grpc's words when the channel reached no listener: "failed to connect to all addresses;
+# last error: FAILED_PRECONDITION: unix:/run/x.sock: connect failed: ... No such file".
+_NO_LISTENER = re.compile(
+    r"failed to connect to all addresses(?:; last error: [A-Z_]+: (?P<address>\S+?):"
+    r" (?P<why>.*))?",
+    re.DOTALL,
+)
+
+
+def _no_daemon(details: str) -> str | None:
+    """A newcomer's message for a connect failure (what is missing and how to start it),
+    or None when `details` is some other UNAVAILABLE (a draining daemon, a tier offline)."""
+    found = _NO_LISTENER.search(details)
+    if found is None:
+        return None
+    address = found["address"] or "the target"
+    # Spelt as a --target is (grpc writes unix:/path and ipv4:host:port).
+    if address.startswith("unix:") and not address.startswith("unix://"):
+        address = "unix://" + address.removeprefix("unix:")
+    address = unquote(address.removeprefix("ipv4:").removeprefix("ipv6:"))
+    why = (found["why"] or "").strip()
+    because = f" ({why.rsplit('error: ', 1)[-1]})" if why else ""
+    return (
+        f"no kvtier daemon at {address}{because}: start one with `kvtier serve` (`make "
+        f"serve` in a checkout), or point the client at a running one (--target ADDR, "
+        f"${ENV_TARGET}, Client(target))"
+    )
+
+
 def translate(err: grpc.RpcError) -> KVTierError:
     """The KVTierError for a failed gRPC call (both clients' only mapping of a gRPC status;
     the session socket's numeric statuses go through `errors.from_status_value`)."""
     code = err.code() if hasattr(err, "code") else None
     details = err.details() if hasattr(err, "details") else str(err)
+    if code == grpc.StatusCode.UNAVAILABLE and (no_daemon := _no_daemon(details or "")):
+        return Unavailable(no_daemon)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and hasattr(err, "trailing_metadata"):
         # (key, value) pairs on both channel kinds; the stubs type them differently.
         trailing: Any = err.trailing_metadata()
