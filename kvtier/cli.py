@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvtier.errors import ConfigError, KVTierError
+from kvtier.errors import ConfigError, InvalidArgument, KVTierError
 
 if TYPE_CHECKING:
     from kvtier.client import Client
@@ -24,8 +25,29 @@ def _key(text: str, hex_key: bool) -> bytes:
         try:
             return bytes.fromhex(text.removeprefix("hex:"))
         except ValueError:
-            raise KVTierError(f"not a hex key: {text!r}") from None
-    return text.encode()
+            raise InvalidArgument(f"not a hex key: {text!r}") from None
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        # argv holds undecodable bytes as surrogates; os.fsencode gives the bytes back.
+        raw = os.fsencode(text)
+        raise InvalidArgument(
+            f"key {raw!r} is not UTF-8 text: pass it in hex, as hex:{raw.hex()} or "
+            f"--hex {raw.hex()}"
+        ) from None
+
+
+def _check_namespace(args: argparse.Namespace) -> None:
+    namespace = getattr(args, "namespace", None)
+    if namespace is None:
+        return
+    try:
+        namespace.encode()
+    except UnicodeEncodeError:
+        raise InvalidArgument(
+            f"namespace {os.fsencode(namespace)!r} is not UTF-8 text (namespaces are text, "
+            "such as llama3-8b/bf16-b16)"
+        ) from None
 
 
 def _show_key(key: bytes) -> str:
@@ -87,7 +109,13 @@ def cmd_put(args: argparse.Namespace) -> int:
     elif args.file in (None, "-"):
         data = sys.stdin.buffer.read()
     else:
-        data = Path(args.file).read_bytes()
+        try:
+            data = Path(args.file).read_bytes()
+        except OSError as err:
+            raise InvalidArgument(
+                f"cannot read {args.file}: {err.strerror or err}; pass a file that exists, "
+                "'-' for stdin, or --value TEXT"
+            ) from None
     with _client(args) as client:
         stored = client.put(args.namespace, _key(args.key, args.hex), data, args.overwrite)
     print("OK" if stored else "OK (already present)")
@@ -438,6 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _check_namespace(args)
         result: int = args.func(args)
         return result
     except ConfigError as err:
@@ -448,6 +477,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     except BrokenPipeError:
         return 0
+    except OSError as err:
+        # A file a command was given or writes (-o, --plot, a key file): the path and the
+        # system's reason say what to fix; a traceback would only bury them.
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"kvtier: {where}{err.strerror or err}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":
