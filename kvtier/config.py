@@ -8,12 +8,13 @@ came from. Paths left empty are resolved at start from systemd's directories
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import tomli_w
 from pydantic import (
@@ -511,14 +512,38 @@ def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]
     return out
 
 
+def _keys_at(loc: tuple[int | str, ...]) -> list[str]:
+    """The keys a section at `loc` accepts (the names "did you mean" chooses from)."""
+    model: Any = Config
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if fields is not None:
+            if part not in fields:
+                return []
+            model = fields[part].annotation
+        elif get_origin(model) is dict:
+            model = get_args(model)[1]  # [tenants.NAME]: any name, then a section
+        else:
+            return []
+    fields = getattr(model, "model_fields", None)
+    return list(fields) if fields is not None else []
+
+
 def _describe(err: ValidationError, source: str) -> str:
     lines = []
     for item in err.errors():
         key = ".".join(str(p) for p in item["loc"])
         if item["type"] == "extra_forbidden":
-            lines.append(f"{source}: unknown key '{key}'")
-        else:
-            lines.append(f"{source}: invalid value for '{key}': {item['msg']}")
+            name = str(item["loc"][-1])
+            close = difflib.get_close_matches(name, _keys_at(item["loc"][:-1]), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            lines.append(f"{source}: unknown key '{key}'{hint}")
+            continue
+        msg = item["msg"]
+        if item["type"] == "value_error":
+            # Our validators' own words; pydantic prefixes them with "Value error, ".
+            msg = str(item.get("ctx", {}).get("error", msg.removeprefix("Value error, ")))
+        lines.append(f"{source}: invalid value for '{key}': {msg}" if key else f"{source}: {msg}")
     return "\n".join(lines)
 
 

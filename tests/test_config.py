@@ -97,3 +97,56 @@ def test_config_file_from_systemd_configuration_directory(tmp_path: Path) -> Non
     (tmp_path / "kvtier.toml").write_text("[nvme]\nio_threads = 11\n")
     config = load_config(None, environ={"CONFIGURATION_DIRECTORY": str(tmp_path)})
     assert config.nvme.io_threads == 11
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        (
+            "[dram]\ncapacity_byts = 1\n",
+            "unknown key 'dram.capacity_byts' (did you mean 'capacity_bytes'?)",
+        ),
+        ("[servr]\nlisten = 'x'\n", "unknown key 'servr' (did you mean 'server'?)"),
+        (
+            '[tenants.a]\ndram_capacity_bytes = "1GiB"\ndram_capacity_byts = 1\n',
+            "unknown key 'tenants.a.dram_capacity_byts' (did you mean 'dram_capacity_bytes'?)",
+        ),
+        ("[auth]\ntokenz = {}\n", "(did you mean 'tokens'?)"),
+    ],
+)
+def test_an_unknown_key_suggests_the_nearest_one(tmp_path: Path, text: str, words: str) -> None:
+    path = tmp_path / "typo.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert words in str(info.value)
+
+
+def test_a_key_nothing_resembles_gets_no_guess(tmp_path: Path) -> None:
+    path = tmp_path / "odd.toml"
+    path.write_text("[dram]\nzzz = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert "unknown key 'dram.zzz'" in str(info.value) and "did you mean" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ('[auth.tokens]\n"abc" = "team-a"\n', "invalid value for 'auth.tokens': keys must be"),
+        (
+            f'[auth.tokens]\n"{"a" * 64}" = "team-a"\n',
+            f"{'team-a'!r}, which has no [tenants.team-a] section",
+        ),
+    ],
+)
+def test_our_validators_speak_without_pydantics_prefix(
+    tmp_path: Path, text: str, words: str
+) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    message = str(info.value)
+    assert words in message and "Value error" not in message
+    assert message.startswith(f"{path}: ")

@@ -87,3 +87,21 @@ def test_an_unwritable_output_file_is_a_message_not_a_traceback(tmp_path: Path) 
     plot = tmp_path / "no-such-dir" / "replay.png"
     result = run("replay", str(trace), "--policy", "lru", "--plot", str(plot))
     refused(result, f"kvtier: {plot}: No such file or directory")
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("[dram]\ncapacity_byts = 1\n", ["unknown key 'dram.capacity_byts'", "'capacity_bytes'"]),
+        ('[auth.tokens]\n"abc" = "team-a"\n', ["invalid value for 'auth.tokens': keys must"]),
+    ],
+)
+def test_a_config_mistake_is_named_in_our_words(
+    tmp_path: Path, text: str, words: list[str]
+) -> None:
+    path = tmp_path / "kvtier.toml"
+    path.write_text(text)
+    for command in (["config", "validate"], ["serve"]):
+        result = run(*command, "--config", str(path))
+        refused(result, str(path), *words)
+        assert "Value error" not in result.stderr
