@@ -10,8 +10,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 import kvtier
 from kvtier.keys import hash_token
+from kvtier.tiers.nvme import RECORD_SUFFIX
 from tests.conftest import DaemonProcess, block_bytes
 
 StartDaemon = Callable[..., DaemonProcess]
@@ -81,3 +84,60 @@ def test_wipe_removes_one_tenant_and_a_restart_serves_only_the_other(
         for key, value in data["bob"].items():
             assert bob.get(NS, key) == value
         assert bob.stats()["checksum_failures"] == 0
+
+
+def _recipe(operations_md: str) -> str:
+    """The shell block of docs/operations.md that runs `kvtier wipe`, as written."""
+    blocks = operations_md.split("```sh\n")[1:]
+    return next(b.split("```")[0] for b in blocks if "kvtier wipe --tenant" in b)
+
+
+@pytest.mark.parametrize("drop_in", [False, True], ids=["cache-directory", "nvme-drop-in"])
+def test_the_documented_wipe_recipe_finds_the_units_tier(workdir: Path, drop_in: bool) -> None:
+    # The unit's view: systemd's directories, the config found through
+    # CONFIGURATION_DIRECTORY, and (with kvtier-nvme.conf) an Environment= line.
+    cache, etc, bin_dir = workdir / "cache", workdir / "etc", workdir / "bin"
+    for d in (cache, etc, bin_dir):
+        d.mkdir()
+    (etc / "kvtier.toml").write_text('[nvme]\ncapacity_bytes = "64MiB"\n')
+    unit_env = {"CACHE_DIRECTORY": str(cache), "CONFIGURATION_DIRECTORY": str(etc)}
+    shown = f"KVTIER_NVME__PATH={workdir / 'drive'}" if drop_in else ""
+    tier = workdir / "drive" if drop_in else cache / "nvme"
+    daemon_env = dict(unit_env, **dict([shown.split("=", 1)] if shown else []))
+    daemon = DaemonProcess(
+        workdir, ["--listen", f"unix://{workdir}/k.sock", "--dram-capacity", "16MiB"], daemon_env
+    )
+    daemon.start()
+    try:
+        with kvtier.Client(daemon.target) as client:
+            client.put(NS, b"k", b"a tenant's prompt")
+        assert daemon.terminate() == 0  # flush_on_stop: the block is now a record on disk
+    finally:
+        daemon.kill()
+    assert len(list(tier.rglob(f"*{RECORD_SUFFIX}"))) == 1
+
+    # The recipe verbatim, with this test's paths, and stand-ins for sudo (run as the
+    # user) and systemctl (stop/start do nothing here; show prints the unit's Environment=).
+    fakes = {
+        "sudo": '#!/bin/sh\n[ "$1" = -u ] && shift 2\nexec "$@"\n',
+        "systemctl": f'#!/bin/sh\n[ "$1" = show ] && echo "{shown}"\nexit 0\n',
+        "kvtier": f'#!/bin/sh\nexec {sys.executable} -m kvtier "$@"\n',
+    }
+    for name, text in fakes.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    recipe = (
+        _recipe((Path(__file__).parents[2] / "docs" / "operations.md").read_text())
+        .replace("/var/cache/kvtier", str(cache))
+        .replace("/etc/kvtier", str(etc))
+        .replace("/opt/kvtier/bin/kvtier", str(bin_dir / "kvtier"))
+        .replace("--tenant team-a", "--tenant default")
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    env["HOME"] = str(workdir / "home")  # where a recipe without the unit's env would look
+    result = subprocess.run(
+        ["sh", "-ec", recipe], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "wiped 1 records" in result.stdout and f"from {tier}" in result.stdout
