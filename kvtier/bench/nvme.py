@@ -39,7 +39,15 @@ from typing import Any
 import xxhash
 
 from kvtier.bench.fio import comparison, comparison_text, fio_command, run_fio
-from kvtier.bench.results import BenchError, Job, normal_text, plot, report, totals
+from kvtier.bench.results import (
+    BenchError,
+    Job,
+    early_end,
+    normal_text,
+    plot,
+    report,
+    totals,
+)
 from kvtier.buffers import aligned_buffer
 from kvtier.profiles import MODELS as PROFILES
 from kvtier.sizes import human_size, parse_size
@@ -536,6 +544,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         # At depth 1 there is nothing to keep in flight: a plain pread/pwrite is the
         # cheapest path (AIO writes that allocate blocks measured slower here).
         args.ioengine = "libaio" if args.iodepth > 1 and libaio_available() else "psync"
+        if args.iodepth > 1 and args.ioengine == "psync":
+            # A depth asked for and not given is a different experiment (threads, not one
+            # queue the block layer can merge): say so rather than let the figure mislead.
+            print(
+                f"kvtier bench nvme: warning: --iodepth {args.iodepth} without libaio (the "
+                f"libaio package, pip install libaio, and the system's libaio.so.1, apt "
+                f"install libaio1): running --ioengine psync, {args.iodepth} threads each "
+                "doing synchronous I/O; pass --ioengine psync to choose that, or "
+                "--ioengine libaio to require AIO",
+                file=sys.stderr,
+            )
     elif args.ioengine == "libaio" and not libaio_available():
         raise BenchError(
             "--ioengine libaio needs the libaio package (pip install libaio) and the "
@@ -622,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     if args.output_format == "json":
         text = json.dumps(doc, indent=2) + "\n"
+        if why := early_end(doc):
+            print(f"kvtier bench nvme: {why}", file=sys.stderr)
     else:
         text = normal_text(doc) + (comparison_text(doc["vs_fio"]) if "vs_fio" in doc else "")
     if args.output:

@@ -148,13 +148,58 @@ def totals(doc: dict[str, Any], direction: str) -> tuple[float, int]:
     )
 
 
-def _unit(ns_values: list[float]) -> tuple[str, float]:
-    top = max(ns_values, default=0)
-    return ("msec", 1e6) if top >= 1e7 else ("usec", 1e3)
+def _unit(ns_values: list[float]) -> tuple[str, str, float]:
+    """Unit, format and divisor for latencies: usec, unless even the smallest is past 10 ms.
+    Both keep 1 us of precision: one slow I/O must not round the rest to 0 or 1 msec."""
+    low = min(ns_values, default=0)
+    return ("msec", ".3f", 1e6) if low >= 1e7 else ("usec", ".0f", 1e3)
+
+
+def settings_line(doc: dict[str, Any]) -> str:
+    """What the run was, as fio's first line says it: a number means nothing without it."""
+    options = doc["jobs"][0]["job options"]
+    ioengine = doc["global options"]["ioengine"]
+    parts = [
+        f"rw={options['rw']}",
+        f"bs={human_size(int(options['bs']))}",
+        f"size={human_size(int(options['size']))}",
+        f"ioengine={ioengine}",
+        f"iodepth={options['iodepth']}",
+        f"numjobs={options['numjobs']}",
+        f"direct={options['direct']}",
+    ]
+    if options["rw"] in ("randrw", "rw", "readwrite"):
+        parts.append(f"rwmixread={options['rwmixread']}")
+    if float(options["runtime"]):
+        based = ", time_based" if options["time_based"] == "1" else ""
+        parts.append(f"runtime={float(options['runtime']):g}s{based}")
+    parts += [f"mode={options['mode']}", f"pattern={options['pattern']}"]
+    return (
+        f"{doc['jobs'][0]['jobname']}: (g=0): {', '.join(parts)}\n"
+        f"  directory={doc['global options']['directory']}"
+    )
+
+
+def early_end(doc: dict[str, Any]) -> str | None:
+    """Why a run with --runtime ended sooner, or None: without --time-based --runtime only
+    caps the run (fio's semantics), so a --size done first ends it."""
+    jobs = doc["jobs"]
+    options = jobs[0].get("job options", {}) if jobs else {}
+    runtime_s = float(options.get("runtime", 0))
+    if not runtime_s or options.get("time_based") == "1" or any(j["error"] for j in jobs):
+        return None
+    took_ms = max(j["job_runtime"] for j in jobs)
+    if took_ms >= runtime_s * 1000:
+        return None
+    return (
+        f"ended after {took_ms} msec, before --runtime {runtime_s:g}s: each job's --size "
+        f"({human_size(int(options['size']))}) was done; --runtime caps a run, "
+        "--time-based loops over the file until it ends (as fio)"
+    )
 
 
 def normal_text(doc: dict[str, Any]) -> str:
-    lines = []
+    lines = [settings_line(doc)]
     for i, job in enumerate(doc["jobs"]):
         lines.append(
             f"{job['jobname']}: (groupid=0, jobs=1): err={job['error']:2d}: job={i}"
@@ -170,15 +215,18 @@ def normal_text(doc: dict[str, Any]) -> str:
                 f"({d['bw_bytes'] / 1e6:.0f}MB/s)({human_size(d['io_bytes'])}/{d['runtime']}msec)"
             )
             clat = d["clat_ns"]
-            unit, div = _unit([clat["max"]])
+            unit, fmt, div = _unit([clat["min"]])
             lines.append(
-                f"    clat ({unit}): min={clat['min'] / div:.0f}, max={clat['max'] / div:.0f}, "
-                f"avg={clat['mean'] / div:.2f}, stdev={clat['stddev'] / div:.2f}"
+                f"    clat ({unit}): min={clat['min'] / div:{fmt}}, "
+                f"max={clat['max'] / div:{fmt}}, avg={clat['mean'] / div:.2f}, "
+                f"stdev={clat['stddev'] / div:.2f}"
             )
             lines.append(f"     clat percentiles ({unit}):")
-            cells = [f"{float(k):5.2f}th=[{v / div:6.0f}]" for k, v in clat["percentile"].items()]
+            cells = [f"{float(k):5.2f}th=[{v / div:6{fmt}}]" for k, v in clat["percentile"].items()]
             for row in range(0, len(cells), 4):
                 lines.append("     | " + ", ".join(cells[row : row + 4]) + ",")
+    if why := early_end(doc):
+        lines.append(f"note: {why}")
     return "\n".join(lines) + "\n"
 
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from kvtier.bench import nvme
 from kvtier.bench.fio import comparison, comparison_text
-from kvtier.bench.results import Direction
+from kvtier.bench.results import Direction, job_options, normal_text
 from kvtier.bench.stats import median_ci
 from kvtier.tiers.nvme import NvmeTier
 
@@ -455,3 +455,71 @@ def test_the_layout_is_on_the_drive_before_the_clock_starts(
     doc, _ = nvme.run_once(nvme._parse(["--directory", str(tmp_path), *flags]))
     assert doc["jobs"][0]["read"]["total_ios"] == 4
     assert events == ["sync", "clock"]
+
+
+def _bench_without_libaio(*args: str) -> subprocess.CompletedProcess[str]:
+    """`kvtier bench nvme` where the libaio package cannot be imported."""
+    code = (
+        "import sys\nsys.modules['libaio'] = None  # import libaio: ImportError\n"
+        "from kvtier.cli import main\nsys.exit(main(['bench', 'nvme', *sys.argv[1:]]))"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_text_output_starts_with_the_settings_it_ran_with(tmp_path: Path) -> None:
+    flags = ["--size", "4M", "--bs", "1M", "--iodepth", "2", "--ioengine", "psync"]
+    out = bench("--directory", str(tmp_path), *flags, "--rw", "randrw", "--rwmixread", "70")
+    first, second = out.stdout.splitlines()[:2]
+    for setting in ("rw=randrw", "bs=1.0 MiB", "size=4.0 MiB", "ioengine=psync", "iodepth=2"):
+        assert setting in first
+    assert "numjobs=1" in first and "direct=1" in first and "rwmixread=70" in first
+    assert second.strip() == f"directory={tmp_path}"
+
+
+def test_a_depth_without_libaio_warns_and_names_the_fallback(tmp_path: Path) -> None:
+    flags = ["--directory", str(tmp_path), "--size", "4M", "--bs", "1M", "--iodepth", "8"]
+    out = _bench_without_libaio(*flags)
+    assert out.returncode == 0, out.stderr
+    assert "warning: --iodepth 8 without libaio" in out.stderr
+    assert (
+        "running --ioengine psync, 8 threads" in out.stderr and "pip install libaio" in out.stderr
+    )
+    assert "ioengine=psync, iodepth=8" in out.stdout
+    # Asked for by name, as fio does for an engine it lacks: a refusal, not a fallback.
+    out = _bench_without_libaio(*flags, "--ioengine", "libaio")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "--ioengine libaio needs the libaio package" in out.stderr
+    # Chosen, or at depth 1 (nothing to keep in flight): no warning.
+    for extra in (["--ioengine", "psync"], ["--iodepth", "1"]):
+        assert "warning" not in _bench_without_libaio(*flags, *extra).stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_percentiles_keep_microseconds_past_10_ms() -> None:
+    args = nvme._parse(["--directory", "/", "--size", "4M", "--bs", "1M"])
+    d = Direction()
+    for clat_ns in [250_000 + 1_000 * i for i in range(99)] + [15_000_000]:
+        d.record(0, clat_ns, 1 << 20, 0)
+    job = {"jobname": "j", "error": 0, "error_message": "", "job_runtime": 1000}
+    job |= {"job options": job_options(args), "read": d.to_fio(1.0)}
+    job["write"] = Direction().to_fio(1.0)
+    text = normal_text({"global options": {"directory": "/", "ioengine": "psync"}, "jobs": [job]})
+    # One 15 ms outlier used to switch every cell to whole msec: [0] and [15].
+    assert "clat percentiles (usec):" in text and "min=250, max=15000" in text
+    assert "50.00th=[   299]" in text and "99.00th=[   348]" in text
+    assert "99.99th=[ 15000]" in text
+
+
+def test_runtime_without_time_based_says_why_it_ended_early(tmp_path: Path) -> None:
+    flags = ["--directory", str(tmp_path), "--size", "4M", "--bs", "1M", "--runtime", "5"]
+    out = bench(*flags)
+    assert "note: ended after" in out.stdout and "before --runtime 5s" in out.stdout
+    assert "--time-based loops" in out.stdout and "runtime=5s" in out.stdout
+    out = bench(*flags, "--output-format", "json")
+    assert json.loads(out.stdout)["jobs"][0]["job options"]["runtime"] == "5.0"
+    assert "before --runtime 5s" in out.stderr
+    # Time-based: it runs the whole --runtime, and nothing needs explaining.
+    timed = bench(*flags[:-1], "0.3", "--time-based")
+    assert "note:" not in timed.stdout and "runtime=0.3s, time_based" in timed.stdout
