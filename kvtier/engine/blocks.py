@@ -12,6 +12,8 @@ from kvtier.errors import InvalidArgument
 from kvtier.index.catalog import Entry
 from kvtier.types import BlockId, Extent, TierName
 
+COPY_PIECE_BYTES = 256 << 10
+
 
 class PutWriter:
     """Bytes of one block arriving into its reserved DRAM extent."""
@@ -42,8 +44,23 @@ class PutWriter:
         return int(self._hasher.intdigest())
 
     def written_in_place(self) -> None:
-        """The client wrote the whole slot through its own mapping (zero-copy put)."""
+        """The whole slot was written in place, by the daemon itself (the GPU path's
+        device-to-host copy): hash what the extent holds."""
         self._hasher = xxhash.xxh3_64(self._view[: self.size_bytes])
+        self.received_bytes = self.size_bytes
+
+    def copy_in(self, source: memoryview) -> None:
+        """Copy the block from a client's write area into the extent (zero-copy put),
+        hashing the copy, not the source: the client can still change the source while
+        this runs, never the bytes hashed. In cache-sized pieces, so each is hashed while
+        it is still in cache."""
+        hasher = xxhash.xxh3_64()
+        view = self._view
+        for start in range(0, self.size_bytes, COPY_PIECE_BYTES):
+            end = min(start + COPY_PIECE_BYTES, self.size_bytes)
+            view[start:end] = source[start:end]
+            hasher.update(view[start:end])
+        self._hasher = hasher
         self.received_bytes = self.size_bytes
 
     def release(self) -> None:

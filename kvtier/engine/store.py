@@ -595,9 +595,13 @@ class Store:
 
     # ---- the zero-copy path: leases (kvtier/engine/zerocopy.py) --------------------------------
     async def reserve(
-        self, session_id: int, items: list[tuple[BlockId, int]], overwrite: bool
+        self,
+        session_id: int,
+        items: list[tuple[BlockId, int]],
+        overwrite: bool,
+        staged: bool = False,
     ) -> tuple[int, list[LeasedSlot]]:
-        return await self.zero_copy.reserve(session_id, items, overwrite)
+        return await self.zero_copy.reserve(session_id, items, overwrite, staged)
 
     async def commit(
         self, session_id: int, lease_id: int, checksums: list[int], abort: bool
