@@ -10,9 +10,35 @@ import xxhash
 
 from kvtier.errors import InvalidArgument
 from kvtier.index.catalog import Entry
+from kvtier.tiers.allocator import round_up
+from kvtier.tiers.record import ALIGN_BYTES, RecordHeader, header_size_for
 from kvtier.types import BlockId, Extent, TierName
 
 COPY_PIECE_BYTES = 256 << 10
+
+
+def record_header(entry: Entry) -> RecordHeader:
+    """The NVMe record header of a block's current value."""
+    ns_id, key = entry.block_id
+    return RecordHeader(
+        ns_id=ns_id,
+        key=key,
+        generation=entry.generation,
+        payload_bytes=entry.size_bytes,
+        xxh3_64=entry.xxh3_64,
+        header_bytes=header_size_for(ns_id, key),
+    )
+
+
+def payload_of(extent_view: memoryview, entry: Entry) -> memoryview:
+    """The part of a block's DRAM extent its NVMe record holds: the payload rounded up
+    to 4 KiB (an empty block still has a 4 KiB extent, but no payload on disk)."""
+    return extent_view[: round_up(entry.size_bytes, ALIGN_BYTES)]
+
+
+def intact(view: memoryview, entry: Entry) -> bool:
+    """Whether a DRAM copy still holds the bytes committed for `entry` (its xxh3-64)."""
+    return bool(xxhash.xxh3_64_intdigest(view[: entry.size_bytes]) == entry.xxh3_64)
 
 
 class PutWriter:
