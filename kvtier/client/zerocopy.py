@@ -227,14 +227,30 @@ def reserve_request(
     )
 
 
-def write_area_of(arena: memoryview) -> WriteArea | None:
-    """The write area of the session whose arena is mapped at `arena`; None if the
-    daemon gave none (puts then take the gRPC byte path)."""
+class _InPlace:
+    """Slots in a writable session memory itself (a stand-in session, as in the core's
+    unit tests; a daemon's arena is always read-only)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+
+    def slot(self, offset: int, size_bytes: int) -> memoryview:
+        return self._view[offset : offset + size_bytes]
+
+
+def write_area_of(arena: memoryview) -> WriteArea | _InPlace | None:
+    """Where a put's reserved slots are written for the session whose arena is mapped at
+    `arena`: its write area; None if the daemon gave none (puts then take the gRPC byte
+    path)."""
     mapping = arena.obj
-    return mapping.write_area if isinstance(mapping, _ArenaMapping) else None
+    if isinstance(mapping, _ArenaMapping):
+        return mapping.write_area
+    return None if arena.readonly else _InPlace(arena)
 
 
-def fill_slots(area: WriteArea, slots: Iterable[pb.Slot], blocks: list[Parts]) -> list[int]:
+def fill_slots(
+    area: WriteArea | _InPlace, slots: Iterable[pb.Slot], blocks: list[Parts]
+) -> list[int]:
     """Copy each block's parts, back to back, into its reserved slot of the session's
     write area; returns their checksums for the commit."""
     checksums = []
