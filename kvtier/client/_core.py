@@ -81,6 +81,7 @@ from kvtier.client.zerocopy import (
     joined,
     release_request,
     reserve_request,
+    write_area_of,
 )
 from kvtier.errors import InvalidArgument, KVTierError, NotFound, Unavailable, Unimplemented
 from kvtier.types import LookupResult, PrefillCost
@@ -345,7 +346,8 @@ def put_many(
     copied into place, never joined first."""
     blocks = [block_parts(buf, writable=False) for _, buf in items]
     arena = yield from session()
-    if arena is None:
+    area = write_area_of(arena) if arena is not None else None
+    if area is None:
         stored = []
         for (key, _), parts in zip(items, blocks, strict=True):
             stored.append((yield from put(namespace, key, joined(parts), overwrite)))
@@ -354,7 +356,7 @@ def put_many(
     request = reserve_request(namespace, keys, blocks, overwrite)
     reserved = yield from session_call(Op.RESERVE, request, pb.ReserveResponse)
     try:
-        checksums = fill_slots(arena, reserved.slots, blocks)
+        checksums = fill_slots(area, reserved.slots, blocks)
     except BaseException:
         abort = pb.CommitRequest(lease_id=reserved.lease_id, abort=True)
         yield from session_call(Op.COMMIT, abort, pb.CommitResponse)

@@ -1,8 +1,11 @@
 """The client's side of the zero-copy path: mapping the daemon's shared arena.
 
 `Attach` (gRPC) gives a session id, a nonce and the side socket's path; presenting the
-nonce there returns the arena's file descriptor (SCM_RIGHTS), which the client maps. The
-side connection stays open: the daemon releases the session's leases when it closes.
+nonce there returns two file descriptors (SCM_RIGHTS): the arena's, which the daemon has
+sealed so that it can only be mapped read-only (gets copy straight out of it; nothing a
+client does can change a committed block), and the session's write area, where a put's
+reserved slots are (the daemon copies them into the arena at commit and hashes its copy).
+The side connection stays open: the daemon releases the session's leases when it closes.
 """
 
 from __future__ import annotations
@@ -23,23 +26,73 @@ from google.protobuf.message import Message
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import HEADER, Op, frame
-from kvtier.errors import DataLoss, InvalidArgument, Unavailable, from_status_value
+from kvtier.errors import InvalidArgument, Unavailable, from_status_value
 
 M = TypeVar("M", bound=Message)
 
 _REPLY = struct.Struct("<QQ")
 
 
-class SharedArena:
-    """A read-write mapping of the daemon's arena, valid while this object is open."""
+class WriteArea:
+    """This session's write area: the memory a put's reserved slots are in. The daemon
+    grows it as reservations need; the mapping follows (older mappings are left to the
+    garbage collector: another thread may still be copying through one)."""
 
-    def __init__(self, session_id: int, mapping: mmap.mmap, conn: socket.socket) -> None:
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._lock = threading.Lock()
+        self._mapping: mmap.mmap | None = None
+
+    def slot(self, offset: int, size_bytes: int) -> memoryview:
+        """A writable view of the slot at `offset` (from a Reserve reply)."""
+        end = offset + size_bytes
+        with self._lock:
+            mapping = self._mapping
+            if mapping is None or len(mapping) < end:
+                size = os.fstat(self._fd).st_size
+                if size < end:
+                    raise InvalidArgument("the reserved slot lies outside the write area")
+                mapping = self._mapping = mmap.mmap(self._fd, size, mmap.MAP_SHARED)
+        return memoryview(mapping)[offset:end]
+
+    def close(self) -> None:
+        self._mapping = None
+        os.close(self._fd)
+
+
+class _ArenaMapping(mmap.mmap):
+    """The read-only arena mapping, carrying the session's write area: the client core
+    sees the arena as a memoryview, whose `.obj` is this (`write_area_of`)."""
+
+    write_area: WriteArea | None = None
+
+
+class SharedArena:
+    """A read-only mapping of the daemon's arena and the session's write area, valid
+    while this object is open."""
+
+    def __init__(
+        self,
+        session_id: int,
+        mapping: mmap.mmap,
+        conn: socket.socket,
+        write_area: WriteArea | None = None,
+    ) -> None:
         self.session_id = session_id
         self._mapping = mapping
         self._conn = conn
         self._lock = threading.Lock()
         self._inbox = bytearray(64 << 10)
+        self.write_area = write_area
+        if isinstance(mapping, _ArenaMapping):
+            mapping.write_area = write_area
         self.view = memoryview(mapping)
+
+    def slot(self, slot: pb.Slot) -> memoryview:
+        """Where to write a reserved slot (Reserve's reply) before committing it."""
+        if self.write_area is None:
+            raise Unavailable("the daemon gave this session no write area")
+        return self.write_area.slot(slot.offset, slot.size_bytes)
 
     def call(self, op: Op, request: Message, response_type: type[M]) -> M:
         """One request on the session socket, waiting for its response."""
@@ -80,12 +133,20 @@ class SharedArena:
             conn.settimeout(10)
             conn.connect(resp.arena_socket)
             conn.sendall(resp.nonce)
-            msg, fds, _flags, _addr = socket.recv_fds(conn, _REPLY.size, 1)
+            msg, fds, _flags, _addr = socket.recv_fds(conn, _REPLY.size, 2)
+            write_area = WriteArea(fds.pop(1)) if len(fds) > 1 else None
             if len(msg) != _REPLY.size or not fds:
+                if write_area is not None:
+                    write_area.close()
                 raise Unavailable("the daemon refused to share its arena")
             session_id, size = _REPLY.unpack(msg)
             try:
-                mapping = mmap.mmap(fds[0], size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                # Read-only: the daemon sealed the arena, a writable mapping is refused.
+                mapping = _ArenaMapping(fds[0], size, mmap.MAP_SHARED, mmap.PROT_READ)
+            except BaseException:
+                if write_area is not None:
+                    write_area.close()
+                raise
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -93,11 +154,13 @@ class SharedArena:
             conn.close()
             raise
         conn.settimeout(None)
-        return cls(session_id, mapping, conn)
+        return cls(session_id, mapping, conn, write_area)
 
     def close(self) -> None:
         self.view.release()
         self._mapping.close()
+        if self.write_area is not None:
+            self.write_area.close()
         self._conn.close()
 
 
@@ -108,6 +171,7 @@ class AsyncSharedArena:
         self._arena = arena
         self.session_id = arena.session_id
         self.view = arena.view
+        self.slot = arena.slot
         self._conn = arena._conn
         self._conn.setblocking(False)
         self._lock = asyncio.Lock()
@@ -163,15 +227,39 @@ def reserve_request(
     )
 
 
-def fill_slots(arena: memoryview, slots: Iterable[pb.Slot], blocks: list[Parts]) -> list[int]:
-    """Copy each block's parts, back to back, into its reserved slot of the mapped
-    `arena`; returns their checksums for the commit."""
+class _InPlace:
+    """Slots in a writable session memory itself (a stand-in session, as in the core's
+    unit tests; a daemon's arena is always read-only)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+
+    def slot(self, offset: int, size_bytes: int) -> memoryview:
+        return self._view[offset : offset + size_bytes]
+
+
+def write_area_of(arena: memoryview) -> WriteArea | _InPlace | None:
+    """Where a put's reserved slots are written for the session whose arena is mapped at
+    `arena`: its write area; None if the daemon gave none (puts then take the gRPC byte
+    path)."""
+    mapping = arena.obj
+    if isinstance(mapping, _ArenaMapping):
+        return mapping.write_area
+    return None if arena.readonly else _InPlace(arena)
+
+
+def fill_slots(
+    area: WriteArea | _InPlace, slots: Iterable[pb.Slot], blocks: list[Parts]
+) -> list[int]:
+    """Copy each block's parts, back to back, into its reserved slot of the session's
+    write area; returns their checksums for the commit."""
     checksums = []
     for slot, parts in zip(slots, blocks, strict=True):
-        offset = slot.offset
-        for part in parts:
-            arena[offset : offset + part.nbytes] = part
-            offset += part.nbytes
+        with area.slot(slot.offset, slot.size_bytes) as place:
+            offset = 0
+            for part in parts:
+                place[offset : offset + part.nbytes] = part
+                offset += part.nbytes
         checksums.append(checksum(parts))
     return checksums
 
@@ -188,7 +276,9 @@ def copy_out(
     arena: memoryview, blocks: Iterable[pb.LeasedBlock], buffers: list[Parts], verify: bool
 ) -> list[int | None]:
     """Copy leased blocks out of the mapped `arena` into their buffers (each block's parts
-    filled in order); None for each miss."""
+    filled in order); None for each miss. `verify`: a block whose copy does not match its
+    checksum is a miss too (None), never wrong bytes and never an error: nothing but the
+    daemon can write the arena, so a retry would read the same bytes."""
     out: list[int | None] = []
     for block, parts in zip(blocks, buffers, strict=True):
         if not block.found:
@@ -198,7 +288,8 @@ def copy_out(
         check_fits(size, parts)
         filled = scatter(arena[block.offset : block.offset + size], parts)
         if verify and checksum(filled) != block.xxh3_64:
-            raise DataLoss("block bytes changed in the shared arena; retry the get")
+            out.append(None)
+            continue
         out.append(size)
     return out
 

@@ -10,7 +10,35 @@ import xxhash
 
 from kvtier.errors import InvalidArgument
 from kvtier.index.catalog import Entry
+from kvtier.tiers.allocator import round_up
+from kvtier.tiers.record import ALIGN_BYTES, RecordHeader, header_size_for
 from kvtier.types import BlockId, Extent, TierName
+
+COPY_PIECE_BYTES = 256 << 10
+
+
+def record_header(entry: Entry) -> RecordHeader:
+    """The NVMe record header of a block's current value."""
+    ns_id, key = entry.block_id
+    return RecordHeader(
+        ns_id=ns_id,
+        key=key,
+        generation=entry.generation,
+        payload_bytes=entry.size_bytes,
+        xxh3_64=entry.xxh3_64,
+        header_bytes=header_size_for(ns_id, key),
+    )
+
+
+def payload_of(extent_view: memoryview, entry: Entry) -> memoryview:
+    """The part of a block's DRAM extent its NVMe record holds: the payload rounded up
+    to 4 KiB (an empty block still has a 4 KiB extent, but no payload on disk)."""
+    return extent_view[: round_up(entry.size_bytes, ALIGN_BYTES)]
+
+
+def intact(view: memoryview, entry: Entry) -> bool:
+    """Whether a DRAM copy still holds the bytes committed for `entry` (its xxh3-64)."""
+    return bool(xxhash.xxh3_64_intdigest(view[: entry.size_bytes]) == entry.xxh3_64)
 
 
 class PutWriter:
@@ -42,8 +70,23 @@ class PutWriter:
         return int(self._hasher.intdigest())
 
     def written_in_place(self) -> None:
-        """The client wrote the whole slot through its own mapping (zero-copy put)."""
+        """The whole slot was written in place, by the daemon itself (the GPU path's
+        device-to-host copy): hash what the extent holds."""
         self._hasher = xxhash.xxh3_64(self._view[: self.size_bytes])
+        self.received_bytes = self.size_bytes
+
+    def copy_in(self, source: memoryview) -> None:
+        """Copy the block from a client's write area into the extent (zero-copy put),
+        hashing the copy, not the source: the client can still change the source while
+        this runs, never the bytes hashed. In cache-sized pieces, so each is hashed while
+        it is still in cache."""
+        hasher = xxhash.xxh3_64()
+        view = self._view
+        for start in range(0, self.size_bytes, COPY_PIECE_BYTES):
+            end = min(start + COPY_PIECE_BYTES, self.size_bytes)
+            view[start:end] = source[start:end]
+            hasher.update(view[start:end])
+        self._hasher = hasher
         self.received_bytes = self.size_bytes
 
     def release(self) -> None:

@@ -27,6 +27,7 @@ class Lease:
     expires_s: float
     pinned: list[Entry] = field(default_factory=list)
     writers: list[Any] = field(default_factory=list)  # PutWriters: reserved, not committed
+    staged: list[int] = field(default_factory=list)  # each writer's slot in the write area
     promote_s: float = 0.0  # spent reading NVMe-only blocks into the arena for this lease
 
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 
 from kvtier import failpoints
 from kvtier.config import Config
-from kvtier.engine.blocks import BlockReader, PutWriter
+from kvtier.engine.blocks import BlockReader, PutWriter, intact, payload_of, record_header
 from kvtier.engine.calibrate import CALIBRATION_NS_ID, calibrate
 from kvtier.engine.costs import CostModel
 from kvtier.engine.dram import DramSpace
@@ -67,7 +67,7 @@ from kvtier.profiles import MODELS
 from kvtier.sizes import human_size
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.dram import DramTier
-from kvtier.tiers.record import ALIGN_BYTES, RecordHeader, header_size_for
+from kvtier.tiers.record import ALIGN_BYTES, RecordHeader
 from kvtier.types import (
     BlockCosts,
     BlockId,
@@ -91,25 +91,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def record_header(entry: Entry) -> RecordHeader:
-    """The NVMe record header of a block's current value."""
-    ns_id, key = entry.block_id
-    return RecordHeader(
-        ns_id=ns_id,
-        key=key,
-        generation=entry.generation,
-        payload_bytes=entry.size_bytes,
-        xxh3_64=entry.xxh3_64,
-        header_bytes=header_size_for(ns_id, key),
-    )
-
-
-def _payload(extent_view: memoryview, entry: Entry) -> memoryview:
-    """The part of a block's DRAM extent its NVMe record holds: the payload rounded up
-    to 4 KiB (an empty block still has a 4 KiB extent, but no payload on disk)."""
-    return extent_view[: round_up(entry.size_bytes, ALIGN_BYTES)]
 
 
 class Store:
@@ -433,8 +414,12 @@ class Store:
         self.residency.used(entry)
         self.residency.pin(entry)
         if entry.dram_extent is not None:
-            self.costs.served(block_id, tier, entry.size_bytes, None)
             view = self.arena_of(block_id).view(entry.dram_extent)[: entry.size_bytes]
+            if not intact(view, entry):  # damaged in DRAM: dropped, a miss, never sent
+                self.unpin(entry)
+                self._damaged(entry)
+                return None
+            self.costs.served(block_id, tier, entry.size_bytes, None)
             return BlockReader(entry, tier, view, self.unpin)
         assert self.nvme is not None and entry.nvme_record_bytes
         header = record_header(entry)
@@ -595,9 +580,13 @@ class Store:
 
     # ---- the zero-copy path: leases (kvtier/engine/zerocopy.py) --------------------------------
     async def reserve(
-        self, session_id: int, items: list[tuple[BlockId, int]], overwrite: bool
+        self,
+        session_id: int,
+        items: list[tuple[BlockId, int]],
+        overwrite: bool,
+        staged: bool = False,
     ) -> tuple[int, list[LeasedSlot]]:
-        return await self.zero_copy.reserve(session_id, items, overwrite)
+        return await self.zero_copy.reserve(session_id, items, overwrite, staged)
 
     async def commit(
         self, session_id: int, lease_id: int, checksums: list[int], abort: bool
@@ -727,11 +716,16 @@ class Store:
         if not room:
             return False
         view = self.arena_of(entry.block_id).view(entry.dram_extent)
+        if not intact(view, entry):  # never a record of damaged bytes; an eviction drops it
+            view.release()
+            self.residency.unreserve_nvme(entry, need)
+            self.counters.checksum_failures += 1
+            return False
         started_s = time.perf_counter()
         try:
             record_bytes = await self.nvme.write(
                 header,
-                [_payload(view, entry)],
+                [payload_of(view, entry)],
                 "is dropped" if evicting else "stays in DRAM only",
             )
         finally:
@@ -768,6 +762,12 @@ class Store:
         for entry in dropped:
             assert self.nvme is not None
             self.nvme.schedule_removal(record_header(entry))
+
+    def _damaged(self, entry: Entry) -> None:
+        self.counters.checksum_failures += 1
+        self.counters.misses += 1
+        self._discard(entry)
+        logger.warning("dropped a block whose DRAM copy failed its checksum")
 
     def _record_failed(self, entry: Entry, header: RecordHeader, status: ReadStatus) -> None:
         """A read of the block's record failed: a miss; the record is dropped (and removed

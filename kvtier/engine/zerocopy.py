@@ -1,5 +1,6 @@
-"""The zero-copy path's flows: reserve -> (client writes in place) -> commit, and
-acquire -> (client reads in place) -> release, each under a lease (kvtier/engine/leases.py).
+"""The zero-copy path's flows: reserve -> (client writes its write area) -> commit (the
+daemon copies each slot into the arena and hashes its copy), and acquire -> (client reads
+the read-only arena in place) -> release, each under a lease (kvtier/engine/leases.py).
 
 A lease pins what it covers: reserved slots are never reused, acquired blocks never
 evicted or moved, until it ends — on release, on its session's end (a killed client frees
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 from kvtier.engine.core import StoreCore
 from kvtier.engine.leases import Lease, LeaseTable
 from kvtier.engine.results import CommitOutcome, LeasedSlot
+from kvtier.engine.write_area import WriteArea
 from kvtier.errors import InvalidArgument, KVTierError, NotFound
 from kvtier.index.catalog import Entry
 from kvtier.types import BlockId, TierName
@@ -32,23 +34,48 @@ class ZeroCopy:
     def __init__(self, store: StoreCore, leases: LeaseTable) -> None:
         self._store = store
         self._leases = leases
+        self._areas: dict[int, WriteArea] = {}  # session -> the memory its client writes
+
+    def write_area(self, session_id: int) -> WriteArea:
+        """The session's write area (made on first use: at its handshake)."""
+        area = self._areas.get(session_id)
+        if area is None:
+            area = self._areas[session_id] = WriteArea()
+        return area
 
     async def reserve(
-        self, session_id: int, items: list[tuple[BlockId, int]], overwrite: bool
+        self,
+        session_id: int,
+        items: list[tuple[BlockId, int]],
+        overwrite: bool,
+        staged: bool = False,
     ) -> tuple[int, list[LeasedSlot]]:
-        """Reserve arena slots for blocks a client will write in place; one lease for all."""
+        """Reserve arena extents for blocks, one lease for all. `staged` (a client's put):
+        the slots handed back are in the session's write area, copied into the extents at
+        commit; else (the daemon's own GPU path) they are the extents themselves."""
         self._leases.check_room(session_id)
         writers: list[PutWriter] = []
+        offsets: list[int] = []
+        area = self.write_area(session_id) if staged else None
         try:
             for block_id, size_bytes in items:
                 writers.append(await self._store.put_begin(block_id, size_bytes, overwrite))
+                if area is not None:
+                    offsets.append(area.reserve(size_bytes))
         except BaseException:
             for writer in writers:
                 self._store.put_abort(writer)
+            if area is not None:
+                for offset in offsets:
+                    area.free(offset)
             raise
         lease = self._leases.new(session_id)
         lease.writers = writers
-        return lease.lease_id, [LeasedSlot(w.extent.offset, w.size_bytes) for w in writers]
+        lease.staged = offsets
+        places = offsets if staged else [w.extent.offset for w in writers]
+        return lease.lease_id, [
+            LeasedSlot(at, w.size_bytes) for at, w in zip(places, writers, strict=True)
+        ]
 
     async def commit(
         self, session_id: int, lease_id: int, checksums: list[int], abort: bool
@@ -62,20 +89,34 @@ class ZeroCopy:
                 f"commit carries {len(checksums)} checksums for {len(lease.writers)} slots"
             )
         self._leases.take(lease_id)
+        area = self._areas.get(session_id) if lease.staged else None
+        abort = abort or (bool(lease.staged) and area is None)  # its session is gone
         outcomes: list[CommitOutcome] = []
         for i, writer in enumerate(lease.writers):
             if abort:
                 self._store.put_abort(writer)
                 continue
             try:
-                writer.written_in_place()
+                if area is not None:
+                    with area.view(lease.staged[i], writer.size_bytes) as source:
+                        writer.copy_in(source)
+                else:
+                    writer.written_in_place()
                 result = await self._store.put_commit(writer, checksums[i] if checksums else 0)
                 outcomes.append(CommitOutcome(stored=not result.already_present))
             except KVTierError as err:
                 outcomes.append(CommitOutcome(stored=False, error=err))
             finally:
                 self._store.put_abort(writer)
+        self._free_staged(session_id, lease)
         return outcomes
+
+    def _free_staged(self, session_id: int, lease: Lease) -> None:
+        area = self._areas.get(session_id)
+        if area is not None:
+            for offset in lease.staged:
+                area.free(offset)
+        lease.staged = []
 
     async def acquire(
         self, session_id: int, block_ids: list[BlockId]
@@ -173,8 +214,12 @@ class ZeroCopy:
         return released
 
     def release_session(self, session_id: int) -> int:
-        """The client went away: end every lease it held."""
-        return self.release(session_id, self._leases.of_session(session_id))
+        """The client went away: end every lease it held, and close its write area."""
+        released = self.release(session_id, self._leases.of_session(session_id))
+        area = self._areas.pop(session_id, None)
+        if area is not None:
+            area.close()
+        return released
 
     def end_lease(self, lease_id: int) -> None:
         lease: Lease | None = self._leases.take(lease_id)
@@ -182,6 +227,7 @@ class ZeroCopy:
             return
         for writer in lease.writers:
             self._store.put_abort(writer)
+        self._free_staged(lease.session_id, lease)
         for entry in lease.pinned:
             self._store.unpin(entry)
 

@@ -7,7 +7,9 @@ open for the client's lifetime: when it closes (the client exited or died), ever
 of the session is released at once instead of waiting for the lease TTL.
 
 Protocol: client sends 16 bytes (nonce); daemon sends 16 bytes (session id u64, arena
-size u64, little-endian) with the fd attached, or closes the connection on a bad nonce.
+size u64, little-endian) with the fds attached — the arena's (sealed: it maps read-only),
+then, where the daemon has one for the session, its write area's (the only memory the
+client may write: a zero-copy put's slots) — or closes the connection on a bad nonce.
 Each tenant has its own arena; a session only ever receives its own tenant's.
 """
 
@@ -65,6 +67,7 @@ class ArenaSocket:
         self._arena_for = arena_for  # tenant -> (memfd, size) of its own arena
         self._on_session_end = on_session_end
         self._handler: SessionHandler = _no_handler
+        self._write_area_for: Callable[[int], int] | None = None
         self._by_nonce: dict[bytes, Session] = {}  # attached, not yet connected
         self._sessions: dict[int, Session] = {}
         self._next_id = 1
@@ -88,6 +91,10 @@ class ArenaSocket:
     def set_handler(self, handler: SessionHandler) -> None:
         """Who answers framed requests: (session id, op, payload) -> (status code, reply)."""
         self._handler = handler
+
+    def set_write_areas(self, write_area_for: Callable[[int], int]) -> None:
+        """Who makes a session's write area: session id -> the memfd to pass its client."""
+        self._write_area_for = write_area_for
 
     def new_session(self, tenant: str) -> Session:
         while len(self._by_nonce) >= MAX_PENDING_SESSIONS:  # attached but never connected
@@ -158,7 +165,10 @@ class ArenaSocket:
                 logger.warning("arena socket: refused a connection with an unknown nonce")
                 return
             arena_fd, arena_bytes = self._arena_for(session.tenant)
-            socket.send_fds(conn, [REPLY.pack(session.session_id, arena_bytes)], [arena_fd])
+            fds = [arena_fd]
+            if self._write_area_for is not None:
+                fds.append(self._write_area_for(session.session_id))
+            socket.send_fds(conn, [REPLY.pack(session.session_id, arena_bytes)], fds)
             await self._serve_requests(conn, session.session_id)
         except (TimeoutError, OSError):
             pass

@@ -88,6 +88,8 @@ class KVTierService:
         self._chunk_bytes = config.server.chunk_bytes
         self._draining = draining
         self._arena = arena
+        if arena is not None:
+            arena.set_write_areas(lambda session_id: store.zero_copy.write_area(session_id).fd)
         self._cuda = cuda  # the GPU path (gpu.device); None: CUDA calls are UNIMPLEMENTED
         self._mtls = mtls
         self._tokens = dict(config.auth.tokens)
@@ -490,7 +492,10 @@ class KVTierService:
             for item in request.items
         ]
         self._admit_bytes(tenant, sum(size for _, size in items))
-        lease_id, slots = await self._store.reserve(session_id, items, request.overwrite)
+        # Slots in the session's write area: clients never write the arena itself.
+        lease_id, slots = await self._store.reserve(
+            session_id, items, request.overwrite, staged=True
+        )
         self._drop_if_session_ended(session_id)
         return pb.ReserveResponse(
             lease_id=lease_id,

@@ -1,7 +1,9 @@
 """DRAM tier: one fixed-capacity arena mapped at start; blocks are extents inside it.
 
-The arena is a memfd so that the zero-copy path can hand it to local clients later; no
-memory is allocated per block on the hot path. Extents are page-aligned and a block's
+The arena is a memfd that the zero-copy path hands to local clients, sealed so that only
+this process's own mapping can write it (`F_SEAL_FUTURE_WRITE`): a client can map it for
+reading only, and nothing it does can change a committed block. No memory is allocated
+per block on the hot path. Extents are page-aligned and a block's
 padding up to its extent end is zeroed, so an extent can be written to disk with
 O_DIRECT straight from the arena.
 
@@ -13,6 +15,7 @@ Lifecycle: `DramTier(capacity)` maps the arena -> `allocate` an extent -> write 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import time
@@ -20,6 +23,10 @@ import time
 from kvtier.tiers.allocator import Extent, ExtentAllocator
 
 ALIGN_BYTES = 4096
+# Linux 5.1+: no new writable mapping and no write(2) from anyone; mappings that already
+# exist (the daemon's own) keep writing. Python 3.11's fcntl does not name it.
+F_SEAL_FUTURE_WRITE = 0x0010
+ARENA_SEALS = F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class DramTier:
@@ -27,13 +34,18 @@ class DramTier:
 
     def __init__(self, capacity_bytes: int, prefault: bool = True) -> None:
         self.capacity_bytes = capacity_bytes - capacity_bytes % ALIGN_BYTES
-        self._fd = os.memfd_create("kvtier-dram", os.MFD_CLOEXEC)
+        self._fd = os.memfd_create("kvtier-dram", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self._fd, self.capacity_bytes)
         started_s = time.perf_counter()
         # Faulting pages in at start keeps page faults (a third of put time) off the hot path.
         flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
         self._map = mmap.mmap(self._fd, self.capacity_bytes, flags=flags)
         self.startup_s = time.perf_counter() - started_s
+        # Sealed after the daemon's one writable mapping exists: every other mapping, in
+        # any process, is read-only (PROT_WRITE on a shared mapping, mprotect, pwrite,
+        # reopening /proc/PID/fd/N read-write, ftruncate and hole punching all fail with
+        # EPERM/EACCES), and the seals themselves cannot be removed (F_SEAL_SEAL).
+        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, ARENA_SEALS)
         self._view = memoryview(self._map)
         self._allocator = ExtentAllocator(self.capacity_bytes, ALIGN_BYTES)
 
@@ -53,7 +65,8 @@ class DramTier:
 
     @property
     def fd(self) -> int:
-        """The arena's memfd, handed to local clients for the zero-copy path."""
+        """The arena's memfd, handed to local clients for the zero-copy path: sealed, so a
+        client can map it read-only and nothing more."""
         return self._fd
 
     @property

@@ -133,7 +133,7 @@ def _reserve(target: str, ns: str, size: int, keys: list[str]) -> None:
     )
     for slot in res.slots:  # half of each slot written, then no Commit
         half = slot.size_bytes // 2
-        arena.view[slot.offset : slot.offset + half] = b"\x01" * half
+        arena.slot(slot)[:half] = b"\x01" * half
     _say(f"holding {len(res.slots)}")
     _hang()
 

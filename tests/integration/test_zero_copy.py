@@ -181,7 +181,7 @@ def test_half_written_reservation_is_never_visible_and_bad_commit_stores_nothing
             ),
             pb.ReserveResponse,
         )
-        arena.view[res.slots[0].offset : res.slots[0].offset + 1000] = b"x" * 1000
+        arena.slot(res.slots[0])[:1000] = b"x" * 1000
         assert client.get(NS, "half") is None
         assert client.lookup(NS, ["half"]).tiers == [None]
         done = arena.call(
@@ -216,7 +216,7 @@ CHILD = textwrap.dedent("""
         res = arena.call(Op.RESERVE, pb.ReserveRequest(namespace="{ns}",
                          items=[pb.ReserveItem(key=b"dying", size_bytes=8 << 20)]),
                          pb.ReserveResponse)
-        arena.view[res.slots[0].offset : res.slots[0].offset + (4 << 20)] = b"\\1" * (4 << 20)
+        arena.slot(res.slots[0])[: 4 << 20] = b"\\1" * (4 << 20)
     else:
         arena.call(Op.ACQUIRE, pb.AcquireRequest(namespace="{ns}", keys=[b"mine"]),
                    pb.AcquireResponse)

@@ -1,0 +1,93 @@
+"""WriteArea: the one memory a zero-copy client may write, one per session.
+
+The tenant's arena is sealed (kvtier/tiers/dram.py): clients map it read-only, so no
+client can change a committed block. A zero-copy put therefore writes its reserved slots
+here, a small memfd of the session's own; at commit the daemon copies each slot into its
+arena extent and hashes the copy it made (`PutWriter.copy_in`), so what becomes visible is
+exactly what the checksum covers, whatever the client writes into this area before,
+during or after the commit.
+
+Lifecycle: `WriteArea()` at the session's handshake (its fd is passed to the client) ->
+`reserve(size)` per reserved slot (the area grows as needed; the client maps more of it
+when a slot ends past its mapping) -> `view` at commit -> `free` -> `close()` when the
+session ends. The area never shrinks (it is sealed against shrinking, so a client cannot
+truncate it under the daemon's copy: that would be SIGBUS in the daemon); it is as large
+as the session's largest set of reservations at once, at most the tenant's arena.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import fcntl
+import mmap
+import os
+
+from kvtier.tiers.allocator import round_up
+from kvtier.tiers.dram import ALIGN_BYTES
+
+# Growth by the daemon stays possible; a client's ftruncate can only make it larger.
+WRITE_AREA_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+
+
+class WriteArea:
+    """Slots of one session's reservations, first fit over a growing memfd."""
+
+    def __init__(self) -> None:
+        self.fd = os.memfd_create("kvtier-write", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, WRITE_AREA_SEALS)
+        self.size_bytes = 0
+        self._map: mmap.mmap | None = None
+        self._starts: list[int] = []  # live slots, sorted by offset
+        self._ends: dict[int, int] = {}
+        self._retired: list[mmap.mmap] = []  # smaller mappings a view may still hold
+
+    def reserve(self, size_bytes: int) -> int:
+        """The offset of a new slot of `size_bytes` (page-aligned), growing the area if no
+        gap between live slots holds it."""
+        need = round_up(max(size_bytes, 1), ALIGN_BYTES)
+        offset = 0
+        for start in self._starts:
+            if start - offset >= need:
+                break
+            offset = max(offset, self._ends[start])
+        if offset + need > self.size_bytes:
+            self._grow(offset + need)
+        bisect.insort(self._starts, offset)
+        self._ends[offset] = offset + need
+        return offset
+
+    def free(self, offset: int) -> None:
+        if self._ends.pop(offset, None) is not None:
+            self._starts.remove(offset)
+
+    def view(self, offset: int, size_bytes: int) -> memoryview:
+        """The slot's bytes as the client left them (release the view after use)."""
+        assert self._map is not None and offset + size_bytes <= self.size_bytes
+        return memoryview(self._map)[offset : offset + size_bytes]
+
+    def _grow(self, size_bytes: int) -> None:
+        # A client may have grown the file itself; never ask for less than it is.
+        size_bytes = max(size_bytes, os.fstat(self.fd).st_size)
+        os.ftruncate(self.fd, size_bytes)
+        if self._map is not None:
+            self._retire(self._map)
+        self._map = mmap.mmap(self.fd, size_bytes, mmap.MAP_SHARED)
+        self.size_bytes = size_bytes
+
+    def _retire(self, mapping: mmap.mmap) -> None:
+        try:
+            mapping.close()
+        except BufferError:  # a view is still out: close it with the area
+            self._retired.append(mapping)
+
+    def close(self) -> None:
+        for mapping in [*self._retired, *([self._map] if self._map is not None else [])]:
+            with contextlib.suppress(BufferError):
+                mapping.close()
+        self._map = None
+        self._retired.clear()
+        self._starts.clear()
+        self._ends.clear()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
