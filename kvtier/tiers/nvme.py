@@ -34,7 +34,8 @@ import struct
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -78,12 +79,27 @@ _TOMBSTONE = struct.Struct("<QHH")  # generation, namespace length, key length; 
 _TOMBSTONE_XXH3 = struct.Struct("<Q")
 _LOGGED_DROPS = 10  # unreadable records named one by one in the log at start
 _SCRATCH_KEEP_BYTES = 16 << 20  # larger sealed records use a buffer of their own
+_RECOVERY_THREADS = 8  # fan directories scanned at once at start (see _recover)
 
 
 @dataclass(frozen=True, slots=True)
 class RecoveredRecord:
     header: RecordHeader
-    path: Path
+    file: str  # the record file's path (a Path per record cost ~10 µs at start)
+
+    @property
+    def path(self) -> Path:
+        return Path(self.file)
+
+
+@dataclass(slots=True)
+class _FanScan:
+    """What recovery found in one fan directory (merged by `NvmeTier._recover`)."""
+
+    records: list[RecoveredRecord] = field(default_factory=list)
+    unreadable: list[tuple[str, str]] = field(default_factory=list)  # (file name, why)
+    stale: int = 0
+    deleted: int = 0
 
 
 @dataclass(slots=True)
@@ -235,53 +251,89 @@ class NvmeTier:
     def _recover(
         self, removed_tmp: int, tombstones: dict[tuple[str, bytes], int]
     ) -> RecoveryReport:
-        newest: dict[tuple[str, bytes], RecoveredRecord] = {}
-        corrupt = stale = deleted = 0
-        for path in sorted(self._records_dir.glob(f"*/*{RECORD_SUFFIX}")):
-            try:
-                header = self._read_header(path)
-            except (CorruptRecord, OSError) as err:
-                # A changed key makes every record unreadable: a few lines, then a total.
-                if corrupt < _LOGGED_DROPS:
-                    logger.warning("dropping unreadable record %s: %s", path.name, err)
-                path.unlink(missing_ok=True)
-                corrupt += 1
-                continue
-            ident = (header.ns_id, header.key)
-            if header.generation <= tombstones.get(ident, 0):
-                path.unlink(missing_ok=True)  # deleted before the last stop: stays deleted
-                deleted += 1
-                continue
-            old = newest.get(ident)
-            if old is not None:
-                loser = old if old.header.generation < header.generation else None
-                if loser is None:
-                    path.unlink(missing_ok=True)
-                    stale += 1
-                    continue
-                loser.path.unlink(missing_ok=True)
-                stale += 1
-            newest[ident] = RecoveredRecord(header, path)
-        if corrupt > _LOGGED_DROPS:
-            logger.warning("dropped %d unreadable records in all", corrupt)
+        """Check every record file's header, several fan directories at once (opens and
+        reads release the GIL; a cold start waits on the drive one header at a time else).
+        A record's file name and fan follow from its (namespace, key), so every copy of a
+        block is in one fan: each fan is resolved on its own, and the fans are merged in
+        name order, giving the same records, in the same order, as one sorted scan."""
+        with os.scandir(self._records_str) as entries:
+            fans = sorted(entry.name for entry in entries if entry.is_dir())
+        scan = functools.partial(self._scan_fan, tombstones=tombstones)
+        if len(fans) <= 1 or _RECOVERY_THREADS <= 1:
+            scans = [scan(fan) for fan in fans]
+        else:
+            with ThreadPoolExecutor(
+                min(_RECOVERY_THREADS, len(fans)), thread_name_prefix="kvtier-recover"
+            ) as pool:
+                scans = list(pool.map(scan, fans))  # in `fans` order, however they finish
+        unreadable = [drop for fan_scan in scans for drop in fan_scan.unreadable]
+        # A changed key makes every record unreadable: a few lines, then a total.
+        for name, why in unreadable[:_LOGGED_DROPS]:
+            logger.warning("dropping unreadable record %s: %s", name, why)
+        if len(unreadable) > _LOGGED_DROPS:
+            logger.warning("dropped %d unreadable records in all", len(unreadable))
         return RecoveryReport(
-            list(newest.values()),
-            corrupt,
-            stale,
+            [record for fan_scan in scans for record in fan_scan.records],
+            len(unreadable),
+            sum(fan_scan.stale for fan_scan in scans),
             removed_tmp,
-            deleted,
+            sum(fan_scan.deleted for fan_scan in scans),
             max(tombstones.values(), default=0),
         )
 
+    def _scan_fan(self, fan: str, tombstones: dict[tuple[str, bytes], int]) -> _FanScan:
+        """One fan directory's records in name order: unreadable, misplaced and deleted
+        ones removed, of several generations of a block only the newest kept."""
+        directory = f"{self._records_str}/{fan}"
+        out = _FanScan()
+        newest: dict[tuple[str, bytes], RecoveredRecord] = {}
+        for name in sorted(n for n in os.listdir(directory) if n.endswith(RECORD_SUFFIX)):
+            file = f"{directory}/{name}"
+            try:
+                header = self._check_header(fan, name, file)
+            except (CorruptRecord, OSError) as err:
+                out.unreadable.append((name, str(err)))
+                _unlink(file)
+                continue
+            ident = (header.ns_id, header.key)
+            if header.generation <= tombstones.get(ident, 0):
+                _unlink(file)  # deleted before the last stop: stays deleted
+                out.deleted += 1
+                continue
+            old = newest.get(ident)
+            if old is not None:
+                if old.header.generation >= header.generation:
+                    _unlink(file)
+                    out.stale += 1
+                    continue
+                _unlink(old.file)
+                out.stale += 1
+            newest[ident] = RecoveredRecord(header, file)
+        out.records.extend(newest.values())
+        return out
+
     def _read_header(self, path: Path) -> RecordHeader:
-        with path.open("rb", buffering=0) as fh:
-            header = decode_header(read_header_region(fh.fileno()), self.cipher)
-            size = os.fstat(fh.fileno()).st_size
+        """The verified header of the record file at `path` (see `_check_header`)."""
+        header = self._check_header(path.parent.name, path.name, str(path))
+        if path != self.record_path(header.ns_id, header.key, header.generation):
+            raise CorruptRecord("record is not where its header says it belongs")
+        return header
+
+    def _check_header(self, fan: str, name: str, file: str) -> RecordHeader:
+        """The verified header of the record file `file` (`name` in fan directory `fan`),
+        which must be as long as the header says and where the header says it belongs."""
+        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            header = decode_header(read_header_region(fd), self.cipher)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
         if size != header.record_bytes:
             raise CorruptRecord(
                 f"record is {size} bytes on disk, header says {header.record_bytes}"
             )
-        if path != self.record_path(header.ns_id, header.key, header.generation):
+        digest = _digest(header.ns_id, header.key)
+        if fan != digest[:2] or name != f"{digest}.{header.generation}{RECORD_SUFFIX}":
             raise CorruptRecord("record is not where its header says it belongs")
         return header
 
@@ -290,7 +342,7 @@ class NvmeTier:
         return Path(self._record_file(ns_id, key, generation))
 
     def _record_file(self, ns_id: str, key: bytes, generation: int) -> str:
-        digest = hashlib.blake2b(ns_id.encode() + b"\0" + key, digest_size=16).hexdigest()
+        digest = _digest(ns_id, key)
         return f"{self._records_str}/{digest[:2]}/{digest}.{generation}{RECORD_SUFFIX}"
 
     def _flags(self, base: int) -> int:
@@ -556,6 +608,11 @@ def _libc() -> ctypes.CDLL | None:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
         return None
+
+
+def _digest(ns_id: str, key: bytes) -> str:
+    """A block's file name stem; its first two characters name its fan directory."""
+    return hashlib.blake2b(ns_id.encode() + b"\0" + key, digest_size=16).hexdigest()
 
 
 def _unlink(path: str) -> None:
