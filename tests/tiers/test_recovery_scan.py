@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,13 +139,16 @@ def test_the_parallel_scan_matches_a_serial_one(
     _populate(tmp_path / "a")
     shutil.copytree(tmp_path / "a", tmp_path / "b", symlinks=True)
     scan_fan = NvmeTier._scan_fan
+    scanned_on: set[str] = set()
 
     def scrambled(self: NvmeTier, fan: str, tombstones: dict[tuple[str, bytes], int]) -> object:
+        scanned_on.add(threading.current_thread().name.split("_")[0])
         time.sleep(random.Random(fan).random() * 0.003)  # fans finish out of order
         return scan_fan(self, fan, tombstones)
 
     monkeypatch.setattr(NvmeTier, "_scan_fan", scrambled)
     monkeypatch.setattr(nvme, "_RECOVERY_THREADS", threads)
+    monkeypatch.setattr(nvme, "_CACHED_HEADER_S", 0.0)  # the pool even for cached headers
     got = _parallel(tmp_path / "a")
     want = _serial_reference(tmp_path / "b")
     # The same files on disk under either root, so compare paths relative to it.
@@ -155,3 +159,4 @@ def test_the_parallel_scan_matches_a_serial_one(
     # The tier had every kind of record to sort out (else this compares little).
     assert got.corrupt >= 100 and got.stale >= 20 and got.deleted >= 20
     assert len(got.records) >= 150
+    assert ("kvtier-recover" in scanned_on) == (threads > 1)
