@@ -217,8 +217,13 @@ def test_sighup_reloads_what_it_can_without_dropping_connections(
         log = daemon.log()
         assert "reloaded limits.max_key_bytes, log.level" in log
         assert "needs a restart to take effect: nvme.io_threads" in log
-        assert notify.times_of("RELOADING", "1")
-        assert max(notify.times_of("READY", "1")) > min(notify.times_of("RELOADING", "1"))
+        # The datagrams may still be on their way to the listener thread when the log
+        # line is seen (the daemon sends RELOADING=1 before it logs, READY=1 after).
+        reloading_s = notify.wait_for("RELOADING", "1")
+        deadline = time.monotonic() + 20
+        while max(notify.times_of("READY", "1")) <= reloading_s and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert max(notify.times_of("READY", "1")) > reloading_s
         # Same connection, same zero-copy session; the new limit applies to it at once.
         buf = bytearray(4096)
         with pytest.raises(kvtier.InvalidArgument, match="key"):
