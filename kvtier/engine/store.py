@@ -758,8 +758,7 @@ class Store:
 
     def _remove_records(self, dropped: list[Entry]) -> None:
         """Remove from disk the records the residency dropped (evicted for room)."""
-        assert self.nvme is not None or not dropped
-        for entry in dropped:
+        for entry in dropped:  # only ever non-empty with an NVMe tier
             assert self.nvme is not None
             self.nvme.schedule_removal(record_header(entry))
 
