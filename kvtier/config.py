@@ -145,6 +145,35 @@ class LimitsConfig(_Section):
         description="block bytes a tenant may move at once on top of its rate (0: one "
         "second's worth); never less than max_block_bytes, so any block can pass",
     )
+    # Per-tenant caps on what a tenant holds open: a rate limit bounds how often a tenant
+    # asks, these bound how much it can hold at once (idle streams, sessions, buffers), so
+    # one tenant cannot queue another's calls behind its own.
+    max_calls_per_tenant: int = Field(
+        64,
+        gt=0,
+        description="gRPC calls one tenant may have in flight at once, streams included "
+        "(more: RESOURCE_EXHAUSTED at once, never queued behind other tenants)",
+    )
+    max_watchers_per_tenant: int = Field(
+        8, gt=0, description="WatchEvents streams one tenant may have open at once"
+    )
+    max_sessions_per_tenant: int = Field(
+        64,
+        gt=0,
+        description="zero-copy sessions (attached clients) one tenant may have at once",
+    )
+    stream_idle_s: float = Field(
+        10.0,
+        gt=0,
+        description="a Put stream that sends nothing for this long is ended "
+        "(DEADLINE_EXCEEDED) and the DRAM it reserved is freed",
+    )
+    session_buffer_bytes: ByteSize = Field(
+        8 << 20,
+        ge=64 << 10,
+        description="requests and unsent replies one zero-copy session may have buffered; "
+        "past it the daemon stops reading that session until its client catches up",
+    )
 
 
 class DramConfig(_Section):
