@@ -14,10 +14,12 @@ counts what it injected.
 
 Points: nvme.write (before a record's temporary file is opened), nvme.pwrite (each write
 call), nvme.rename (record written, not yet visible), nvme.read, nvme.remove,
-nvme.tombstone, nvme.compact (start-up: the tombstone log rewritten, not yet swapped
-in), store.evict (a block written to NVMe, its DRAM copy not yet freed),
-store.commit (a put's bytes received, not yet in the catalog), remote.get (a fetch from
-the remote tier, inside its timed read: a delay there is a slow network to the planner).
+nvme.tombstone, nvme.compact (a complete recovery about to remove the tombstone logs of
+earlier runs), nvme.recover_fan (recovery about to scan one fan directory, on its thread: a
+delay there is a slow scan, a kill a crash mid-recovery), store.evict (a block written
+to NVMe, its DRAM copy not yet freed), store.commit (a put's bytes received, not yet in
+the catalog), remote.get (a fetch from the remote tier, inside its timed read: a delay
+there is a slow network to the planner).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ POINTS = frozenset(
         "nvme.remove",
         "nvme.tombstone",
         "nvme.compact",
+        "nvme.recover_fan",
         "store.evict",
         "store.commit",
         "remote.get",

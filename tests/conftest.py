@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,40 +62,73 @@ class DaemonProcess:
         self.args = args
         self.env = env
         self.prefix = prefix or []  # e.g. prlimit or unshare, to run it under a fault
-        self.proc: subprocess.Popen[str] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.target = ""
         self.log_path = workdir / "daemon.log"
         self.banner = ""
+        self._stdout = b""
 
     @property
     def nvme_path(self) -> Path:
         return self.workdir / "nvme"
 
-    def start(self, timeout_s: float = 30.0) -> DaemonProcess:
+    def start(self, timeout_s: float = 30.0, wait_recovered: bool = True) -> DaemonProcess:
+        """Start it; return once it serves and (`wait_recovered`) its NVMe index is
+        complete: the daemon serves while the index fills, its blocks misses till then."""
         env = dict(os.environ, **(self.env or {}))
         log = self.log_path.open("a")
         self.proc = subprocess.Popen(
             [*self.prefix, sys.executable, "-m", "kvtier", "serve", *self.args],
             stdout=subprocess.PIPE,
             stderr=log,
-            text=True,
+            bufsize=0,  # lines are read off the pipe here, none hidden in a buffer
             env=env,
         )
         log.close()
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout_s):
+        self._stdout = b""
+        banner = self._readline(timeout_s)
+        if banner is None:
             self.kill()
             raise AssertionError(f"daemon did not start in {timeout_s} s:\n{self.log()}")
-        self.banner = self.proc.stdout.readline()
+        self.banner = banner
         match = re.search(r"serving on (\S+)", self.banner)
         if not match:
             self.proc.wait(10)
             self._close_pipe()
             raise AssertionError(f"daemon failed to start: {self.banner!r}\n{self.log()}")
         self.target = match.group(1)
+        if wait_recovered and "recovering its index" in self.banner:
+            self.wait_recovered(timeout_s)
         return self
+
+    def wait_recovered(self, timeout_s: float = 30.0) -> str:
+        """The line the daemon prints once its NVMe index recovery has ended."""
+        line = self._readline(timeout_s)
+        if line is None or "NVMe index" not in line:
+            self.kill()
+            raise AssertionError(
+                f"daemon failed to start: no end of its NVMe index recovery in {timeout_s} s "
+                f"({line!r}):\n{self.log()}"
+            )
+        return line
+
+    def _readline(self, timeout_s: float) -> str | None:
+        """The next line the daemon prints ("" at end of output), None if none in time."""
+        assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline_s = time.monotonic() + timeout_s
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._stdout:
+                if not sel.select(max(0.0, deadline_s - time.monotonic())):
+                    return None
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    line, self._stdout = self._stdout, b""
+                    return line.decode()
+                self._stdout += chunk
+        line, _, self._stdout = self._stdout.partition(b"\n")
+        return line.decode() + "\n"
 
     def client(self, **kwargs: object) -> kvtier.Client:
         return kvtier.Client(self.target, **kwargs)  # type: ignore[arg-type]
@@ -135,7 +169,8 @@ def workdir() -> Iterator[Path]:
 
 @pytest.fixture
 def start_daemon(workdir: Path) -> Iterator[object]:
-    """start_daemon(dram="64MiB", nvme="1GiB", listen=None, extra=[...]) -> DaemonProcess."""
+    """start_daemon(dram="64MiB", nvme="1GiB", listen=None, extra=[...], env=None,
+    prefix=None, wait_recovered=True) -> DaemonProcess."""
     started: list[DaemonProcess] = []
 
     def start(
@@ -145,6 +180,7 @@ def start_daemon(workdir: Path) -> Iterator[object]:
         extra: list[str] | None = None,
         env: dict[str, str] | None = None,
         prefix: list[str] | None = None,
+        wait_recovered: bool = True,
     ) -> DaemonProcess:
         args = [
             "--listen",
@@ -159,7 +195,7 @@ def start_daemon(workdir: Path) -> Iterator[object]:
         ]
         daemon = DaemonProcess(workdir, args, env, prefix)
         started.append(daemon)
-        return daemon.start()
+        return daemon.start(wait_recovered=wait_recovered)
 
     yield start
     for daemon in started:

@@ -456,6 +456,8 @@ class TierStats(_message.Message):
     EVICTIONS_FIELD_NUMBER: _builtins.int
     ONLINE_FIELD_NUMBER: _builtins.int
     IO_ERRORS_FIELD_NUMBER: _builtins.int
+    RECOVERING_FIELD_NUMBER: _builtins.int
+    RECOVERED_RECORDS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     used_bytes: _builtins.int
     capacity_bytes: _builtins.int
@@ -465,6 +467,11 @@ class TierStats(_message.Message):
     online: _builtins.bool
     """false while the tier is offline after repeated I/O errors (served from the others)"""
     io_errors: _builtins.int
+    recovering: _builtins.bool
+    """NVMe: true while the daemon serves with its index still filling from the records on
+    disk (blocks not yet indexed are misses), and the records indexed so far.
+    """
+    recovered_records: _builtins.int
     def __init__(
         self,
         *,
@@ -476,10 +483,12 @@ class TierStats(_message.Message):
         evictions: _builtins.int = ...,
         online: _builtins.bool = ...,
         io_errors: _builtins.int = ...,
+        recovering: _builtins.bool = ...,
+        recovered_records: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "capacity_bytes", b"capacity_bytes", "evictions", b"evictions", "hits", b"hits", "io_errors", b"io_errors", "name", b"name", "online", b"online", "used_bytes", b"used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "capacity_bytes", b"capacity_bytes", "evictions", b"evictions", "hits", b"hits", "io_errors", b"io_errors", "name", b"name", "online", b"online", "recovered_records", b"recovered_records", "recovering", b"recovering", "used_bytes", b"used_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

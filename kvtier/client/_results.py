@@ -126,6 +126,10 @@ class TierStats(_ByFieldName):
     evictions: int
     online: bool  # False while offline after repeated I/O errors (served from the others)
     io_errors: int
+    # NVMe: True while the daemon serves with its index still filling from disk (blocks
+    # not indexed yet are misses); the records indexed so far.
+    recovering: bool = False
+    recovered_records: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +250,8 @@ def stats_of(resp: pb.StatsResponse) -> Stats:
                 evictions=t.evictions,
                 online=t.online,
                 io_errors=t.io_errors,
+                recovering=t.recovering,
+                recovered_records=t.recovered_records,
             )
             for t in resp.tiers
         },

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 CALIBRATION_NS_ID = "kvtier-calibration"
 SIZES_BYTES = (256 << 10, 1 << 20, 4 << 20)
 REPEATS = 3
+CALIBRATION_RECORDS = 8  # NVMe records written at most (observations per path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,13 +47,20 @@ class Observation:
 
 
 def calibrate(
-    nvme: NvmeTier | None, budget_s: float, observations_per_path: int = 8
+    nvme: NvmeTier | None,
+    budget_s: float,
+    generations: list[int] | None = None,
+    observations_per_path: int = CALIBRATION_RECORDS,
 ) -> list[Observation]:
-    """Timed transfers on the DRAM copy path and (if given) the NVMe tier, within budget_s."""
+    """Timed transfers on the DRAM copy path and (if given) the NVMe tier, within budget_s.
+    The NVMe records take their `generations` from the caller (default 1, 2, ...): a
+    daemon's own, so a recovery running meanwhile leaves them alone."""
     deadline_s = time.perf_counter() + budget_s
     out = _dram(deadline_s, observations_per_path)
     if nvme is not None:
-        out += _nvme(nvme, deadline_s, observations_per_path)
+        if generations is None:
+            generations = list(range(1, observations_per_path + 1))
+        out += _nvme(nvme, deadline_s, generations[:observations_per_path])
     return out
 
 
@@ -107,7 +115,7 @@ def _time_one(
         return None
 
 
-def _nvme(nvme: NvmeTier, deadline_s: float, count: int) -> list[Observation]:
+def _nvme(nvme: NvmeTier, deadline_s: float, generations: list[int]) -> list[Observation]:
     out: list[Observation] = []
     largest = max(SIZES_BYTES)
     payload = aligned_buffer(largest)
@@ -115,7 +123,7 @@ def _nvme(nvme: NvmeTier, deadline_s: float, count: int) -> list[Observation]:
     dest = aligned_buffer(largest)
     written: list[RecordHeader] = []
     try:
-        for generation, size in enumerate(_sizes(count), start=1):
+        for generation, size in zip(generations, _sizes(len(generations)), strict=True):
             if time.perf_counter() >= deadline_s:
                 break
             key = f"{size}".encode()

@@ -29,7 +29,7 @@ from kvtier.engine.health import TierHealth
 from kvtier.errors import CorruptRecord
 from kvtier.movers.io import IoPool
 from kvtier.sizes import human_size
-from kvtier.tiers.nvme import NvmeTier, RecoveryReport
+from kvtier.tiers.nvme import NvmeTier
 from kvtier.tiers.record import RecordHeader, header_size_for
 from kvtier.types import BlockId
 
@@ -91,11 +91,18 @@ class NvmeDriver:
     def capacity_bytes(self) -> int:
         return self.tier.capacity_bytes
 
-    async def open(self) -> RecoveryReport:
-        """Recover the tier's index from disk; start the health watcher."""
-        report = await self.io.run(self.tier.open)
+    async def open(self) -> int | None:
+        """Ready the tier for new records (its index is recovered after: engine/recovery.py)
+        and start the health watcher. Returns this run's first generation, or None for a
+        tier without an epoch, which must be recovered before it takes a record
+        (`claim_epoch`)."""
+        await self.io.run(self.tier.prepare)
         self._watch_task = asyncio.ensure_future(self._watch_forever())
-        return report
+        return self.tier.first_generation
+
+    async def claim_epoch(self, above_generation: int) -> int:
+        """This run's first generation, above every generation recovery found."""
+        return await self.io.run(self.tier.claim_epoch, above_generation)
 
     async def stop_watching(self) -> None:
         if self._watch_task is not None:

@@ -64,6 +64,9 @@ class Residency:
         # NVMe bytes promised to writes in flight (not yet in the catalog), for room.
         self._nvme_reserved_bytes = 0
         self._nvme_reserved_by_tenant: dict[str, int] = {}
+        # Records on disk not in the catalog yet (an estimate, while the index fills in the
+        # background: engine/recovery.py), counted against the tier's capacity.
+        self.nvme_unindexed_bytes = 0
 
     # ---- reading --------------------------------------------------------------------------
     def get(self, block_id: BlockId) -> Entry | None:
@@ -251,7 +254,12 @@ class Residency:
             while used[tenant] + reserved + need_bytes > quota:
                 if not self._evict_nvme(own, dropped):
                     return False, dropped
-        while self.catalog.nvme_used_bytes + self._nvme_reserved_bytes + need_bytes > capacity:
+        unindexed = self.nvme_unindexed_bytes
+        if unindexed and self._nvme_reserved_bytes + unindexed + need_bytes > capacity:
+            return False, dropped  # no room even with every indexed record evicted
+        while self.catalog.nvme_used_bytes + self._nvme_reserved_bytes + unindexed + need_bytes > (
+            capacity
+        ):
             if not self._evict_nvme(self.evictable, dropped):
                 return False, dropped
         return True, dropped

@@ -28,6 +28,8 @@ class TierUsage:
     evictions: int
     online: bool = True
     io_errors: int = 0
+    recovering: bool = False  # NVMe: its index still filling (those blocks are misses)
+    recovered_records: int = 0  # NVMe: records the index has recovered so far
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,12 +31,13 @@ from collections.abc import Callable, Iterator
 from kvtier import failpoints
 from kvtier.config import Config
 from kvtier.engine.blocks import BlockReader, PutWriter, intact, payload_of, record_header
-from kvtier.engine.calibrate import CALIBRATION_NS_ID, calibrate
+from kvtier.engine.calibrate import CALIBRATION_RECORDS, calibrate
 from kvtier.engine.costs import CostModel
 from kvtier.engine.dram import DramSpace
 from kvtier.engine.events import EventLog
 from kvtier.engine.leases import LeaseTable
 from kvtier.engine.nvme import NvmeDriver, ReadStatus
+from kvtier.engine.recovery import NvmeRecovery
 from kvtier.engine.remote import RemoteLink
 from kvtier.engine.residency import Released, Residency
 from kvtier.engine.results import (
@@ -104,7 +105,8 @@ class Store:
         self.counters = Counters()
         self.tasks = Tasks()
         self._started_s = time.monotonic()
-        self._next_generation = 1
+        self._next_generation = 1  # with an NVMe tier: from its epoch, at start
+        self.recovery: NvmeRecovery | None = None
         self.space = DramSpace(cfg)
         self.io = IoPool(cfg.nvme.io_threads)
         self.nvme: NvmeDriver | None = (
@@ -208,47 +210,40 @@ class Store:
         return settings.nvme_capacity_bytes if settings is not None else 0
 
     # ---- lifecycle ------------------------------------------------------------------------
-    async def start(self) -> None:
+    async def start(self, recover_in_background: bool = False) -> None:
+        """DRAM pinned, the remote tier and the NVMe tier opened, and the NVMe index
+        recovered from disk — or, with `recover_in_background`, being recovered (see
+        engine/recovery.py: until then its blocks are misses; `nvme_recovered()` waits for
+        it). A tier an older kvtier wrote is always recovered first (no epoch yet)."""
         self._expiry_task = asyncio.ensure_future(self.zero_copy.expire_forever())
         await asyncio.to_thread(self.space.pin)
         if self.remote is not None:
             await self.remote.open()
         if self.nvme is None:
             return
-        report = await self.nvme.open()
-        # A generation a tombstone named must never be handed out again: a new block with
-        # it would be dropped at the next start as if deleted.
-        self._next_generation = max(self._next_generation, report.max_tombstone_generation + 1)
-        records = sorted(report.records, key=lambda r: r.header.generation)
-        for rec in records:
-            if rec.header.ns_id == CALIBRATION_NS_ID:  # a crash during the last calibration
-                await self.nvme.remove_now(rec.header)
-        records = [r for r in records if r.header.ns_id != CALIBRATION_NS_ID]
-        for rec in records:
-            h = rec.header
-            entry = Entry(
-                (h.ns_id, h.key),
-                h.payload_bytes,
-                h.xxh3_64,
-                h.generation,
-                nvme_record_bytes=h.record_bytes,
-            )
-            self.residency.add(entry)
-            self._next_generation = max(self._next_generation, h.generation + 1)
-        self.counters.checksum_failures += report.dropped_corrupt
-        self._remove_records(self.residency.make_nvme_room(0)[1])
-        logger.info(
-            "NVMe tier at %s: recovered %d blocks (%s), dropped %d unreadable, %d stale and "
-            "%d deleted records, removed %d temporary files; direct I/O %s",
-            self.nvme.tier.root,
-            len(records),
-            human_size(self.residency.catalog.nvme_used_bytes),
-            report.dropped_corrupt,
-            report.dropped_stale,
-            report.dropped_deleted,
-            report.removed_temporary,
-            "on" if self.nvme.tier.direct_io else "off",
-        )
+        first_generation = await self.nvme.open()
+        recovery = NvmeRecovery(self.nvme, self.residency, self.counters, first_generation)
+        self.recovery = recovery
+        if first_generation is not None and recover_in_background:
+            self._next_generation = first_generation
+            recovery.start()
+            return
+        await recovery.run_now()
+        if first_generation is None:
+            first_generation = await self.nvme.claim_epoch(recovery.max_generation)
+        self._next_generation = first_generation
+
+    @property
+    def nvme_recovering(self) -> bool:
+        """Whether the NVMe index is still incomplete (filling, or its recovery failed)."""
+        return self.recovery is not None and not self.recovery.complete
+
+    async def nvme_recovered(self) -> bool:
+        """Wait until the NVMe index recovery has ended; True if it is complete."""
+        if self.recovery is None:
+            return True
+        await self.recovery.wait()
+        return self.recovery.complete
 
     async def calibrate(self) -> None:
         """Seed the path estimators from timed transfers on this machine (bounded)."""
@@ -256,7 +251,9 @@ class Store:
         if budget_s <= 0:
             return
         tier = self.nvme.tier if self.nvme is not None else None
-        observations = await self.io.run(calibrate, tier, budget_s)
+        # This run's generations: a recovery still running leaves the records alone.
+        generations = [self.take_generation() for _ in range(CALIBRATION_RECORDS)]
+        observations = await self.io.run(calibrate, tier, budget_s, generations)
         seed_latency_s = self.config.planner.dram_latency_s
         for obs in observations:
             # An in-process copy has no request round trip; the engine's fetch does.
@@ -306,6 +303,8 @@ class Store:
         return written
 
     async def close(self) -> None:
+        if self.recovery is not None:
+            await self.recovery.stop()
         if self._expiry_task is not None:
             self._expiry_task.cancel()
             await asyncio.gather(self._expiry_task, return_exceptions=True)
@@ -351,6 +350,8 @@ class Store:
         self.arena_of(writer.block_id).zero_tail(writer.extent, writer.size_bytes)
         if failpoints.ACTIVE:
             failpoints.fire("store.commit")
+        if self.recovery is not None and self.recovery.pending(writer.block_id):
+            await self.recovery.bury(writer.block_id)  # old records not indexed yet
         buried = 0  # the newest dropped-record generation this put has tombstoned
         while True:
             while (existing := self.residency.get(writer.block_id)) is not None:
@@ -458,6 +459,10 @@ class Store:
         self.costs.served(block_id, tier, entry.size_bytes, 0.0)  # device to device: ~free
 
     async def delete(self, block_id: BlockId) -> bool:
+        """Whether the block was stored; a block whose records are not indexed yet (the
+        index is still filling) is a miss here too, but deleted all the same."""
+        if self.recovery is not None and self.recovery.pending(block_id):
+            await self.recovery.bury(block_id)
         entry = self.residency.get(block_id)
         if self.remote is not None:
             # Awaited: once acknowledged, no node fetches the deleted value.
@@ -500,6 +505,8 @@ class Store:
                     c.evictions["nvme"],
                     self.nvme.health.online,
                     self.nvme.health.errors_total,
+                    self.nvme_recovering,
+                    self.recovery.indexed if self.recovery is not None else 0,
                 )
             )
         tiers += [report() for report in self._tier_reports]
@@ -781,5 +788,8 @@ class Store:
 
     def take_generation(self) -> int:
         gen = self._next_generation
-        self._next_generation += 1
+        if self.nvme is not None and gen >= self.nvme.tier.generation_ceiling:
+            # Once per 2**40 generations: one small synced write, here on the loop.
+            gen = self.nvme.tier.claim_next_epoch()
+        self._next_generation = gen + 1
         return gen

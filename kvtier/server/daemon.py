@@ -1,9 +1,11 @@
 """`kvtier serve`: start the tiers, serve gRPC, drain on SIGTERM, reload on SIGHUP.
 
-Under systemd (Type=notify) it reports readiness only once every tier is up and health is
-SERVING, keeps STATUS= current, pings the watchdog only while the I/O workers make
-progress, asks for more start-up time while a large arena is faulted in, and says
-STOPPING=1 on SIGTERM (see kvtier/server/sdnotify.py and systemd/).
+Under systemd (Type=notify) it reports readiness once it serves and health is SERVING:
+with DRAM at once, while the NVMe index still fills in the background (the `kvtier.nvme`
+health name is NOT_SERVING until it is complete, and STATUS= counts its records). It keeps
+STATUS= current, pings the watchdog only while the I/O workers make progress, asks for
+more start-up time while a large arena is faulted in, and says STOPPING=1 on SIGTERM (see
+kvtier/server/sdnotify.py and systemd/).
 """
 
 from __future__ import annotations
@@ -110,6 +112,10 @@ def _unix_path(listen: str) -> Path | None:
 # Faulting in an arena runs at a few GB/s; ask systemd for time at a pessimistic 1 GiB/s.
 PREFAULT_BYTES_PER_S = 1 << 30
 STATUS_EVERY_S = 10.0
+RECOVERY_STATUS_EVERY_S = 1.0
+# gRPC health name of the NVMe tier: NOT_SERVING while its index fills (the daemon, "",
+# is SERVING: DRAM works and NVMe blocks not indexed yet are misses).
+NVME_HEALTH = "kvtier.nvme"
 
 
 class Daemon:
@@ -155,11 +161,12 @@ class Daemon:
                 f"arena: {err.strerror or err}"
             ) from None
         self._store = store
-        # Recovery reads every record header: its time grows with the tier, unknown here.
+        # The NVMe index fills in the background, after READY; only a tier an older kvtier
+        # wrote is recovered first (reading every record header: time unknown here).
         self.notifier.extend_timeout(300)
-        self.notifier.send(STATUS="recovering the NVMe tier")
+        self.notifier.send(STATUS="opening the NVMe tier")
         try:
-            await store.start()
+            await store.start(recover_in_background=True)
         except OSError as err:
             raise ConfigError(
                 f"nvme.path: cannot use {cfg.nvme.path}: {err.strerror or err}"
@@ -229,6 +236,13 @@ class Daemon:
             listen = f"{listen.rsplit(':', 1)[0]}:{port}"
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        if store.nvme is not None:
+            await health_servicer.set(
+                NVME_HEALTH,
+                health_pb2.HealthCheckResponse.NOT_SERVING
+                if store.nvme_recovering
+                else health_pb2.HealthCheckResponse.SERVING,
+            )
         if cfg.server.metrics_listen:
             registry = CollectorRegistry()
             registry.register(StoreCollector(store))
@@ -248,17 +262,21 @@ class Daemon:
             if store.nvme
             else "nvme off"
         )
+        recovering = "; recovering its index" if store.nvme_recovering else ""
         print(
             f"kvtier {__version__} serving on {listen} "
-            f"(dram {human_size(sum(a.capacity_bytes for a in store.arenas.values()))}, {nvme})",
+            f"(dram {human_size(sum(a.capacity_bytes for a in store.arenas.values()))}, "
+            f"{nvme}{recovering})",
             flush=True,
         )
         self.notifier.send(READY=1, STATUS=status_line(store))
         heartbeat = asyncio.ensure_future(self._heartbeat(store))
+        recovery = asyncio.ensure_future(self._report_recovery(store, health_servicer))
         await self._stop.wait()
         logger.info("stopping: draining in-flight calls")
         self.notifier.send(STOPPING=1, STATUS="stopping: draining in-flight calls")
         heartbeat.cancel()
+        recovery.cancel()
         self.draining = True
         store.events.close()  # event streams never end by themselves: end them now
         await health_servicer.enter_graceful_shutdown()
@@ -280,6 +298,36 @@ class Daemon:
                 sock_path.unlink()
         logger.info("stopped")
         return 0
+
+    async def _report_recovery(
+        self, store: Store, health_servicer: health.aio.HealthServicer
+    ) -> None:
+        """While the NVMe index fills: STATUS= every second. Then the tier's health name
+        SERVING, and a line on stdout (after the banner) that says the index is complete
+        (or that its recovery failed)."""
+        if store.recovery is None:
+            return
+        while True:
+            try:
+                complete = await asyncio.wait_for(store.nvme_recovered(), RECOVERY_STATUS_EVERY_S)
+                break
+            except TimeoutError:
+                self.notifier.send(STATUS=status_line(store))
+        recovery = store.recovery
+        if complete:
+            await health_servicer.set(NVME_HEALTH, health_pb2.HealthCheckResponse.SERVING)
+            print(
+                f"kvtier NVMe index recovered: {recovery.indexed} records in "
+                f"{recovery.elapsed_s:.1f} s",
+                flush=True,
+            )
+        else:
+            print(
+                f"kvtier NVMe index incomplete: recovery failed after {recovery.indexed} "
+                "records (see the log)",
+                flush=True,
+            )
+        self.notifier.send(STATUS=status_line(store))
 
     async def _heartbeat(self, store: Store) -> None:
         """STATUS= now and then; WATCHDOG=1 at half the watchdog timeout, but only while no
@@ -390,7 +438,12 @@ def status_line(store: Store) -> str:
     blocks = sum(t.blocks for t in s.tiers)
     looked = s.hits + s.misses
     ratio = f"{s.hits / looked:.1%}" if looked else "n/a"
-    return f"serving: {tiers}; {blocks} blocks; hit ratio {ratio}; {s.leases} leases"
+    line = f"serving: {tiers}; {blocks} blocks; hit ratio {ratio}; {s.leases} leases"
+    recovery = store.recovery
+    if recovery is None or recovery.complete:
+        return line
+    state = "recovering the NVMe index" if recovery.running else "NVMe index incomplete"
+    return f"{state}: {recovery.indexed} records; {line}"
 
 
 def serve(config: Config, config_path: Path | None, flags: dict[str, Any] | None = None) -> int:

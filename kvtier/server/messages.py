@@ -124,6 +124,8 @@ def stats_response(stats: StoreStats, policy: str) -> pb.StatsResponse:
                 evictions=t.evictions,
                 online=t.online,
                 io_errors=t.io_errors,
+                recovering=t.recovering,
+                recovered_records=t.recovered_records,
             )
             for t in stats.tiers
         ],

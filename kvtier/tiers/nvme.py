@@ -15,7 +15,14 @@ rebuilds the index from the headers on disk.
 
 Deletes and overwrites append a tombstone (namespace, key, generation) to `tombstones.log`
 before they are acknowledged, so a record whose removal had not happened yet when the
-daemon was killed is not served again after the restart; the log is compacted at start.
+daemon was killed is not served again after the restart.
+
+Start-up is two steps so that a daemon can serve while its index fills: `prepare()` (quick:
+directories, lock, spares, this run's generations claimed in `epoch`, the last runs'
+tombstone logs set aside as `tombstones.<n>.log` and a fresh one opened) and `recover()`
+(every record header; may run on a thread of its own while the tier takes new records,
+which it leaves alone), then `compact_tombstones()` once recovery is complete. `open()`
+is all three.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,11 +70,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "EPOCH_BITS",
+    "EPOCH_FILE",
     "RECORD_SUFFIX",
     "TOMBSTONE_LOG",
+    "FanScan",
     "NvmeTier",
     "RecoveredRecord",
     "RecoveryReport",
+    "fan_of",
+    "is_tombstone_log",
     "lock_tier",
     "supports_o_direct",
     "tombstone_entries",
@@ -82,6 +94,13 @@ _LOGGED_DROPS = 10  # unreadable records named one by one in the log at start
 _SCRATCH_KEEP_BYTES = 16 << 20  # larger sealed records use a buffer of their own
 _RECOVERY_THREADS = 8  # fan directories scanned at once at start (see _recover)
 _CACHED_HEADER_S = 30e-6  # per record file: ~11 µs from the page cache here, ~70 from disk
+# Each start claims the next epoch (in EPOCH_FILE, durably, before it takes a record) and
+# numbers its generations from epoch << EPOCH_BITS: above every generation an earlier run
+# can have written, with no need to read their records first. 2**40 per run; 2**24 runs.
+EPOCH_FILE = "epoch"
+EPOCH_BITS = 40
+_EPOCH = struct.Struct("<QQ")  # epoch, xxh3 of its 8 bytes
+_STOP_CHECK_FILES = 256  # a stopped recovery notices within this many files of a fan
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,9 +114,11 @@ class RecoveredRecord:
 
 
 @dataclass(slots=True)
-class _FanScan:
-    """What recovery found in one fan directory (merged by `NvmeTier._recover`)."""
+class FanScan:
+    """What recovery found in one fan directory (merged by `NvmeTier._recover`, or handed
+    to its `on_fan` as soon as the fan is done)."""
 
+    fan: str = ""
     records: list[RecoveredRecord] = field(default_factory=list)
     files: int = 0  # record files looked at
     unreadable: list[tuple[str, str]] = field(default_factory=list)  # (file name, why)
@@ -113,6 +134,8 @@ class RecoveryReport:
     removed_temporary: int
     dropped_deleted: int = 0
     max_tombstone_generation: int = 0
+    complete: bool = True  # False: `stop_recovery()` ended it before every fan was scanned
+    max_generation: int = 0  # of the records kept
 
 
 class NvmeTier:
@@ -120,6 +143,9 @@ class NvmeTier:
 
     Lifecycle: `open()` once (creates directories, probes O_DIRECT, removes temporary files,
     returns what survived on disk) -> `write` / `read` / `remove` from any I/O thread.
+    `open()` is `prepare()` (after which the tier takes records and tombstones) ->
+    `recover()` (may run on its own thread meanwhile; `stop_recovery()` ends it early) ->
+    `compact_tombstones()` (only after a complete recovery).
     With a `cipher` every record written is sealed and only records sealed with its key
     are served (see the module docstring).
     """
@@ -160,6 +186,12 @@ class NvmeTier:
         self._free_bytes = 0
         self._free_lock = threading.Lock()
         self.free_limit_bytes = min(capacity_bytes // 64, 1 << 30)
+        # This run's generations start here (None: not claimed yet, see `prepare`).
+        self.first_generation: int | None = None
+        self._epoch = 0
+        self._removed_tmp = 0
+        self._old_tombstone_logs: list[str] = []  # set aside by `prepare`, read by `recover`
+        self._stop_recovery = threading.Event()
 
     @classmethod
     def from_config(cls, config: NvmeConfig) -> NvmeTier:
@@ -176,6 +208,21 @@ class NvmeTier:
 
     # ---- start-up ---------------------------------------------------------------------
     def open(self) -> RecoveryReport:
+        self.prepare()
+        report = self.recover()
+        if self.first_generation is None:
+            self.claim_epoch(max(report.max_generation, report.max_tombstone_generation))
+        self.compact_tombstones()
+        return report
+
+    def prepare(self) -> None:
+        """Ready the tier for new records without reading any: directories, the lock,
+        O_DIRECT, temporary files removed, spares listed, the tombstone logs of earlier
+        runs set aside (read by `recover`) and a fresh one opened, and this run's
+        generations claimed (`first_generation`). A tier an older kvtier wrote has no
+        epoch file (nor one that can be read): `first_generation` stays None, and the
+        caller recovers before it takes any record, then `claim_epoch`s above it."""
+        had_records = self._records_dir.is_dir()
         self._records_dir.mkdir(parents=True, exist_ok=True)
         self._lock()
         for fan in range(256):  # once here, not a mkdir per record write
@@ -183,28 +230,116 @@ class NvmeTier:
         self._tmp_dir.mkdir(parents=True, exist_ok=True)
         self._free_dir.mkdir(parents=True, exist_ok=True)
         self._scan_free()
-        removed_tmp = 0
+        self._removed_tmp = 0
         for stray in self._tmp_dir.iterdir():
             stray.unlink(missing_ok=True)
-            removed_tmp += 1
+            self._removed_tmp += 1
         self.direct_io = self._want_direct and self._probe_direct_io()
         if self._want_direct and not self.direct_io:
             logger.warning(
                 "O_DIRECT is not supported on %s; the NVMe tier uses buffered I/O", self.root
             )
-        tombstones = self._read_tombstones()
-        report = self._recover(removed_tmp, tombstones)
-        # Every record a tombstone names is gone now: start a fresh log (atomically, so a
-        # crash here leaves the old one, which names only records that no longer exist).
-        fresh = self.root / f"{TOMBSTONE_LOG}.new"
-        fresh.write_bytes(b"")
+        self._set_aside_tombstones()
+        epoch = self._read_epoch()
+        if epoch is not None:
+            self._claim(epoch + 1)
+        elif not had_records:
+            self._claim(1)  # a new tier
+
+    def _set_aside_tombstones(self) -> None:
+        """Move the live log aside as tombstones.<n>.log and open a fresh one: this run's
+        tombstones then never follow a torn entry of an earlier run (which would hide them
+        from the next start), and the logs set aside stay until a recovery has removed
+        every record they name (`compact_tombstones`)."""
+        live = self.root / TOMBSTONE_LOG
+        names = [name for name in os.listdir(self.root) if is_tombstone_log(name)]
+        numbers = [int(name.split(".")[1]) for name in names if name != TOMBSTONE_LOG]
+        if live.exists() and live.stat().st_size:
+            aside = f"tombstones.{max(numbers, default=0) + 1}.log"
+            os.rename(live, self.root / aside)
+            names.append(aside)
+        self._old_tombstone_logs = sorted(name for name in names if name != TOMBSTONE_LOG)
+        self._tombstone_fd = os.open(
+            live, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640
+        )
+        _fsync_dir(str(self.root))
+
+    def _read_epoch(self) -> int | None:
+        """The last epoch a start claimed; None when there is no epoch file (or it is
+        damaged: then the highest generation is only known after a full recovery)."""
+        try:
+            data = (self.root / EPOCH_FILE).read_bytes()
+        except FileNotFoundError:
+            return None
+        if len(data) == _EPOCH.size:
+            epoch, digest = _EPOCH.unpack(data)
+            if digest == xxhash.xxh3_64_intdigest(data[:8]):
+                return int(epoch)
+        logger.warning("%s is damaged: recovering the whole index before serving", EPOCH_FILE)
+        return None
+
+    def claim_epoch(self, above_generation: int) -> int:
+        """Claim an epoch whose generations are all above `above_generation` (after a full
+        recovery of a tier without an epoch file); returns `first_generation`."""
+        self._claim(max(self._epoch + 1, (above_generation >> EPOCH_BITS) + 1))
+        assert self.first_generation is not None
+        return self.first_generation
+
+    def claim_next_epoch(self) -> int:
+        """This run used up its 2**40 generations: claim the next epoch as well (one small
+        synced write); returns the new `first_generation`."""
+        return self.claim_epoch(0)
+
+    @property
+    def generation_ceiling(self) -> int:
+        """The first generation this run's epoch does not cover."""
+        return (self._epoch + 1) << EPOCH_BITS
+
+    def _claim(self, epoch: int) -> None:
+        """Durably record `epoch` as claimed (written aside, synced, renamed, directory
+        synced) before any generation of it is handed out: after a crash, even a power
+        loss, the next start claims a later one."""
+        if epoch >= 1 << (64 - EPOCH_BITS):
+            raise ConfigError(
+                f"nvme.path: {self.root} has used up its generation numbers; empty it "
+                "(kvtier wipe) to start afresh"
+            )
+        head = struct.pack("<Q", epoch)
+        data = _EPOCH.pack(epoch, xxhash.xxh3_64_intdigest(head))
+        fresh = self.root / f"{EPOCH_FILE}.new"
+        fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.EIO, "short write to the epoch file")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(fresh, self.root / EPOCH_FILE)
+        _fsync_dir(str(self.root))
+        self._epoch = epoch
+        self.first_generation = epoch << EPOCH_BITS
+
+    def recover(self, on_fan: Callable[[FanScan], None] | None = None) -> RecoveryReport:
+        """Check every record file's header, after `prepare()`: what survived on disk.
+        Records of this run (generation at or above `first_generation`) are left alone,
+        so this may run on a thread of its own while the tier takes new records. With
+        `on_fan`, each fan's records are handed to it as soon as the fan is scanned (in
+        fan order; the report then lists none). After `stop_recovery()` it returns early,
+        `complete` False, without handing over the fan it was in."""
+        return self._recover(self._removed_tmp, self._read_tombstones(), on_fan)
+
+    def stop_recovery(self) -> None:
+        """End a `recover()` running on another thread (it returns within a few files)."""
+        self._stop_recovery.set()
+
+    def compact_tombstones(self) -> None:
+        """After a complete recovery every record the set-aside logs name is gone: remove
+        them (a crash midway leaves some, which name only records that no longer exist)."""
         if failpoints.ACTIVE:
             failpoints.fire("nvme.compact")
-        os.rename(fresh, self.root / TOMBSTONE_LOG)
-        self._tombstone_fd = os.open(
-            self.root / TOMBSTONE_LOG, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC
-        )
-        return report
+        for name in self._old_tombstone_logs:
+            _unlink(str(self.root / name))
+        self._old_tombstone_logs = []
 
     def _lock(self) -> None:
         """One daemon per directory: a second one would delete the first's temporary files."""
@@ -227,14 +362,20 @@ class NvmeTier:
         return supports_o_direct(self._tmp_dir)
 
     def _read_tombstones(self) -> dict[tuple[str, bytes], int]:
-        """(namespace, key) -> newest deleted generation; a torn last entry is ignored."""
-        try:
-            data = (self.root / TOMBSTONE_LOG).read_bytes()
-        except FileNotFoundError:
-            return {}
+        """(namespace, key) -> newest deleted generation, from the logs of earlier runs
+        (`prepare` set them aside; before it, every log there); a torn last entry is
+        ignored."""
+        names = self._old_tombstone_logs
+        if self._tombstone_fd is None:
+            names = sorted(n for n in os.listdir(self.root) if is_tombstone_log(n))
         out: dict[tuple[str, bytes], int] = {}
-        for ns_id, key, generation, _ in tombstone_entries(data):
-            out[ns_id, key] = max(out.get((ns_id, key), 0), generation)
+        for name in names:
+            try:
+                data = (self.root / name).read_bytes()
+            except FileNotFoundError:
+                continue
+            for ns_id, key, generation, _ in tombstone_entries(data):
+                out[ns_id, key] = max(out.get((ns_id, key), 0), generation)
         return out
 
     def tombstone(self, ns_id: str, key: bytes, generation: int) -> None:
@@ -252,7 +393,10 @@ class NvmeTier:
                 os.fdatasync(self._tombstone_fd)
 
     def _recover(
-        self, removed_tmp: int, tombstones: dict[tuple[str, bytes], int]
+        self,
+        removed_tmp: int,
+        tombstones: dict[tuple[str, bytes], int],
+        on_fan: Callable[[FanScan], None] | None = None,
     ) -> RecoveryReport:
         """Check every record file's header. A record's file name and fan follow from its
         (namespace, key), so every copy of a block is in one fan: each fan is resolved on
@@ -263,44 +407,75 @@ class NvmeTier:
         only contend for the GIL: 2x slower here on 2 cores); headers on the drive are
         not, so when the first fan shows the drive's latency the rest are scanned on
         _RECOVERY_THREADS threads (opens and reads release the GIL)."""
-        with os.scandir(self._records_str) as entries:
-            fans = sorted(entry.name for entry in entries if entry.is_dir())
-        scan = functools.partial(self._scan_fan, tombstones=tombstones)
-        started = time.perf_counter()
-        scans = [scan(fan) for fan in fans[:1]]
-        per_file_s = (time.perf_counter() - started) / max(1, sum(f.files for f in scans))
-        rest = fans[1:]
-        if per_file_s < _CACHED_HEADER_S or _RECOVERY_THREADS <= 1 or len(rest) <= 1:
-            scans += [scan(fan) for fan in rest]
-        else:
-            with ThreadPoolExecutor(
-                min(_RECOVERY_THREADS, len(rest)), thread_name_prefix="kvtier-recover"
-            ) as pool:
-                scans += pool.map(scan, rest)  # in `rest` order, however they finish
-        unreadable = [drop for fan_scan in scans for drop in fan_scan.unreadable]
+        records: list[RecoveredRecord] = []
+        unreadable: list[tuple[str, str]] = []
+        stale = deleted = max_generation = 0
+        complete = True
+        for fan_scan in self._fan_scans(tombstones):
+            if fan_scan is None:  # stopped
+                complete = False
+                break
+            unreadable += fan_scan.unreadable
+            stale += fan_scan.stale
+            deleted += fan_scan.deleted
+            for record in fan_scan.records:
+                max_generation = max(max_generation, record.header.generation)
+            if on_fan is None:
+                records += fan_scan.records
+            else:
+                on_fan(fan_scan)
         # A changed key makes every record unreadable: a few lines, then a total.
         for name, why in unreadable[:_LOGGED_DROPS]:
             logger.warning("dropping unreadable record %s: %s", name, why)
         if len(unreadable) > _LOGGED_DROPS:
             logger.warning("dropped %d unreadable records in all", len(unreadable))
         return RecoveryReport(
-            [record for fan_scan in scans for record in fan_scan.records],
+            records,
             len(unreadable),
-            sum(fan_scan.stale for fan_scan in scans),
+            stale,
             removed_tmp,
-            sum(fan_scan.deleted for fan_scan in scans),
+            deleted,
             max(tombstones.values(), default=0),
+            complete,
+            max_generation,
         )
 
-    def _scan_fan(self, fan: str, tombstones: dict[tuple[str, bytes], int]) -> _FanScan:
+    def _fan_scans(self, tombstones: dict[tuple[str, bytes], int]) -> Iterator[FanScan | None]:
+        """Each fan's scan in fan order (None once stopped), on threads if the drive is
+        slow (see `_recover`)."""
+        with os.scandir(self._records_str) as entries:
+            fans = sorted(entry.name for entry in entries if entry.is_dir())
+        scan = functools.partial(self._scan_fan, tombstones=tombstones)
+        started = time.perf_counter()
+        first = [scan(fan) for fan in fans[:1]]
+        per_file_s = (time.perf_counter() - started) / max(1, sum(f.files for f in first if f))
+        yield from first
+        rest = fans[1:]
+        if per_file_s < _CACHED_HEADER_S or _RECOVERY_THREADS <= 1 or len(rest) <= 1:
+            yield from map(scan, rest)
+        else:
+            with ThreadPoolExecutor(
+                min(_RECOVERY_THREADS, len(rest)), thread_name_prefix="kvtier-recover"
+            ) as pool:
+                yield from pool.map(scan, rest)  # in `rest` order, however they finish
+
+    def _scan_fan(self, fan: str, tombstones: dict[tuple[str, bytes], int]) -> FanScan | None:
         """One fan directory's records in name order: unreadable, misplaced and deleted
-        ones removed, of several generations of a block only the newest kept."""
+        ones removed, of several generations of a block only the newest kept; records of
+        this run left alone. None if `stop_recovery()` was called."""
+        if failpoints.ACTIVE:
+            failpoints.fire("nvme.recover_fan")
         directory = f"{self._records_str}/{fan}"
-        out = _FanScan()
+        out = FanScan(fan)
         newest: dict[tuple[str, bytes], RecoveredRecord] = {}
         names = sorted(n for n in os.listdir(directory) if n.endswith(RECORD_SUFFIX))
         out.files = len(names)
-        for name in names:
+        ours_from = self.first_generation
+        for i, name in enumerate(names):
+            if not i % _STOP_CHECK_FILES and self._stop_recovery.is_set():
+                return None
+            if ours_from is not None and _name_generation(name) >= ours_from:
+                continue  # written by this run, after prepare(): not the scan's to judge
             file = f"{directory}/{name}"
             try:
                 header = self._check_header(fan, name, file)
@@ -626,6 +801,34 @@ def _libc() -> ctypes.CDLL | None:
 def _digest(ns_id: str, key: bytes) -> str:
     """A block's file name stem; its first two characters name its fan directory."""
     return hashlib.blake2b(ns_id.encode() + b"\0" + key, digest_size=16).hexdigest()
+
+
+def fan_of(ns_id: str, key: bytes) -> str:
+    """The fan directory every record of block (ns_id, key) lives in."""
+    return _digest(ns_id, key)[:2]
+
+
+def is_tombstone_log(name: str) -> bool:
+    """Whether a file in the tier's root is a tombstone log: the live one, or one a
+    start set aside (`tombstones.<n>.log`) until a recovery completes."""
+    if name == TOMBSTONE_LOG:
+        return True
+    stem, dot, number = name.removesuffix(".log").partition(".")
+    return name.endswith(".log") and stem == "tombstones" and bool(dot) and number.isdigit()
+
+
+def _name_generation(name: str) -> int:
+    """The generation a record file's name (<digest>.<generation>.kvr) gives; 0 if none."""
+    text = name[: -len(RECORD_SUFFIX)].rpartition(".")[2]
+    return int(text) if text.isdigit() else 0
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _unlink(path: str) -> None:

@@ -10,7 +10,13 @@ from pathlib import Path
 
 from kvtier.errors import ConfigError, CorruptRecord
 from kvtier.keys import tenant_of
-from kvtier.tiers.nvme import RECORD_SUFFIX, TOMBSTONE_LOG, lock_tier, tombstone_entries
+from kvtier.tiers.nvme import (
+    RECORD_SUFFIX,
+    TOMBSTONE_LOG,
+    is_tombstone_log,
+    lock_tier,
+    tombstone_entries,
+)
 from kvtier.tiers.record import parse_header, read_header_region
 
 
@@ -97,9 +103,11 @@ def wipe(root: Path, tenant: str | None) -> WipeReport:
                     os.close(dir_fd)
             spare_counts.append(count)
         for name in os.listdir(root_fd):  # copies of the log a stopped compaction left
-            if name.startswith(f"{TOMBSTONE_LOG}."):
+            if name.startswith("tombstones.") and not is_tombstone_log(name):
                 overwritten += _shred(root_fd, name, zeros)
-        dropped = _wipe_tombstones(root_fd, tenant, zeros)
+        # The live log and those a start set aside until its recovery completes.
+        logs = sorted(name for name in os.listdir(root_fd) if is_tombstone_log(name))
+        dropped = sum(_wipe_tombstones(root_fd, tenant, zeros, name) for name in logs)
         os.fsync(root_fd)
     finally:
         os.close(root_fd)
@@ -171,12 +179,14 @@ def _shred(dir_fd: int, name: str, zeros: bytes) -> int:
     return size
 
 
-def _wipe_tombstones(root_fd: int, tenant: str | None, zeros: bytes) -> int:
-    """Rewrite the tombstone log without `tenant`'s entries (its records are gone, so they
-    guard nothing; they still name its keys), then overwrite the old log; returns how many
-    entries were dropped."""
+def _wipe_tombstones(
+    root_fd: int, tenant: str | None, zeros: bytes, log: str = TOMBSTONE_LOG
+) -> int:
+    """Rewrite the tombstone log `log` without `tenant`'s entries (its records are gone, so
+    they guard nothing; they still name its keys), then overwrite the old log; returns how
+    many entries were dropped."""
     try:
-        fd = os.open(TOMBSTONE_LOG, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
+        fd = os.open(log, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
     except FileNotFoundError:
         return 0
     try:
@@ -186,7 +196,7 @@ def _wipe_tombstones(root_fd: int, tenant: str | None, zeros: bytes) -> int:
         kept = [raw for ns_id, _, _, raw in entries if tenant and tenant_of(ns_id) != tenant]
         if len(kept) == len(entries) and len(data) == sum(map(len, kept)):
             return 0
-        fresh = f"{TOMBSTONE_LOG}.wipe"
+        fresh = f"{log}.wipe"
         new_fd = os.open(
             fresh, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640, dir_fd=root_fd
         )
@@ -198,7 +208,7 @@ def _wipe_tombstones(root_fd: int, tenant: str | None, zeros: bytes) -> int:
         finally:
             os.close(new_fd)
         # Atomic: a crash before this leaves the old, complete log; after it, the new one.
-        os.rename(fresh, TOMBSTONE_LOG, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+        os.rename(fresh, log, src_dir_fd=root_fd, dst_dir_fd=root_fd)
         done = 0  # the old log lives on through `fd` until it is closed: zero it first
         while done < size:
             done += os.pwrite(fd, zeros[: size - done], done)

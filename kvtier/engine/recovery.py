@@ -1,0 +1,245 @@
+"""NvmeRecovery: the NVMe index filled from the record headers on disk, in the background
+while the daemon serves (or before it does: `run_now`).
+
+`NvmeTier.recover` reads the headers on a thread of its own (not the I/O pool: a scan of
+minutes must not look like a stuck disk to the watchdog). Each fan directory it finishes
+is added to the catalog here, on the event loop, in slices of at most SLICE_S with a yield
+between, so the loop never stalls on it. Until its fan is added a block is a miss.
+
+What keeps every answer right meanwhile (docs/design.md, "Serving while the index fills"):
+* this run's generations are above every earlier one (the tier's claimed epoch), so the
+  scan tells this run's records by their names and leaves them alone;
+* a put or delete of a block whose fan is not added yet first buries the block's old
+  records (`bury`: a tombstone of every generation before this run, awaited before the
+  call is acknowledged) and marks it touched: a record of it the scan finds later is
+  removed, never added, so a delete stays a delete and an overwrite never reverts, also
+  across a SIGKILL; so is one of a block this run already holds (a remote fetch);
+* NVMe room counts an estimate of the bytes not yet added (`nvme_unindexed_bytes`); once
+  every fan is in, the policy evicts whatever is over capacity;
+* the tombstone logs of earlier runs are removed only after a complete recovery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from kvtier.engine.blocks import record_header
+from kvtier.engine.calibrate import CALIBRATION_NS_ID
+from kvtier.engine.nvme import NvmeDriver
+from kvtier.engine.residency import Residency
+from kvtier.engine.results import Counters
+from kvtier.index.catalog import Entry
+from kvtier.sizes import human_size
+from kvtier.tiers.nvme import FanScan, RecoveredRecord, RecoveryReport, fan_of
+from kvtier.types import BlockId
+
+logger = logging.getLogger(__name__)
+
+SLICE_S = 0.004  # longest run of catalog additions between two yields to the event loop
+FANS = frozenset(f"{fan:02x}" for fan in range(256))
+# Fans differ in what they hold by chance (~5 % apart at 100 k small records): the bytes
+# not yet added are estimated as the mean of the fans added so far times those left, plus
+# this much, and only once enough is known (before: no room for new records), so that
+# writes meanwhile rarely overfill the tier; what the estimate missed is evicted once every
+# fan is in.
+_ESTIMATE_MARGIN = 1.05
+_ESTIMATE_AFTER_RECORDS = 64  # found in the fans added so far, or ...
+_ESTIMATE_AFTER_FANS = 16
+
+
+class NvmeRecovery:
+    """Create after `NvmeDriver.open`, then `start()` (background) or `await run_now()`;
+    `pending` / `bury` from the store's put and delete while it runs; `await stop()`
+    before the tier closes. `complete` once every fan is in the catalog."""
+
+    def __init__(
+        self,
+        driver: NvmeDriver,
+        residency: Residency,
+        counters: Counters,
+        first_generation: int | None,
+    ) -> None:
+        self._driver = driver
+        self._residency = residency
+        self._counters = counters
+        self._first_generation = first_generation
+        self._pending_fans = set(FANS)  # not yet (entirely) in the catalog
+        self._touched: dict[BlockId, asyncio.Task[None]] = {}
+        self._fans_added = 0
+        self._records_added = 0  # found in the added fans (before any was dropped)
+        self._bytes_added = 0  # record bytes the added fans held (before any was dropped)
+        self.indexed = 0  # records added to the catalog
+        self.dropped = 0  # records found but not added (touched, held already, calibration)
+        self.max_generation = 0  # of the records found
+        self.complete = False
+        self.running = False
+        self.elapsed_s = 0.0
+        self._done = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._scan: Future[RecoveryReport] | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-recover")
+        residency.nvme_unindexed_bytes = driver.capacity_bytes  # no room until a fan is in
+
+    # ---- for the store's flows ---------------------------------------------------------
+    def pending(self, block_id: BlockId) -> bool:
+        """Whether records of `block_id` may still be on disk, not yet in the catalog."""
+        return bool(self._pending_fans) and fan_of(*block_id) in self._pending_fans
+
+    async def bury(self, block_id: BlockId) -> None:
+        """Before a put or delete of a `pending` block is acknowledged: every record of it
+        from an earlier run is tombstoned (durably, once per block), and the scan will
+        remove, not add, the one it finds."""
+        task = self._touched.get(block_id)
+        if task is None:
+            assert self._first_generation is not None, "no puts before the epoch is claimed"
+            task = asyncio.ensure_future(
+                self._driver.tombstone(block_id, self._first_generation - 1)
+            )
+            self._touched[block_id] = task
+        await asyncio.shield(task)
+
+    async def wait(self) -> None:
+        """Until the recovery has ended (complete, failed or stopped)."""
+        await self._done.wait()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        self.running = True
+        self._task = asyncio.ensure_future(self._run_in_background())
+
+    async def run_now(self) -> None:
+        """Recover before serving: every record, added in generation order (oldest first in
+        the policy's order); an error raises."""
+        self.running = True
+        started_s = time.perf_counter()
+        try:
+            self._scan = self._executor.submit(self._driver.tier.recover)
+            report = await asyncio.wrap_future(self._scan)
+            for record in sorted(report.records, key=lambda r: r.header.generation):
+                self._add(record)
+            self._pending_fans.clear()
+            self.max_generation = max(report.max_generation, report.max_tombstone_generation)
+            await self._finish(report, started_s)
+        finally:
+            self.running = False
+            self._done.set()
+            self._executor.shutdown(wait=False)
+
+    async def stop(self) -> None:
+        """End the scan (within a few files) and stop adding; idempotent."""
+        self._driver.tier.stop_recovery()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._scan is not None:  # its thread must be done before the tier closes
+            with contextlib.suppress(Exception):
+                await asyncio.wrap_future(self._scan)
+        self._executor.shutdown(wait=False)
+
+    async def _run_in_background(self) -> None:
+        loop = asyncio.get_running_loop()
+        fans: asyncio.Queue[FanScan | None] = asyncio.Queue()
+
+        def on_fan(fan_scan: FanScan) -> None:  # on the scan's thread
+            loop.call_soon_threadsafe(fans.put_nowait, fan_scan)
+
+        def scan() -> RecoveryReport:
+            try:
+                return self._driver.tier.recover(on_fan)
+            finally:
+                loop.call_soon_threadsafe(fans.put_nowait, None)
+
+        started_s = time.perf_counter()
+        self._scan = self._executor.submit(scan)
+        try:
+            while (fan_scan := await fans.get()) is not None:
+                await self._add_fan(fan_scan)
+            report = await asyncio.wrap_future(self._scan)
+            if report.complete:
+                self._pending_fans.clear()  # a fan with no directory holds nothing
+                await self._finish(report, started_s)
+        except OSError as err:
+            logger.error(
+                "NVMe index recovery failed (%s) after %d records: the blocks not yet "
+                "indexed stay misses until a restart",
+                err.strerror or err,
+                self.indexed,
+            )
+        finally:
+            self.running = False
+            self._done.set()
+            self._executor.shutdown(wait=False)
+
+    # ---- adding ------------------------------------------------------------------------------
+    async def _add_fan(self, fan_scan: FanScan) -> None:
+        records = sorted(fan_scan.records, key=lambda r: r.header.generation)
+        done = 0
+        while done < len(records):
+            deadline_s = time.perf_counter() + SLICE_S
+            while done < len(records):
+                self._add(records[done])
+                done += 1
+                if not done % 64 and time.perf_counter() >= deadline_s:
+                    break
+            await asyncio.sleep(0)
+        self._pending_fans.discard(fan_scan.fan)
+        self._fans_added += 1
+        self._records_added += len(records)
+        self._bytes_added += sum(r.header.record_bytes for r in records)
+        if (
+            self._records_added >= _ESTIMATE_AFTER_RECORDS
+            or self._fans_added >= _ESTIMATE_AFTER_FANS
+        ):
+            left = len(self._pending_fans)
+            self._residency.nvme_unindexed_bytes = int(
+                self._bytes_added / self._fans_added * left * _ESTIMATE_MARGIN
+            )
+
+    def _add(self, record: RecoveredRecord) -> None:
+        h = record.header
+        block_id = (h.ns_id, h.key)
+        self.max_generation = max(self.max_generation, h.generation)
+        if (
+            h.ns_id == CALIBRATION_NS_ID  # a crash during the last calibration
+            or block_id in self._touched
+            or self._residency.get(block_id) is not None
+        ):
+            self._driver.schedule_removal(h)
+            self.dropped += 1
+            return
+        entry = Entry(
+            block_id, h.payload_bytes, h.xxh3_64, h.generation, nvme_record_bytes=h.record_bytes
+        )
+        self._residency.add(entry)
+        self.indexed += 1
+
+    async def _finish(self, report: RecoveryReport, started_s: float) -> None:
+        """Every fan is in: room made, the old tombstone logs removed, the totals logged."""
+        self._touched.clear()
+        self._residency.nvme_unindexed_bytes = 0
+        self._counters.checksum_failures += report.dropped_corrupt
+        dropped: list[Entry] = self._residency.make_nvme_room(0)[1]
+        for entry in dropped:
+            self._driver.schedule_removal(record_header(entry))
+        await self._driver.io.run(self._driver.tier.compact_tombstones)
+        self.complete = True
+        self.elapsed_s = time.perf_counter() - started_s
+        tier = self._driver.tier
+        logger.info(
+            "NVMe tier at %s: recovered %d blocks (%s) in %.1f s, dropped %d unreadable, "
+            "%d stale and %d deleted records, removed %d temporary files; direct I/O %s",
+            tier.root,
+            self.indexed,
+            human_size(self._residency.catalog.nvme_used_bytes),
+            self.elapsed_s,
+            report.dropped_corrupt,
+            report.dropped_stale,
+            report.dropped_deleted,
+            report.removed_temporary,
+            "on" if tier.direct_io else "off",
+        )
