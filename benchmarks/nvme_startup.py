@@ -83,8 +83,8 @@ def _one_start(checkout: Path, root: Path, work: Path, records: int) -> tuple[fl
             "--dram-capacity", "256MiB", "--nvme-path", str(root),
             "--nvme-capacity", "64GiB"]  # fmt: skip
     started = time.perf_counter()
-    proc = subprocess.Popen(
-        args, env=env, stdout=subprocess.DEVNULL, stderr=(work / "log").open("a")
+    proc = subprocess.Popen(  # not run from a checkout: `-m` would import the cwd's kvtier
+        args, env=env, cwd=work, stdout=subprocess.DEVNULL, stderr=(work / "log").open("a")
     )
     try:
         while b"READY=1" not in notify.recv(4096):

@@ -207,6 +207,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
             f"  {name:5s} {human_size(tier.used_bytes):>10s} / "
             f"{human_size(tier.capacity_bytes):<10s} ({100 * tier.used_bytes / cap:5.1f} %)"
             f"  {tier.blocks} blocks, {tier.hits} hits, {tier.evictions} evictions"
+            + (
+                f"; index filling: {tier.recovered_records} records so far"
+                if tier.recovering
+                else ""
+            )
         )
     lookups = stats.hits + stats.misses
     ratio = stats.hits / lookups if lookups else 0.0
