@@ -25,9 +25,12 @@ def start(
         env={**os.environ, **env},
     )  # fmt: skip
     assert proc.stdout is not None
-    match = re.search(r"serving on (\S+)", proc.stdout.readline())
+    banner = proc.stdout.readline()
+    match = re.search(r"serving on (\S+)", banner)
     if not match:
         raise SystemExit(f"the daemon in {workdir} did not start: {(workdir / 'log').read_text()}")
+    if "recovering its index" in banner:  # measure with the NVMe index complete
+        proc.stdout.readline()
     return proc, match.group(1)
 
 

@@ -103,8 +103,14 @@ class Daemon:
         assert self.proc.stdout is not None
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
-        if not sel.select(60) or "serving on" not in self.proc.stdout.readline():
+        banner = self.proc.stdout.readline() if sel.select(60) else ""
+        if "serving on" not in banner:
             raise SystemExit(f"daemon did not start; see {self.log_path}")
+        # It serves while its NVMe index fills; the tally wants every acknowledged block.
+        if "recovering its index" in banner and "NVMe index recovered" not in (
+            self.proc.stdout.readline()
+        ):
+            raise SystemExit(f"daemon did not recover its NVMe index; see {self.log_path}")
         self.up.set()
 
     def kill(self) -> None:

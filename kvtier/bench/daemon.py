@@ -226,10 +226,13 @@ def daemon(workdir: Path, transport: str, dram_bytes: int) -> Iterator[str]:
         env={**os.environ, "KVTIER_SERVER__TLS_INSECURE": "true"},
     )
     assert proc.stdout is not None
-    match = re.search(r"serving on (\S+)", proc.stdout.readline())
+    banner = proc.stdout.readline()
+    match = re.search(r"serving on (\S+)", banner)
     try:
         if not match:
             raise SystemExit("the daemon did not start")
+        if "recovering its index" in banner:  # measure with the NVMe index complete
+            proc.stdout.readline()
         yield match.group(1)
     finally:
         proc.terminate()

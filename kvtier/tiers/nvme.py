@@ -465,13 +465,15 @@ class NvmeTier:
         this run left alone. None if `stop_recovery()` was called."""
         if failpoints.ACTIVE:
             failpoints.fire("nvme.recover_fan")
+        if self._stop_recovery.is_set():
+            return None
         directory = f"{self._records_str}/{fan}"
         out = FanScan(fan)
         newest: dict[tuple[str, bytes], RecoveredRecord] = {}
         names = sorted(n for n in os.listdir(directory) if n.endswith(RECORD_SUFFIX))
         out.files = len(names)
         ours_from = self.first_generation
-        for i, name in enumerate(names):
+        for i, name in enumerate(names, start=1):
             if not i % _STOP_CHECK_FILES and self._stop_recovery.is_set():
                 return None
             if ours_from is not None and _name_generation(name) >= ours_from:
