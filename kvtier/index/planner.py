@@ -89,15 +89,13 @@ class Plan:
         arr, req = self._arrays, self._req
         e, end = arr.engine, arr.cached_end
         tiers: list[str | None] = [None] * arr.n
+        tiers[e:end] = [str(t) for t in req.cached_tiers[e:end]]
         fetch = [0.0] * arr.n
-        for i in range(e, end):
-            tiers[i] = str(req.cached_tiers[i])
-            fetch[i] = arr.fetch_cost[i - e]
+        fetch[e:end] = arr.fetch_cost
         pre = req.prefill
         a, half_c, toks = pre.a_s_per_token, pre.c_s_per_token2 / 2, arr.tokens
         recompute = [
-            a * (toks[i + 1] - toks[i]) + half_c * (toks[i + 1] ** 2 - toks[i] ** 2)
-            for i in range(arr.n)
+            a * (t1 - t0) + half_c * (t1 * t1 - t0 * t0) for t0, t1 in itertools.pairwise(toks)
         ]
         return tiers, fetch, recompute
 
@@ -148,13 +146,14 @@ class PlanRequest:
 
 @dataclass(frozen=True, slots=True)
 class _Arrays:
-    """Per-prompt cost arrays, indexed by block number (0..n)."""
+    """Per-prompt cost arrays, indexed by block number."""
 
     engine: int
     cached_end: int
     n: int
     tokens: list[int]
     fetch_cost: list[float]  # for blocks engine..cached_end-1
+    # Indexed by split boundary 0..cached_end (a split never goes past the cached run):
     loaded: list[float]  # loaded[i]: fetch [engine, i)  (constant below engine)
     front: list[float]  # front[g]: recompute [engine, g)
     tail: list[float]  # tail[k]: recompute [k, n)
@@ -165,29 +164,34 @@ def _arrays(req: PlanRequest) -> _Arrays:
     n = -(-req.prompt_tokens // b)
     engine = min(req.engine_cached_blocks, n)
     cached_end = engine  # end of the leading run of fetchable blocks after the engine's
-    while (
-        cached_end < n
-        and cached_end < len(req.cached_tiers)
-        and (req.cached_tiers[cached_end] in req.tier_costs)
-    ):
+    costs = req.tier_costs
+    for tier in itertools.islice(req.cached_tiers, engine, n):
+        if tier not in costs:
+            break
         cached_end += 1
-    tokens = [min(i * b, req.prompt_tokens) for i in range(n + 1)]
-    fetch_cost = [
-        req.tier_costs[str(req.cached_tiers[i])].fetch_s(
-            (tokens[i + 1] - tokens[i]) * req.kv_bytes_per_token
+    tokens = [*range(0, (n - 1) * b + 1, b), req.prompt_tokens]  # min(i * b, prompt)
+    # Every block but a partial last one has b tokens: one fetch cost per tier.
+    whole = {
+        name: cost.fetch_s(b * req.kv_bytes_per_token) for name, cost in req.tier_costs.items()
+    }
+    fetch_cost = [whole[t] for t in req.cached_tiers[engine:cached_end]]  # type: ignore[index]
+    if cached_end > engine and tokens[cached_end] - tokens[cached_end - 1] != b:
+        fetch_cost[-1] = req.tier_costs[str(req.cached_tiers[cached_end - 1])].fetch_s(
+            (tokens[cached_end] - tokens[cached_end - 1]) * req.kv_bytes_per_token
         )
-        for i in range(engine, cached_end)
-    ]
     loaded = [0.0] * (engine + 1) + list(itertools.accumulate(fetch_cost))
-    loaded += [loaded[-1]] * (n + 1 - len(loaded))
     a, half_c, step = req.prefill.a_s_per_token, req.prefill.c_s_per_token2 / 2, req.prefill.step_s
 
-    def span(s: int, e: int) -> float:
-        return a * (e - s) + half_c * (e * e - s * s) + step if e > s else 0.0
-
+    # span(s, e) = a (e - s) + c (e^2 - s^2) / 2 + step, or 0 when e <= s; written out in
+    # the comprehensions (no call per block: this runs on every Plan). A split never goes
+    # past the cached run, so only its boundaries 0..cached_end are priced.
     start, end = tokens[engine], req.prompt_tokens
-    front = [span(start, t) for t in tokens]
-    tail = [span(t, end) for t in tokens]
+    bounds = tokens[: cached_end + 1]
+    front = [
+        a * (t - start) + half_c * (t * t - start * start) + step if t > start else 0.0
+        for t in bounds
+    ]
+    tail = [a * (end - t) + half_c * (end * end - t * t) + step if end > t else 0.0 for t in bounds]
     return _Arrays(engine, cached_end, n, tokens, fetch_cost, loaded, front, tail)
 
 
@@ -211,10 +215,11 @@ def plan(req: PlanRequest) -> Plan:
     ks = range(e + 1, arr.cached_end + 1)
     if req.overlap == "none":
         # cost = (front[g] - loaded[g]) + loaded[k] + tail[k]: best g is a prefix minimum.
-        g_best = e
+        g_best, x_best = e, front[e] - loaded[e]
         for k in ks:
-            if front[k] - loaded[k] < front[g_best] - loaded[g_best]:
-                g_best = k
+            x = front[k] - loaded[k]
+            if x < x_best:
+                g_best, x_best = k, x
             total = front[g_best] + loaded[k] - loaded[g_best] + tail[k]
             if total < best_total:
                 best_total, best_g, best_k = total, g_best, k

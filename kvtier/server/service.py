@@ -45,7 +45,14 @@ from kvtier.errors import (
 )
 from kvtier.index.catalog import BlockId
 from kvtier.index.planner import OVERLAPS
-from kvtier.keys import DEFAULT_TENANT, check_key, check_namespace, hash_token, namespace_id
+from kvtier.keys import (
+    DEFAULT_TENANT,
+    check_key,
+    check_keys,
+    check_namespace,
+    hash_token,
+    namespace_id,
+)
 from kvtier.server import rpc
 from kvtier.server.arena_socket import ArenaSocket
 from kvtier.server.messages import (
@@ -274,7 +281,7 @@ class KVTierService:
         context: Ctx,
     ) -> pb.LookupResponse:
         ns_id = self._ns_id(self._caller(context), request.namespace)
-        keys = [check_key(k, self._limits.max_key_bytes) for k in request.keys]
+        keys = check_keys(request.keys, self._limits.max_key_bytes)
         result = await self._store.lookup(ns_id, keys)
         return pb.LookupResponse(
             prefix_blocks=result.prefix_blocks,
@@ -384,7 +391,7 @@ class KVTierService:
 
     async def _plan(self, session_id: int, tenant: str, request: pb.PlanRequest) -> pb.PlanResponse:
         ns_id = self._ns_id(tenant, request.namespace)
-        keys = [check_key(k, self._limits.max_key_bytes) for k in request.keys]
+        keys = check_keys(request.keys, self._limits.max_key_bytes)
         overlap = request.overlap or "none"
         if overlap not in OVERLAPS:
             raise InvalidArgument(f"overlap must be one of {', '.join(OVERLAPS)}")
