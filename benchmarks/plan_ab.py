@@ -73,6 +73,7 @@ def measure(trees: dict[str, Path], overlap: str, args: argparse.Namespace) -> d
     workers = {
         name: subprocess.Popen(
             [sys.executable, "-c", _WORKER, overlap, str(args.plans)],
+            cwd=tree,  # `-c` puts the working directory first on sys.path
             env={**os.environ, "PYTHONPATH": str(tree)},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
