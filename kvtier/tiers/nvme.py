@@ -695,9 +695,8 @@ def lock_tier(root: Path) -> int:
         raise ConfigError(
             f"nvme.path: {root}/.lock is a {err.kind}, not the tier's lock file; remove it"
         ) from None
-    fd = opened.fd
+    fd = opened.fd  # 0600 now, if an older version made it 0640 (O_CREAT: see open_regular)
     try:
-        tighten(fd, opened.info)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)

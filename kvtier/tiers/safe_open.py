@@ -122,8 +122,10 @@ def open_regular(
             raise _refused("file of another user")
         if flags & os.O_CREAT and stat.S_IMODE(info.st_mode) != mode:
             # A umask such as 0277 leaves a new file 0400: one the daemon could not write
-            # over again. Only then a syscall more (fstat is done anyway).
-            os.fchmod(fd, mode)
+            # over again (and an existing one may be an older version's 0640). Only then a
+            # syscall more: fstat is done anyway. Not ours to chmod: left as it is.
+            with contextlib.suppress(PermissionError):
+                os.fchmod(fd, mode)
     except BaseException:
         os.close(fd)
         raise
