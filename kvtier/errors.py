@@ -20,7 +20,9 @@
     │                                              tenant's session)
     ├── Unimplemented         UNIMPLEMENTED        needs what this daemon lacks (e.g. a GPU)
     └── CorruptRecord         DATA_LOSS            a stored record failed verification;
-                                                   internal: served as a miss, record dropped
+        │                                          internal: served as a miss, record dropped
+        └── NotRegularFile    DATA_LOSS            a tier file is a link, FIFO, socket or
+                                                   device; internal: refused, counted, removed
     any other exception       INTERNAL             a daemon bug: the caller gets a fixed
                                                    message, the daemon's log the traceback
 
@@ -121,6 +123,17 @@ class CorruptRecord(KVTierError):
     grpc_code = grpc.StatusCode.DATA_LOSS
 
 
+class NotRegularFile(CorruptRecord):
+    """A file in the NVMe tier (record, spare, log) is not a regular file: a symbolic
+    link, FIFO, socket, device or extra hard link, planted or left by something else.
+    Internal: never opened blocking nor written through; the tier counts and removes it,
+    and a record that is one is a miss."""
+
+    def __init__(self, message: str, kind: str = "file") -> None:
+        super().__init__(message)
+        self.kind = kind  # "symbolic link", "FIFO", ...: what the tier counts and logs
+
+
 _BY_CODE: dict[grpc.StatusCode, type[KVTierError]] = {
     cls.grpc_code: cls
     for cls in (
@@ -195,6 +208,7 @@ __all__ = [
     "InvalidArgument",
     "KVTierError",
     "NotFound",
+    "NotRegularFile",
     "PermissionDenied",
     "RateLimited",
     "ResourceExhausted",

@@ -15,6 +15,7 @@ from kvtier.errors import (
     InvalidArgument,
     KVTierError,
     NotFound,
+    NotRegularFile,
     PermissionDenied,
     RateLimited,
     ResourceExhausted,
@@ -42,6 +43,7 @@ DOCUMENTED: list[tuple[type[KVTierError], grpc.StatusCode]] = [
     (PermissionDenied, Code.PERMISSION_DENIED),
     (Unimplemented, Code.UNIMPLEMENTED),
     (CorruptRecord, Code.DATA_LOSS),
+    (NotRegularFile, Code.DATA_LOSS),
 ]
 
 

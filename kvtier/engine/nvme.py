@@ -91,6 +91,11 @@ class NvmeDriver:
     def capacity_bytes(self) -> int:
         return self.tier.capacity_bytes
 
+    @property
+    def refused_files(self) -> int:
+        """Files refused since start for not being regular files (links, FIFOs, ...)."""
+        return self.tier.refused.count
+
     async def open(self) -> RecoveryReport:
         """Recover the tier's index from disk; start the health watcher."""
         report = await self.io.run(self.tier.open)

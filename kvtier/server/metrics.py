@@ -58,6 +58,14 @@ class StoreCollector(Collector):
         yield CounterMetricFamily(
             "kvtier_dropped_blocks", "Blocks evicted from every tier", value=s.dropped_blocks
         )
+        if self._store.nvme is not None:
+            yield CounterMetricFamily(
+                "kvtier_nvme_refused_files",
+                "Files in the NVMe tier refused and removed for not being regular files "
+                "(symbolic links, FIFOs, sockets, devices, extra hard links): never opened "
+                "blocking, never written through",
+                value=self._store.nvme.refused_files,
+            )
         yield GaugeMetricFamily("kvtier_leases", "Zero-copy leases held now", value=s.leases)
         yield CounterMetricFamily(
             "kvtier_remote_puts", "Blocks this node put into the remote tier", value=s.remote_puts
