@@ -46,7 +46,7 @@ from kvtier.errors import (
 from kvtier.index.catalog import BlockId
 from kvtier.index.planner import OVERLAPS
 from kvtier.keys import DEFAULT_TENANT, check_key, check_namespace, hash_token, namespace_id
-from kvtier.server import rpc
+from kvtier.server import looplag, rpc
 from kvtier.server.arena_socket import ArenaSocket
 from kvtier.server.messages import (
     TIER_NAME_TO_PB,
@@ -371,7 +371,9 @@ class KVTierService:
     ) -> pb.StatsResponse:
         # Counters are node-wide: only callers who can authenticate may read them.
         self._caller(context)
-        return stats_response(self._store.stats(), self._store.policies.name)
+        lag = looplag.running()
+        reading = lag.read(reset_recent=True) if lag is not None else None
+        return stats_response(self._store.stats(), self._store.policies.name, reading)
 
     # ---- deciding ---------------------------------------------------------------------------
     async def Plan(self, request: pb.PlanRequest, context: Ctx) -> pb.PlanResponse:
