@@ -47,6 +47,7 @@ import contextlib
 import gc
 import hashlib
 import json
+import linecache
 import os
 import platform
 import random
@@ -463,11 +464,13 @@ def in_process_memory(entries: int, policy: str, top: bool) -> dict[str, Any]:
             out["tracemalloc_per_entry_bytes"] = round(traced / entries)
             out["tracemalloc_top"] = [
                 {
-                    "where": f"{_short(s.traceback[0].filename)}:{s.traceback[0].lineno}",
-                    "bytes_per_entry": round(s.size / entries, 1),
-                    "blocks_per_entry": round(s.count / entries, 2),
+                    "where": f"{_short(frame.filename)}:{frame.lineno}",
+                    "code": linecache.getline(frame.filename, frame.lineno).strip()[:60],
+                    "bytes_per_entry": round(stat.size / entries, 1),
+                    "blocks_per_entry": round(stat.count / entries, 2),
                 }
-                for s in stats[:15]
+                for stat in stats[:15]
+                for frame in [stat.traceback[0]]
             ]
         del store
     return out
@@ -548,7 +551,11 @@ def print_report(result: dict[str, Any]) -> None:
         if "tracemalloc_per_entry_bytes" in m:
             rows.append(("  traced per entry", f"{m['tracemalloc_per_entry_bytes']} B"))
             rows += [
-                (f"    {t['where']}", f"{t['bytes_per_entry']} B, {t['blocks_per_entry']} blocks")
+                (
+                    f"    {t['where']}",
+                    f"{t['bytes_per_entry']:6.1f} B, {t['blocks_per_entry']:4.2f} blocks  "
+                    f"{t['code']}",
+                )
                 for t in m["tracemalloc_top"]
             ]
     width = max(len(k) for k, _ in rows)
