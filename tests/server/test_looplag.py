@@ -42,7 +42,7 @@ def test_observe_keeps_the_longest_gap_since_start_and_since_the_last_read() -> 
     assert lag.lateness.sum_s == pytest.approx(0.245 + 0.001 + 0.035)
 
 
-@pytest.mark.parametrize("stall_s", [0.05, 0.2])
+@pytest.mark.parametrize("stall_s", [0.15, 0.3])
 async def test_a_blocking_call_is_measured_at_least_as_long_as_it_was(stall_s: float) -> None:
     lag = LoopLag(INTERVAL_S)
     lag.start()
@@ -56,8 +56,9 @@ async def test_a_blocking_call_is_measured_at_least_as_long_as_it_was(stall_s: f
         reading = lag.read()
         assert reading.recent_stall_max_s >= blocked_s >= stall_s
         assert reading.stall_max_s >= reading.recent_stall_max_s
-        # ... and not wildly longer: the probe's error is about one interval.
-        assert reading.recent_stall_max_s < blocked_s + 0.1
+        # ... and not wildly longer: the probe's error is about one interval (the margin
+        # is for a busy shared machine descheduling the test).
+        assert reading.recent_stall_max_s < blocked_s + 0.25
     finally:
         lag.stop()
 
@@ -70,7 +71,7 @@ async def test_an_idle_loop_reads_small() -> None:
         lag.read(reset_recent=True)
         await _wakeups(lag, 40)
         # About the interval; generous for a shared 2-core machine.
-        assert INTERVAL_S <= lag.read().recent_stall_max_s < 0.05
+        assert INTERVAL_S <= lag.read().recent_stall_max_s < 0.1
     finally:
         lag.stop()
 
