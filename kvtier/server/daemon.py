@@ -30,6 +30,7 @@ from kvtier.engine.cuda_path import CudaPath, EmulatedOpener, TorchOpener
 from kvtier.engine.store import Store
 from kvtier.errors import ConfigError
 from kvtier.movers.cuda import Mover, TorchDevice
+from kvtier.server import looplag
 from kvtier.server.arena_socket import ArenaSocket
 from kvtier.server.metrics import StoreCollector
 from kvtier.server.reload import plan_reload
@@ -131,6 +132,7 @@ class Daemon:
         self._tls: ReloadableCredentials | None = None
 
     async def run(self) -> int:
+        looplag.start()  # first, so that the stalls of start-up work are measured too
         cfg = self.config
         listen = cfg.server.listen
         sock_path = _unix_path(listen)

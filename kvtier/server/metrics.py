@@ -13,6 +13,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvtier.engine.store import Store
+from kvtier.server import looplag
 
 
 class StoreCollector(Collector):
@@ -118,6 +119,7 @@ class StoreCollector(Collector):
         yield reasons
         yield from self._transfers()
         yield from self._estimates()
+        yield from loop_lag_metrics(looplag.running())
 
     def _transfers(self) -> Iterator[Metric]:
         t = self._store.telemetry
@@ -172,3 +174,21 @@ class StoreCollector(Collector):
             a.add_metric([tenant, model], fit.a_s_per_token)
             c.add_metric([tenant, model], fit.c_s_per_token2)
         yield from (a, c)
+
+
+def loop_lag_metrics(lag: looplag.LoopLag | None) -> Iterator[Metric]:
+    """The event-loop probe's record (kvtier/server/looplag.py); nothing if none runs."""
+    if lag is None:
+        return
+    yield GaugeMetricFamily(
+        "kvtier_event_loop_stall_max_seconds",
+        "Longest time between two wake-ups of the event-loop probe since start: an upper "
+        f"bound on the longest stall ({lag.interval_s * 1e3:g} ms coarse; idle reads about that)",
+        value=lag.read().stall_max_s,
+    )
+    hist = HistogramMetricFamily(
+        "kvtier_event_loop_lag_seconds",
+        "How late each wake-up of the event-loop probe was (about 0 while nothing stalls the loop)",
+    )
+    hist.add_metric([], lag.lateness.cumulative(), lag.lateness.sum_s)
+    yield hist

@@ -53,7 +53,7 @@ from kvtier.keys import (
     hash_token,
     namespace_id,
 )
-from kvtier.server import rpc
+from kvtier.server import looplag, rpc
 from kvtier.server.arena_socket import ArenaSocket
 from kvtier.server.messages import (
     TIER_NAME_TO_PB,
@@ -378,7 +378,9 @@ class KVTierService:
     ) -> pb.StatsResponse:
         # Counters are node-wide: only callers who can authenticate may read them.
         self._caller(context)
-        return stats_response(self._store.stats(), self._store.policies.name)
+        lag = looplag.running()
+        reading = lag.read(reset_recent=True) if lag is not None else None
+        return stats_response(self._store.stats(), self._store.policies.name, reading)
 
     # ---- deciding ---------------------------------------------------------------------------
     async def Plan(self, request: pb.PlanRequest, context: Ctx) -> pb.PlanResponse:
