@@ -216,6 +216,8 @@ def test_tier_is_private_whatever_the_umask(
     with t.client("bob") as bob:
         before = get_latency_s(bob, [f"b{i}" for i in range(30)], 40)
     loose = loose_entries(t.root)
+    # Walked before the restart: its flush may reuse every spare for DRAM-only blocks.
+    had_spares = bool(t.spares())
     t.daemon.restart()  # a flush, a compacted log, records read back at start
     assert daemon_umask(t.daemon) == int(mask, 8)
     loose += loose_entries(t.root)
@@ -226,7 +228,7 @@ def test_tier_is_private_whatever_the_umask(
         row.serving = still_serves(bob)
     row.notes.append(f"{walked} files and directories walked, {len(loose)} open to group/others")
     note_latency(row, before, during, "after the restart")
-    assert (t.root / "tombstones.log").exists() and t.spares() and walked > 256
+    assert (t.root / "tombstones.log").exists() and had_spares and walked > 256
     assert loose == [], loose[:10]
     row.assert_ok()
 
