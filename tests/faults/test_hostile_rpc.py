@@ -144,12 +144,13 @@ def victim_set(victim: kvtier.Client, shadow: Shadow) -> list[str]:
 
 
 def within_normal(during: tuple[float, float, int], alone: tuple[float, float, int]) -> bool:
-    # Loose enough for a noisy 2-core box, far below what a starved victim sees (every
-    # call refused, or queued until its deadline).
+    # Loose enough for a noisy 2-core box (p99 of 40 gets is about their slowest: one
+    # scheduling hiccup of 200 ms was seen), far below what a starved victim sees: every
+    # call refused, or queued until its 5 s deadline.
     return (
         during[2] == 0
         and during[0] < max(5 * alone[0], 50.0)
-        and during[1] < max(5 * alone[1], 250.0)
+        and during[1] < max(5 * alone[1], 1000.0)
     )
 
 
