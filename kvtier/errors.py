@@ -19,6 +19,9 @@
     ├── PermissionDenied      PERMISSION_DENIED    the credentials do not allow this (another
     │                                              tenant's session)
     ├── Unimplemented         UNIMPLEMENTED        needs what this daemon lacks (e.g. a GPU)
+    ├── DeadlineExceeded      DEADLINE_EXCEEDED    the daemon ended a stream that stalled
+    │                                              (limits.stream_idle_s): send without
+    │                                              pausing, then retry
     └── CorruptRecord         DATA_LOSS            a stored record failed verification;
         │                                          internal: served as a miss, record dropped
         └── NotRegularFile    DATA_LOSS            a tier file is a link, FIFO, socket or
@@ -117,6 +120,15 @@ class Unimplemented(KVTierError):
     grpc_code = grpc.StatusCode.UNIMPLEMENTED
 
 
+class DeadlineExceeded(KVTierError):
+    """The daemon ended a call that made no progress for too long (a put stream that sent
+    nothing for limits.stream_idle_s); nothing was stored. Retry, sending without pausing.
+
+    Clients see it as any DEADLINE_EXCEEDED: kvtier.Client raises Unavailable."""
+
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class CorruptRecord(KVTierError):
     """A stored record failed verification. Internal: served as a miss, never as bytes."""
 
@@ -205,6 +217,7 @@ __all__ = [
     "ConfigError",
     "CorruptRecord",
     "DataLoss",
+    "DeadlineExceeded",
     "InvalidArgument",
     "KVTierError",
     "NotFound",

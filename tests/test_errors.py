@@ -12,6 +12,7 @@ from kvtier.errors import (
     ConfigError,
     CorruptRecord,
     DataLoss,
+    DeadlineExceeded,
     InvalidArgument,
     KVTierError,
     NotFound,
@@ -42,6 +43,7 @@ DOCUMENTED: list[tuple[type[KVTierError], grpc.StatusCode]] = [
     (Unauthenticated, Code.UNAUTHENTICATED),
     (PermissionDenied, Code.PERMISSION_DENIED),
     (Unimplemented, Code.UNIMPLEMENTED),
+    (DeadlineExceeded, Code.DEADLINE_EXCEEDED),
     (CorruptRecord, Code.DATA_LOSS),
     (NotRegularFile, Code.DATA_LOSS),
 ]

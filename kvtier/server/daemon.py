@@ -169,9 +169,10 @@ class Daemon:
         self.notifier.extend_timeout(60 + cfg.planner.calibration_s)
         self.notifier.send(STATUS="calibrating fetch paths")
         await store.calibrate()
-        server = grpc.aio.server(
-            options=grpc_options(cfg), maximum_concurrent_rpcs=cfg.server.max_concurrent_rpcs
-        )
+        # No maximum_concurrent_rpcs: grpc.aio's is one pool for every caller (and older
+        # grpcio queued past it); the service refuses past per-tenant caps and
+        # server.max_concurrent_rpcs itself (kvtier/server/admission.py).
+        server = grpc.aio.server(options=grpc_options(cfg))
         cuda = cuda_path(store, cfg)
 
         def session_ended(session_id: int) -> None:
