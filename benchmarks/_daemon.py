@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -37,3 +39,21 @@ def start(
 def stop(proc: subprocess.Popen[str]) -> None:
     proc.terminate()
     proc.wait(timeout=60)
+
+
+@contextlib.contextmanager
+def baseline_tree(rev: str, scratch: Path) -> Iterator[Path]:
+    """A temporary `git worktree` of `rev` under `scratch`: run a subprocess with
+    PYTHONPATH set to it and it (and any daemon it starts) imports that revision's code."""
+    root = Path(__file__).resolve().parent.parent
+    tree = scratch / "baseline"
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", str(tree), rev],
+        cwd=root,
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield tree
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=root, check=False)

@@ -23,6 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from _daemon import baseline_tree
+
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = ("get_gbps", "put_gbps", "get_p50_us", "put_p50_us")
 
@@ -45,26 +47,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="kvtier-ab-") as scratch:
-        base = Path(scratch) / "baseline"
-        subprocess.run(
-            ["git", "worktree", "add", "--detach", str(base), args.baseline_rev],
-            cwd=ROOT,
-            check=True,
-            capture_output=True,
-        )
-        try:
-            pairs = []
-            for i in range(args.pairs):
-                # Take turns going first: the first run of a pair tends to be the slower.
-                order = [("new", ROOT), ("base", base)][:: 1 if i % 2 == 0 else -1]
-                runs = {name: bench(tree, args) for name, tree in order}
-                pairs.append(runs)
-                print(f"pair {i + 1}/{args.pairs} done", file=sys.stderr)
-        finally:
-            subprocess.run(
-                ["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, check=False
-            )
+    with (
+        tempfile.TemporaryDirectory(prefix="kvtier-ab-") as scratch,
+        baseline_tree(args.baseline_rev, Path(scratch)) as base,
+    ):
+        pairs = []
+        for i in range(args.pairs):
+            # Take turns going first: the first run of a pair tends to be the slower.
+            order = [("new", ROOT), ("base", base)][:: 1 if i % 2 == 0 else -1]
+            runs = {name: bench(tree, args) for name, tree in order}
+            pairs.append(runs)
+            print(f"pair {i + 1}/{args.pairs} done", file=sys.stderr)
     report = []
     for key in sorted(pairs[0]["new"], key=lambda k: (k[1], k[0])):
         row: dict[str, Any] = {"path": key[0], "block_bytes": key[1]}

@@ -50,7 +50,12 @@ class ServerConfig(_Section):
         "", description="Prometheus /metrics address host:port; empty = no metrics endpoint"
     )
     reflection: bool = Field(False, description="serve gRPC reflection (for grpcurl)")
-    max_concurrent_rpcs: int = Field(256, gt=0, description="RPCs served at once before queuing")
+    max_concurrent_rpcs: int = Field(
+        256,
+        gt=0,
+        description="gRPC calls in flight on the node, all tenants together (more: "
+        "RESOURCE_EXHAUSTED at once); keep it >= tenants x limits.max_calls_per_tenant",
+    )
     max_streams_per_connection: int = Field(
         128,
         gt=0,

@@ -19,8 +19,13 @@
     ├── PermissionDenied      PERMISSION_DENIED    the credentials do not allow this (another
     │                                              tenant's session)
     ├── Unimplemented         UNIMPLEMENTED        needs what this daemon lacks (e.g. a GPU)
+    ├── DeadlineExceeded      DEADLINE_EXCEEDED    the daemon ended a stream that stalled
+    │                                              (limits.stream_idle_s): send without
+    │                                              pausing, then retry
     └── CorruptRecord         DATA_LOSS            a stored record failed verification;
-                                                   internal: served as a miss, record dropped
+        │                                          internal: served as a miss, record dropped
+        └── NotRegularFile    DATA_LOSS            a tier file is a link, FIFO, socket or
+                                                   device; internal: refused, counted, removed
     any other exception       INTERNAL             a daemon bug: the caller gets a fixed
                                                    message, the daemon's log the traceback
 
@@ -115,10 +120,30 @@ class Unimplemented(KVTierError):
     grpc_code = grpc.StatusCode.UNIMPLEMENTED
 
 
+class DeadlineExceeded(KVTierError):
+    """The daemon ended a call that made no progress for too long (a put stream that sent
+    nothing for limits.stream_idle_s); nothing was stored. Retry, sending without pausing.
+
+    Clients see it as any DEADLINE_EXCEEDED: kvtier.Client raises Unavailable."""
+
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class CorruptRecord(KVTierError):
     """A stored record failed verification. Internal: served as a miss, never as bytes."""
 
     grpc_code = grpc.StatusCode.DATA_LOSS
+
+
+class NotRegularFile(CorruptRecord):
+    """A file in the NVMe tier (record, spare, log) is not a regular file: a symbolic
+    link, FIFO, socket, device or extra hard link, planted or left by something else.
+    Internal: never opened blocking nor written through; the tier counts and removes it,
+    and a record that is one is a miss."""
+
+    def __init__(self, message: str, kind: str = "file") -> None:
+        super().__init__(message)
+        self.kind = kind  # "symbolic link", "FIFO", ...: what the tier counts and logs
 
 
 _BY_CODE: dict[grpc.StatusCode, type[KVTierError]] = {
@@ -192,9 +217,11 @@ __all__ = [
     "ConfigError",
     "CorruptRecord",
     "DataLoss",
+    "DeadlineExceeded",
     "InvalidArgument",
     "KVTierError",
     "NotFound",
+    "NotRegularFile",
     "PermissionDenied",
     "RateLimited",
     "ResourceExhausted",

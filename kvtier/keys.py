@@ -52,6 +52,18 @@ def check_key(key: bytes, max_bytes: int) -> bytes:
     return key
 
 
+def check_keys(keys: Iterable[bytes], max_bytes: int) -> list[bytes]:
+    """`keys` as a list if every one passes `check_key` (a chain of hundreds is checked by
+    its shortest and longest, not key by key), else InvalidArgument for the first bad one."""
+    out = list(keys)
+    if out:
+        lengths = list(map(len, out))
+        if min(lengths) == 0 or max(lengths) > max_bytes:
+            for key in out:
+                check_key(key, max_bytes)
+    return out
+
+
 def namespace_id(tenant: str, namespace: str) -> str:
     """The daemon-internal name of a namespace: tenant and namespace, never confusable."""
     return f"{tenant}|{namespace}"

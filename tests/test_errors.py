@@ -12,9 +12,11 @@ from kvtier.errors import (
     ConfigError,
     CorruptRecord,
     DataLoss,
+    DeadlineExceeded,
     InvalidArgument,
     KVTierError,
     NotFound,
+    NotRegularFile,
     PermissionDenied,
     RateLimited,
     ResourceExhausted,
@@ -41,7 +43,9 @@ DOCUMENTED: list[tuple[type[KVTierError], grpc.StatusCode]] = [
     (Unauthenticated, Code.UNAUTHENTICATED),
     (PermissionDenied, Code.PERMISSION_DENIED),
     (Unimplemented, Code.UNIMPLEMENTED),
+    (DeadlineExceeded, Code.DEADLINE_EXCEEDED),
     (CorruptRecord, Code.DATA_LOSS),
+    (NotRegularFile, Code.DATA_LOSS),
 ]
 
 

@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtier.errors import InvalidArgument
-from kvtier.keys import chain_keys, check_key, check_namespace, namespace_id
+from kvtier.keys import chain_keys, check_key, check_keys, check_namespace, namespace_id
 
 
 @pytest.mark.parametrize(
@@ -48,3 +48,21 @@ def test_chain_keys_are_prefix_chained(blocks: list[list[int]]) -> None:
 def test_chain_keys_field_boundaries_matter() -> None:
     assert chain_keys("m/l", [[1, 2]]) != chain_keys("m/l", [[1], [2]])[-1:]
     assert len(chain_keys("m/l", [[1]], digest_bytes=16)[0]) == 16
+
+
+@given(
+    st.lists(st.binary(min_size=0, max_size=6), max_size=40),
+    st.integers(min_value=1, max_value=5),
+)
+def test_check_keys_agrees_with_check_key_on_every_key(keys: list[bytes], limit: int) -> None:
+    """The chain check (shortest and longest only) refuses exactly what the per-key check
+    refuses, with the per-key check's message for the first bad key."""
+    first_bad = next((k for k in keys if not 1 <= len(k) <= limit), None)
+    if first_bad is None:
+        assert check_keys(keys, limit) == keys
+        return
+    with pytest.raises(InvalidArgument) as chain_err:
+        check_keys(keys, limit)
+    with pytest.raises(InvalidArgument) as key_err:
+        check_key(first_bad, limit)
+    assert str(chain_err.value) == str(key_err.value)

@@ -520,6 +520,8 @@ class StatsResponse(_message.Message):
     POLICY_FIELD_NUMBER: _builtins.int
     REMOTE_PUTS_FIELD_NUMBER: _builtins.int
     REMOTE_FETCHES_FIELD_NUMBER: _builtins.int
+    EVENT_LOOP_STALL_MAX_S_FIELD_NUMBER: _builtins.int
+    EVENT_LOOP_STALL_RECENT_MAX_S_FIELD_NUMBER: _builtins.int
     hits: _builtins.int
     misses: _builtins.int
     puts: _builtins.int
@@ -549,6 +551,12 @@ class StatsResponse(_message.Message):
     remote_puts: _builtins.int
     """The remote tier (remote.backend): blocks this node put there, and fetched from it."""
     remote_fetches: _builtins.int
+    event_loop_stall_max_s: _builtins.float
+    """Event-loop stalls (kvtier/server/looplag.py): the longest time between two wake-ups of
+    a 5 ms probe, an upper bound on the longest stall, since the daemon started and since
+    the previous Stats call (each call resets the second).
+    """
+    event_loop_stall_recent_max_s: _builtins.float
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierStats]: ...
     def __init__(
@@ -576,10 +584,12 @@ class StatsResponse(_message.Message):
         policy: _builtins.str = ...,
         remote_puts: _builtins.int = ...,
         remote_fetches: _builtins.int = ...,
+        event_loop_stall_max_s: _builtins.float = ...,
+        event_loop_stall_recent_max_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum_failures", b"checksum_failures", "demotions", b"demotions", "dropped_blocks", b"dropped_blocks", "fetch_regret_s", b"fetch_regret_s", "hits", b"hits", "leases", b"leases", "lost_reuse", b"lost_reuse", "misses", b"misses", "nvme_admitted", b"nvme_admitted", "nvme_direct_io", b"nvme_direct_io", "nvme_not_admitted", b"nvme_not_admitted", "planned_fetch_blocks", b"planned_fetch_blocks", "planned_recompute_blocks", b"planned_recompute_blocks", "policy", b"policy", "promotions", b"promotions", "puts", b"puts", "recompute_avoided_s", b"recompute_avoided_s", "remote_fetches", b"remote_fetches", "remote_puts", b"remote_puts", "tiers", b"tiers", "uptime_s", b"uptime_s", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum_failures", b"checksum_failures", "demotions", b"demotions", "dropped_blocks", b"dropped_blocks", "event_loop_stall_max_s", b"event_loop_stall_max_s", "event_loop_stall_recent_max_s", b"event_loop_stall_recent_max_s", "fetch_regret_s", b"fetch_regret_s", "hits", b"hits", "leases", b"leases", "lost_reuse", b"lost_reuse", "misses", b"misses", "nvme_admitted", b"nvme_admitted", "nvme_direct_io", b"nvme_direct_io", "nvme_not_admitted", b"nvme_not_admitted", "planned_fetch_blocks", b"planned_fetch_blocks", "planned_recompute_blocks", b"planned_recompute_blocks", "policy", b"policy", "promotions", b"promotions", "puts", b"puts", "recompute_avoided_s", b"recompute_avoided_s", "remote_fetches", b"remote_fetches", "remote_puts", b"remote_puts", "tiers", b"tiers", "uptime_s", b"uptime_s", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

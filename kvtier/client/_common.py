@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -282,3 +282,10 @@ def translate(err: grpc.RpcError) -> KVTierError:
 
 def as_key(key: bytes | str) -> bytes:
     return key.encode() if isinstance(key, str) else bytes(key)
+
+
+def as_keys(keys: Sequence[bytes | str]) -> list[bytes]:
+    """`as_key` of each; a chain of bytes keys (the usual case: hashes) is passed as is."""
+    if all(type(k) is bytes for k in keys):
+        return list(keys)  # type: ignore[arg-type]
+    return [as_key(k) for k in keys]

@@ -41,6 +41,7 @@ from kvtier.client._common import (
     GetAssembler,
     PemSource,
     as_key,
+    as_keys,
     auth_metadata,
     channel_security,
     make_calls,
@@ -235,7 +236,7 @@ def get(namespace: str, key: bytes | str) -> Operation[bytes | None]:
 
 def lookup(namespace: str, keys: Sequence[bytes | str]) -> Operation[LookupResult]:
     """How many leading keys of the chain are cached, and the tier of each key."""
-    request = pb.LookupRequest(namespace=namespace, keys=[as_key(k) for k in keys])
+    request = pb.LookupRequest(namespace=namespace, keys=as_keys(keys))
     return lookup_result((yield from rpc("Lookup", request, pb.LookupResponse)))
 
 
@@ -299,7 +300,7 @@ def plan(
     """Per block of the chain: fetch (from which tier) or recompute, and the estimates."""
     request = plan_request(
         namespace,
-        [as_key(k) for k in keys],
+        as_keys(keys),
         tokens_per_block,
         engine_cached_blocks,
         overlap,
@@ -379,7 +380,7 @@ def get_many(
         for key, parts in zip(keys, views, strict=True):
             copied_bytes.append(copy_bytes((yield from get(namespace, key)), parts))
         return copied_bytes
-    request = pb.AcquireRequest(namespace=namespace, keys=[as_key(k) for k in keys])
+    request = pb.AcquireRequest(namespace=namespace, keys=as_keys(keys))
     started_s = time.perf_counter()
     leased = yield from session_call(Op.ACQUIRE, request, pb.AcquireResponse)
     copied: list[int | None] = []

@@ -159,6 +159,10 @@ class Stats(_ByFieldName):
     remote_puts: int
     remote_fetches: int
     tiers: dict[str, TierStats]
+    # Longest event-loop stall (an upper bound, 5 ms coarse) since the daemon started, and
+    # since the previous stats() call (this call resets it); 0.0 from a daemon without it.
+    event_loop_stall_max_s: float = 0.0
+    event_loop_stall_recent_max_s: float = 0.0
 
 
 def lookup_result(resp: pb.LookupResponse) -> LookupResult:
@@ -255,4 +259,6 @@ def stats_of(resp: pb.StatsResponse) -> Stats:
             )
             for t in resp.tiers
         },
+        event_loop_stall_max_s=resp.event_loop_stall_max_s,
+        event_loop_stall_recent_max_s=resp.event_loop_stall_recent_max_s,
     )

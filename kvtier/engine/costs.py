@@ -15,7 +15,7 @@ block is served: the recompute it replaced is saved time, a fetch slower than it
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import itertools
 from collections.abc import Callable
 
 from kvtier.engine.results import Counters
@@ -57,7 +57,7 @@ class CostModel:
         self._prefill: dict[str, PrefillEstimator] = {}
         # Read by the policy's value model (shared dict: refreshed in place).
         self.value_costs: dict[str, TierCost] = {}
-        self.planned: OrderedDict[BlockId, float] = OrderedDict()
+        self.planned: dict[BlockId, float] = {}  # in the order first planned
         self.refresh()
 
     def add_path(self, tier: str, seed: TierCost) -> PathEstimator:
@@ -137,11 +137,15 @@ class CostModel:
         costs = result.block_costs()
         recompute = costs[2]
         planned = self.planned
-        for i in range(result.fetch_start, min(result.fetch_end, len(keys))):
-            planned[(ns_id, keys[i])] = recompute[i]
-            planned.move_to_end((ns_id, keys[i]))
-        while len(planned) > PLANNED_BLOCKS_KEPT:
-            planned.popitem(last=False)
+        start, end = result.fetch_start, min(result.fetch_end, len(keys))
+        # One C-level update per plan (an engine re-plans a waiting prompt every step): a
+        # block planned again keeps its place, so the oldest first planned go first.
+        planned.update(
+            zip([(ns_id, key) for key in keys[start:end]], recompute[start:end], strict=True)
+        )
+        if len(planned) > PLANNED_BLOCKS_KEPT:
+            for block_id in list(itertools.islice(planned, len(planned) - PLANNED_BLOCKS_KEPT)):
+                del planned[block_id]
         self._counters.planned_fetch_blocks += result.fetch_blocks
         self._counters.planned_recompute_blocks += (
             len(recompute) - result.engine_blocks - result.fetch_blocks

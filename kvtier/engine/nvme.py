@@ -91,6 +91,11 @@ class NvmeDriver:
     def capacity_bytes(self) -> int:
         return self.tier.capacity_bytes
 
+    @property
+    def refused_files(self) -> int:
+        """Files refused since start for not being regular files (links, FIFOs, ...)."""
+        return self.tier.refused.count
+
     async def open(self) -> int | None:
         """Ready the tier for new records (its index is recovered after: engine/recovery.py)
         and start the health watcher. Returns this run's first generation, or None for a

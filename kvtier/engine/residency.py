@@ -29,6 +29,7 @@ from kvtier.keys import tenant_of
 from kvtier.types import BlockId, Extent, LookupResult, TierName
 
 BlockEvents = Callable[[BlockId, list[TierName]], None]
+_DRAM, _NVME = TierName.DRAM, TierName.NVME
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +86,20 @@ class Residency:
 
     def lookup(self, ns_id: str, keys: list[bytes]) -> LookupResult:
         """Where each key of a chain lives; learns the chain (positions, lost reuse)."""
-        result = self.catalog.lookup(ns_id, keys)
-        self._learn_chain(ns_id, keys, result.tiers)
-        return result
+        found = self.catalog.find(ns_id, keys)
+        self._learn_chain(ns_id, keys, found)
+        return LookupResult.of(
+            [
+                None
+                if e is None
+                else _DRAM
+                if e.dram_extent is not None
+                else _NVME
+                if e.nvme_record_bytes
+                else None
+                for e in found
+            ]
+        )
 
     def dram_entries(self, tenant: str) -> Iterator[Entry]:
         for entry in self.catalog.entries():
@@ -317,29 +329,31 @@ class Residency:
         return Released(extent, had_record)
 
     # ---- chains and ghosts ------------------------------------------------------------------
-    def _learn_chain(self, ns_id: str, keys: list[bytes], tiers: list[TierName | None]) -> None:
+    def _learn_chain(self, ns_id: str, keys: list[bytes], found: list[Entry | None]) -> None:
         """A chain an engine asked about: where each cached block sits in it (on every
         Plan, so the common case — nothing changed since the last one — is a dict probe)."""
         last = len(keys) - 1
+        if len(set(keys)) != len(keys):
+            # A chain that names a block twice is not a chain past that point: a block
+            # must never become its own ancestor (the policy walks parents).
+            seen: set[bytes] = set()
+            for i, key in enumerate(keys):
+                if key in seen:
+                    keys, found = keys[:i], found[:i]
+                    break
+                seen.add(key)
         infos, ghosts = self._infos, self.policies.ghosts
         parent: BlockId | None = None
-        seen: set[bytes] = set()
-        for i, key in enumerate(keys):
-            if key in seen:
-                # A chain that names a block twice is not a chain past that point: a block
-                # must never become its own ancestor (the policy walks parents).
-                break
-            seen.add(key)
-            block_id = (ns_id, key)
-            if tiers[i] is None:
+        for i, entry in enumerate(found):
+            if entry is None or (entry.dram_extent is None and not entry.nvme_record_bytes):
+                block_id = (ns_id, keys[i])
                 if ghosts.take(block_id):
                     self._counters.lost_reuse += 1
             else:
+                block_id = entry.block_id
                 known = infos.get(block_id)
                 if known is None or known.position != i or known.from_end != last - i:
-                    entry = self.catalog.get(block_id)
-                    if entry is not None:
-                        infos[block_id] = BlockInfo(entry.size_bytes, i, parent, last - i)
+                    infos[block_id] = BlockInfo(entry.size_bytes, i, parent, last - i)
             parent = block_id
 
     def _dropped(self, entry: Entry) -> None:

@@ -61,6 +61,15 @@ class Entry:
 _DRAM, _NVME = TierName.DRAM, TierName.NVME
 
 
+def tier_of(entry: Entry | None) -> TierName | None:
+    """The fastest tier holding a block (None: not cached)."""
+    if entry is None:
+        return None
+    if entry.dram_extent is not None:
+        return _DRAM
+    return _NVME if entry.nvme_record_bytes else None
+
+
 class Catalog:
     """key -> residency: copies, pins and byte accounting, reported as residency events."""
 
@@ -184,18 +193,13 @@ class Catalog:
         entry.pins -= 1
 
     def lookup(self, ns_id: str, keys: list[bytes]) -> LookupResult:
-        # On the Plan path for every prompt (hundreds of keys): no per-key allocations.
-        entries = self._entries
-        tiers: list[TierName | None] = []
-        for key in keys:
-            entry = entries.get((ns_id, key))
-            if entry is None:
-                tiers.append(None)
-            elif entry.dram_extent is not None:
-                tiers.append(_DRAM)
-            else:
-                tiers.append(_NVME if entry.nvme_record_bytes else None)
-        return LookupResult.of(tiers)
+        return LookupResult.of([tier_of(e) for e in self.find(ns_id, keys)])
+
+    def find(self, ns_id: str, keys: list[bytes]) -> list[Entry | None]:
+        """The entry of each key (None: not cached). On the Plan path for every prompt
+        (hundreds of keys): one probe per key, nothing else."""
+        get = self._entries.get
+        return [get((ns_id, key)) for key in keys]
 
     def entries(self) -> Iterator[Entry]:
         """Every live entry (a copy of the list: callers may await between items)."""

@@ -146,14 +146,30 @@ class PathEstimator:
         self._fit = _WeightedLeastSquares(2, decay)
         self._min = min_observations
         self._gate = _OutlierGate(outlier_factor, min_observations)
+        # Every Plan reads the estimate and few calls observe: solve once per observation.
+        self._estimate: TierCost | None = None
 
     def observe(self, size_bytes: int, seconds: float) -> None:
         if size_bytes <= 0 or seconds <= 0:
             return
         predicted = self.estimate().fetch_s(size_bytes)
         _gated_add(self._fit, self._gate, [1.0, float(size_bytes)], seconds, predicted)
+        self._estimate = None
 
     def estimate(self) -> TierCost:
+        if self._estimate is None:
+            self._estimate = self._solve()
+        return self._estimate
+
+    @property
+    def seed(self) -> TierCost:
+        return self._seed
+
+    @seed.setter
+    def seed(self, seed: TierCost) -> None:
+        self._seed, self._estimate = seed, None
+
+    def _solve(self) -> TierCost:
         if self._fit.count < self._min:
             return self.seed
         weights = self._fit.solve()
@@ -195,6 +211,7 @@ class PrefillEstimator:
         self._fit = _WeightedLeastSquares(3, decay)
         self._min = min_observations
         self._gate = _OutlierGate(outlier_factor, min_observations)
+        self._estimate: PrefillCost | None = None  # as PathEstimator's
 
     def observe(self, start_token: int, end_token: int, seconds: float) -> None:
         if end_token <= start_token or seconds <= 0:
@@ -202,8 +219,22 @@ class PrefillEstimator:
         predicted = self.estimate().seconds(start_token, end_token)
         x = [float(end_token - start_token), (end_token**2 - start_token**2) / 2, 1.0]
         _gated_add(self._fit, self._gate, x, seconds, predicted)
+        self._estimate = None
 
     def estimate(self) -> PrefillCost:
+        if self._estimate is None:
+            self._estimate = self._solve()
+        return self._estimate
+
+    @property
+    def seed(self) -> PrefillCost:
+        return self._seed
+
+    @seed.setter
+    def seed(self, seed: PrefillCost) -> None:
+        self._seed, self._estimate = seed, None
+
+    def _solve(self) -> PrefillCost:
         if self._fit.count < self._min:
             return self.seed
         # Non-negative: a prefix hit makes an engine report only suffixes, every one the

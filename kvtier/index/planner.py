@@ -31,6 +31,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvtier.types import (
     OVERLAPS,
     BlockCosts,
@@ -89,16 +91,13 @@ class Plan:
         arr, req = self._arrays, self._req
         e, end = arr.engine, arr.cached_end
         tiers: list[str | None] = [None] * arr.n
+        tiers[e:end] = [str(t) for t in req.cached_tiers[e:end]]
         fetch = [0.0] * arr.n
-        for i in range(e, end):
-            tiers[i] = str(req.cached_tiers[i])
-            fetch[i] = arr.fetch_cost[i - e]
+        fetch[e:end] = arr.fetch_cost
         pre = req.prefill
-        a, half_c, toks = pre.a_s_per_token, pre.c_s_per_token2 / 2, arr.tokens
-        recompute = [
-            a * (toks[i + 1] - toks[i]) + half_c * (toks[i + 1] ** 2 - toks[i] ** 2)
-            for i in range(arr.n)
-        ]
+        a, half_c, t = pre.a_s_per_token, pre.c_s_per_token2 / 2, arr.tokens
+        t0, t1 = t[:-1], t[1:]
+        recompute: list[float] = (a * (t1 - t0) + half_c * (t1 * t1 - t0 * t0)).tolist()
         return tiers, fetch, recompute
 
     @property
@@ -117,7 +116,7 @@ class Plan:
                 else "recompute",
                 tier=str(req.cached_tiers[i]) if e <= i < arr.cached_end else None,
                 fetch_s=arr.fetch_cost[i - e] if e <= i < arr.cached_end else None,
-                recompute_s=req.prefill.seconds(arr.tokens[i], arr.tokens[i + 1]) - step,
+                recompute_s=req.prefill.seconds(int(arr.tokens[i]), int(arr.tokens[i + 1])) - step,
             )
             for i in range(arr.n)
         ]
@@ -148,16 +147,21 @@ class PlanRequest:
 
 @dataclass(frozen=True, slots=True)
 class _Arrays:
-    """Per-prompt cost arrays, indexed by block number (0..n)."""
+    """Per-prompt cost arrays, indexed by block number."""
 
     engine: int
     cached_end: int
     n: int
-    tokens: list[int]
+    tokens: np.ndarray  # boundary i's token, min(i * b, prompt), as doubles (exact < 2^26)
     fetch_cost: list[float]  # for blocks engine..cached_end-1
+    # Indexed by split boundary 0..cached_end (a split never goes past the cached run):
     loaded: list[float]  # loaded[i]: fetch [engine, i)  (constant below engine)
     front: list[float]  # front[g]: recompute [engine, g)
     tail: list[float]  # tail[k]: recompute [k, n)
+    # The same three as arrays, for the vectorised searches.
+    loaded_np: np.ndarray
+    front_np: np.ndarray
+    tail_np: np.ndarray
 
 
 def _arrays(req: PlanRequest) -> _Arrays:
@@ -165,30 +169,53 @@ def _arrays(req: PlanRequest) -> _Arrays:
     n = -(-req.prompt_tokens // b)
     engine = min(req.engine_cached_blocks, n)
     cached_end = engine  # end of the leading run of fetchable blocks after the engine's
-    while (
-        cached_end < n
-        and cached_end < len(req.cached_tiers)
-        and (req.cached_tiers[cached_end] in req.tier_costs)
-    ):
+    costs = req.tier_costs
+    for tier in itertools.islice(req.cached_tiers, engine, n):
+        if tier not in costs:
+            break
         cached_end += 1
-    tokens = [min(i * b, req.prompt_tokens) for i in range(n + 1)]
-    fetch_cost = [
-        req.tier_costs[str(req.cached_tiers[i])].fetch_s(
-            (tokens[i + 1] - tokens[i]) * req.kv_bytes_per_token
+    tokens = np.arange(n + 1, dtype=np.float64) * b
+    tokens[n] = req.prompt_tokens
+    # Every block but a partial last one has b tokens: one fetch cost per tier.
+    whole = {
+        name: cost.fetch_s(b * req.kv_bytes_per_token) for name, cost in req.tier_costs.items()
+    }
+    fetch_cost = [whole[t] for t in req.cached_tiers[engine:cached_end]]  # type: ignore[index]
+    last_tokens = req.prompt_tokens - (n - 1) * b
+    if cached_end > engine and cached_end == n and last_tokens != b:
+        fetch_cost[-1] = req.tier_costs[str(req.cached_tiers[n - 1])].fetch_s(
+            last_tokens * req.kv_bytes_per_token
         )
-        for i in range(engine, cached_end)
-    ]
-    loaded = [0.0] * (engine + 1) + list(itertools.accumulate(fetch_cost))
-    loaded += [loaded[-1]] * (n + 1 - len(loaded))
+    loaded = np.zeros(cached_end + 1)
+    np.cumsum(fetch_cost, out=loaded[engine + 1 :])  # a running sum, as itertools.accumulate
     a, half_c, step = req.prefill.a_s_per_token, req.prefill.c_s_per_token2 / 2, req.prefill.step_s
-
-    def span(s: int, e: int) -> float:
-        return a * (e - s) + half_c * (e * e - s * s) + step if e > s else 0.0
-
-    start, end = tokens[engine], req.prompt_tokens
-    front = [span(start, t) for t in tokens]
-    tail = [span(t, end) for t in tokens]
-    return _Arrays(engine, cached_end, n, tokens, fetch_cost, loaded, front, tail)
+    # span(s, e) = a (e - s) + c (e^2 - s^2) / 2 + step, or 0 when e <= s, vectorised (this
+    # runs on every Plan). Token counts as doubles are exact below 2^26 tokens, so these are
+    # the values integer arithmetic gives. A split never goes past the cached run: only
+    # its boundaries 0..cached_end are priced.
+    bounds = tokens[: cached_end + 1]
+    start, end = float(tokens[engine]), float(req.prompt_tokens)
+    front = np.where(
+        bounds > start,
+        a * (bounds - start) + half_c * (bounds * bounds - start * start) + step,
+        0.0,
+    )
+    tail = np.where(
+        end > bounds, a * (end - bounds) + half_c * (end * end - bounds * bounds) + step, 0.0
+    )
+    return _Arrays(
+        engine,
+        cached_end,
+        n,
+        tokens,
+        fetch_cost,
+        loaded.tolist(),
+        front.tolist(),
+        tail.tolist(),
+        loaded,
+        front,
+        tail,
+    )
 
 
 def split_cost(req: PlanRequest, arr: _Arrays, g: int, k: int) -> float:
@@ -210,14 +237,12 @@ def plan(req: PlanRequest) -> Plan:
     best_total, best_g, best_k = split_cost(req, arr, e, e), e, e
     ks = range(e + 1, arr.cached_end + 1)
     if req.overlap == "none":
-        # cost = (front[g] - loaded[g]) + loaded[k] + tail[k]: best g is a prefix minimum.
-        g_best = e
-        for k in ks:
-            if front[k] - loaded[k] < front[g_best] - loaded[g_best]:
-                g_best = k
-            total = front[g_best] + loaded[k] - loaded[g_best] + tail[k]
-            if total < best_total:
-                best_total, best_g, best_k = total, g_best, k
+        # cost = (front[g] - loaded[g]) + loaded[k] + tail[k]: best g is a prefix minimum
+        # (the first index holding it), best k the first with the least total.
+        if len(ks):
+            best_total, best_g, best_k = _best_split_none(
+                arr.front_np[e:], arr.loaded_np[e:], arr.tail_np[e:], e, best_total
+            )
     elif req.overlap == "bidirectional":
         # max(front[g] + tail[k], load(g, k) + tail[k]/layers): the first rises with g, the
         # second falls, so the best g is where front[g] + loaded[g] crosses a k-threshold.
@@ -276,6 +301,25 @@ def plan(req: PlanRequest) -> Plan:
         _req=req,
         _arrays=arr,
     )
+
+
+def _best_split_none(
+    front: np.ndarray, loaded: np.ndarray, tail: np.ndarray, e: int, recompute_all_s: float
+) -> tuple[float, int, int]:
+    """(total, g, k) of the cheapest split with k > e under overlap "none", or
+    (recompute_all_s, e, e) when none beats it; the arrays start at boundary e. The same
+    choices, ties included, as scanning k upwards with a running prefix minimum."""
+    x = front - loaded
+    prefix_min = np.minimum.accumulate(x)
+    new_min = np.empty(len(x), dtype=bool)
+    new_min[0] = True
+    new_min[1:] = x[1:] < prefix_min[:-1]
+    g = np.maximum.accumulate(np.where(new_min, np.arange(len(x)), 0))[1:]
+    totals = front[g] + loaded[1:] - loaded[g] + tail[1:]
+    k = int(np.argmin(totals))
+    if totals[k] < recompute_all_s:
+        return float(totals[k]), int(g[k]) + e, k + 1 + e
+    return recompute_all_s, e, e
 
 
 def oracle_total(req: PlanRequest) -> float:

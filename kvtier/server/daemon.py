@@ -32,6 +32,7 @@ from kvtier.engine.cuda_path import CudaPath, EmulatedOpener, TorchOpener
 from kvtier.engine.store import Store
 from kvtier.errors import ConfigError
 from kvtier.movers.cuda import Mover, TorchDevice
+from kvtier.server import looplag
 from kvtier.server.arena_socket import ArenaSocket
 from kvtier.server.metrics import StoreCollector
 from kvtier.server.reload import plan_reload
@@ -137,6 +138,7 @@ class Daemon:
         self._tls: ReloadableCredentials | None = None
 
     async def run(self) -> int:
+        looplag.start()  # first, so that the stalls of start-up work are measured too
         cfg = self.config
         listen = cfg.server.listen
         sock_path = _unix_path(listen)
@@ -174,9 +176,10 @@ class Daemon:
         self.notifier.extend_timeout(60 + cfg.planner.calibration_s)
         self.notifier.send(STATUS="calibrating fetch paths")
         await store.calibrate()
-        server = grpc.aio.server(
-            options=grpc_options(cfg), maximum_concurrent_rpcs=cfg.server.max_concurrent_rpcs
-        )
+        # No maximum_concurrent_rpcs: grpc.aio's is one pool for every caller (and older
+        # grpcio queued past it); the service refuses past per-tenant caps and
+        # server.max_concurrent_rpcs itself (kvtier/server/admission.py).
+        server = grpc.aio.server(options=grpc_options(cfg))
         cuda = cuda_path(store, cfg)
 
         def session_ended(session_id: int) -> None:

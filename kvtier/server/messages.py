@@ -16,6 +16,7 @@ from kvtier.engine.results import CommitOutcome, LeasedSlot, StoreStats
 from kvtier.errors import to_status
 from kvtier.index.catalog import Entry, TierName
 from kvtier.index.planner import Plan
+from kvtier.server.looplag import LagReading
 from kvtier.types import BlockCosts, PrefillCost
 
 TIER_TO_PB: dict[TierName | None, pb.Tier.ValueType] = {
@@ -112,7 +113,9 @@ def prefill_response(fit: PrefillCost) -> pb.ReportPrefillResponse:
     )
 
 
-def stats_response(stats: StoreStats, policy: str) -> pb.StatsResponse:
+def stats_response(
+    stats: StoreStats, policy: str, lag: LagReading | None = None
+) -> pb.StatsResponse:
     return pb.StatsResponse(
         tiers=[
             pb.TierStats(
@@ -150,4 +153,6 @@ def stats_response(stats: StoreStats, policy: str) -> pb.StatsResponse:
         nvme_admitted=stats.admitted,
         nvme_not_admitted=stats.not_admitted,
         policy=policy,
+        event_loop_stall_max_s=lag.stall_max_s if lag else 0.0,
+        event_loop_stall_recent_max_s=lag.recent_stall_max_s if lag else 0.0,
     )

@@ -13,6 +13,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvtier.engine.store import Store
+from kvtier.server import looplag
 
 
 class StoreCollector(Collector):
@@ -58,6 +59,14 @@ class StoreCollector(Collector):
         yield CounterMetricFamily(
             "kvtier_dropped_blocks", "Blocks evicted from every tier", value=s.dropped_blocks
         )
+        if self._store.nvme is not None:
+            yield CounterMetricFamily(
+                "kvtier_nvme_refused_files",
+                "Files in the NVMe tier refused and removed for not being regular files "
+                "(symbolic links, FIFOs, sockets, devices, extra hard links): never opened "
+                "blocking, never written through",
+                value=self._store.nvme.refused_files,
+            )
         yield GaugeMetricFamily("kvtier_leases", "Zero-copy leases held now", value=s.leases)
         yield CounterMetricFamily(
             "kvtier_remote_puts", "Blocks this node put into the remote tier", value=s.remote_puts
@@ -110,6 +119,7 @@ class StoreCollector(Collector):
         yield reasons
         yield from self._transfers()
         yield from self._estimates()
+        yield from loop_lag_metrics(looplag.running())
 
     def _transfers(self) -> Iterator[Metric]:
         t = self._store.telemetry
@@ -164,3 +174,21 @@ class StoreCollector(Collector):
             a.add_metric([tenant, model], fit.a_s_per_token)
             c.add_metric([tenant, model], fit.c_s_per_token2)
         yield from (a, c)
+
+
+def loop_lag_metrics(lag: looplag.LoopLag | None) -> Iterator[Metric]:
+    """The event-loop probe's record (kvtier/server/looplag.py); nothing if none runs."""
+    if lag is None:
+        return
+    yield GaugeMetricFamily(
+        "kvtier_event_loop_stall_max_seconds",
+        "Longest time between two wake-ups of the event-loop probe since start: an upper "
+        f"bound on the longest stall ({lag.interval_s * 1e3:g} ms coarse; idle reads about that)",
+        value=lag.read().stall_max_s,
+    )
+    hist = HistogramMetricFamily(
+        "kvtier_event_loop_lag_seconds",
+        "How late each wake-up of the event-loop probe was (about 0 while nothing stalls the loop)",
+    )
+    hist.add_metric([], lag.lateness.cumulative(), lag.lateness.sum_s)
+    yield hist

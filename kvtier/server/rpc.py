@@ -7,6 +7,12 @@ comes from `answer` (kvtier.errors.to_status), which the session socket uses too
 What is not turned into a status: cancellation (the client left or its deadline passed;
 gRPC ends the call and there is nobody to tell) and grpc's own errors (an abort already
 sent, a server that is stopping), which gRPC handles itself.
+
+Admission: `enter`, when given, is asked before the handler runs (the per-tenant call caps,
+kvtier.server.admission); what it raises ends the call like a handler's exception, and
+what it returns is released when the call ends, however it ends. A stream the client
+abandons mid-response is not always unwound at once (its generator may be finalised
+later), so the release is also tied to gRPC's own end of the call (`add_done_callback`).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import grpc
 
@@ -26,6 +32,15 @@ from kvtier.errors import InvalidArgument, KVTierError, Status, to_status
 Ctx = grpc.aio.ServicerContext[Any, Any]
 UnaryHandler = Callable[[Any, Ctx], Awaitable[Any]]
 StreamHandler = Callable[[Any, Ctx], AsyncGenerator[Any, None]]
+
+
+class Admitted(Protocol):
+    """A call's place (kvtier.server.admission.Slot); `release` may be called twice."""
+
+    def release(self) -> None: ...
+
+
+Enter = Callable[[Ctx], Admitted]
 
 logger = logging.getLogger(__name__)
 
@@ -71,13 +86,27 @@ def _code_name(context: Ctx, default: grpc.StatusCode) -> str:
     return default.name
 
 
-def unary(telemetry: Telemetry, name: str, handler: UnaryHandler) -> UnaryHandler:
+def _admit(enter: Enter | None, context: Ctx) -> Admitted | None:
+    if enter is None:
+        return None
+    admitted = enter(context)
+    release = admitted.release
+    # The stub types the callback as a nominal class; any callable of the context will do.
+    context.add_done_callback(lambda _context: release())  # type: ignore[arg-type]
+    return admitted
+
+
+def unary(
+    telemetry: Telemetry, name: str, handler: UnaryHandler, enter: Enter | None = None
+) -> UnaryHandler:
     """`handler` (one response) answering exceptions with their status, each call counted
-    by the code it ended with."""
+    by the code it ended with; admitted by `enter` first, if given."""
 
     async def call(request: Any, context: Ctx) -> Any:
+        admitted = None
         try:
             try:
+                admitted = _admit(enter, context)
                 _check_decoded(name, request)
                 response = await handler(request, context)
             except Exception as err:
@@ -85,19 +114,26 @@ def unary(telemetry: Telemetry, name: str, handler: UnaryHandler) -> UnaryHandle
         except BaseException:
             telemetry.request(name, _code_name(context, grpc.StatusCode.UNKNOWN))
             raise
+        finally:
+            if admitted is not None:
+                admitted.release()
         telemetry.request(name, _code_name(context, grpc.StatusCode.OK))
         return response
 
     return call
 
 
-def stream(telemetry: Telemetry, name: str, handler: StreamHandler) -> StreamHandler:
+def stream(
+    telemetry: Telemetry, name: str, handler: StreamHandler, enter: Enter | None = None
+) -> StreamHandler:
     """`handler` (a response stream), as `unary`. A failure after some responses were sent
     still ends the stream with its status."""
 
     async def call(request: Any, context: Ctx) -> AsyncGenerator[Any, None]:
+        admitted = None
         try:
             try:
+                admitted = _admit(enter, context)
                 _check_decoded(name, request)
                 # aclosing: a stream the client abandons runs the handler's `finally` (a
                 # watcher unregistered, a reader closed) now, not when it is collected.
@@ -109,6 +145,9 @@ def stream(telemetry: Telemetry, name: str, handler: StreamHandler) -> StreamHan
         except BaseException:
             telemetry.request(name, _code_name(context, grpc.StatusCode.UNKNOWN))
             raise
+        finally:
+            if admitted is not None:
+                admitted.release()
         telemetry.request(name, _code_name(context, grpc.StatusCode.OK))
 
     return call

@@ -10,10 +10,18 @@ before it does any work; zero-copy session ops are charged by `session_call` (a
 kvtier.server.session_dispatch.SessionDispatch) or `_session` for their gRPC twins.
 Commit and Release are not charged: they finish work already admitted, and refusing them
 would only keep DRAM pinned until the lease expires.
+
+What a tenant holds open: every RPC of the service takes one of its tenant's call slots
+for as long as it runs (`enter_call`, limits.max_calls_per_tenant; WatchEvents also one of
+limits.max_watchers_per_tenant; server.max_concurrent_rpcs over all tenants), refused at
+once past a cap (kvtier.server.admission). A Put stream that sends nothing for
+limits.stream_idle_s is ended DEADLINE_EXCEEDED and its reserved DRAM freed.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -35,6 +43,7 @@ from kvtier.engine.cuda_path import CudaBlock, CudaPath
 from kvtier.engine.events import Resync
 from kvtier.engine.store import Store
 from kvtier.errors import (
+    DeadlineExceeded,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -45,8 +54,16 @@ from kvtier.errors import (
 )
 from kvtier.index.catalog import BlockId
 from kvtier.index.planner import OVERLAPS
-from kvtier.keys import DEFAULT_TENANT, check_key, check_namespace, hash_token, namespace_id
-from kvtier.server import rpc
+from kvtier.keys import (
+    DEFAULT_TENANT,
+    check_key,
+    check_keys,
+    check_namespace,
+    hash_token,
+    namespace_id,
+)
+from kvtier.server import looplag, rpc
+from kvtier.server.admission import CallCaps, CallSlots, Slot, node_cap_warning
 from kvtier.server.arena_socket import ArenaSocket
 from kvtier.server.messages import (
     TIER_NAME_TO_PB,
@@ -95,6 +112,8 @@ class KVTierService:
         self._tokens = dict(config.auth.tokens)
         self._certificates = dict(config.auth.certificates)
         self._limiter = RateLimiter(config)
+        self._calls = CallSlots(CallCaps.of(config))
+        _warn_node_cap(config)
         self.session_call = SessionDispatch(
             {
                 Op.RESERVE: self._reserve,
@@ -120,6 +139,13 @@ class KVTierService:
         self._tokens = dict(config.auth.tokens)
         self._certificates = dict(config.auth.certificates)
         self._limiter.reconfigure(config)
+        self._calls.reconfigure(CallCaps.of(config))
+        _warn_node_cap(config)
+
+    def enter_call(self, method: str, context: Ctx) -> Slot:
+        """A slot for one call of `method` from the caller's tenant (ResourceExhausted past
+        its caps; Unauthenticated without a valid identity). Charges no request rate."""
+        return self._calls.enter(self._tenant(context), watcher=method == "WatchEvents")
 
     # ---- helpers ------------------------------------------------------------------------
     def _tenant(self, context: Ctx) -> str:
@@ -213,7 +239,9 @@ class KVTierService:
         request_iterator: AsyncIterator[pb.PutRequest | RawChunk],
         context: Ctx,
     ) -> pb.PutResponse:
-        first = await anext(aiter(request_iterator), None)
+        messages = aiter(request_iterator)
+        idle_s = self._limits.stream_idle_s
+        first = await _next_within(messages, idle_s)
         if not isinstance(first, pb.PutRequest) or first.WhichOneof("msg") != "header":
             raise InvalidArgument("a put stream must start with a header message")
         header = first.header
@@ -221,7 +249,7 @@ class KVTierService:
         self._admit_bytes(tenant, header.size_bytes)
         writer = await self._store.put_begin(block_id, header.size_bytes, header.overwrite)
         try:
-            async for msg in request_iterator:
+            while (msg := await _next_within(messages, idle_s)) is not None:
                 if isinstance(msg, RawChunk):
                     writer.write(msg.data)
                 elif isinstance(msg, pb.PutRequest) and msg.WhichOneof("msg") == "chunk":
@@ -274,7 +302,7 @@ class KVTierService:
         context: Ctx,
     ) -> pb.LookupResponse:
         ns_id = self._ns_id(self._caller(context), request.namespace)
-        keys = [check_key(k, self._limits.max_key_bytes) for k in request.keys]
+        keys = check_keys(request.keys, self._limits.max_key_bytes)
         result = await self._store.lookup(ns_id, keys)
         return pb.LookupResponse(
             prefix_blocks=result.prefix_blocks,
@@ -371,7 +399,9 @@ class KVTierService:
     ) -> pb.StatsResponse:
         # Counters are node-wide: only callers who can authenticate may read them.
         self._caller(context)
-        return stats_response(self._store.stats(), self._store.policies.name)
+        lag = looplag.running()
+        reading = lag.read(reset_recent=True) if lag is not None else None
+        return stats_response(self._store.stats(), self._store.policies.name, reading)
 
     # ---- deciding ---------------------------------------------------------------------------
     async def Plan(self, request: pb.PlanRequest, context: Ctx) -> pb.PlanResponse:
@@ -384,7 +414,7 @@ class KVTierService:
 
     async def _plan(self, session_id: int, tenant: str, request: pb.PlanRequest) -> pb.PlanResponse:
         ns_id = self._ns_id(tenant, request.namespace)
-        keys = [check_key(k, self._limits.max_key_bytes) for k in request.keys]
+        keys = check_keys(request.keys, self._limits.max_key_bytes)
         overlap = request.overlap or "none"
         if overlap not in OVERLAPS:
             raise InvalidArgument(f"overlap must be one of {', '.join(OVERLAPS)}")
@@ -626,6 +656,27 @@ class KVTierService:
         return await self._release(*session, request)
 
 
+async def _next_within(messages: AsyncIterator[Any], idle_s: float) -> Any:
+    """The stream's next message, None at its end; DeadlineExceeded if none comes within
+    `idle_s` (a stalled client would otherwise hold its call slot and the DRAM its put
+    reserved for as long as its connection lives)."""
+    try:
+        async with asyncio.timeout(idle_s):
+            return await anext(messages, None)
+    except TimeoutError:
+        raise DeadlineExceeded(
+            f"the put stream sent nothing for {idle_s:g} s (limits.stream_idle_s): it was "
+            "ended and nothing was stored; send the chunks without pausing, or ask the "
+            "operator to raise limits.stream_idle_s"
+        ) from None
+
+
+def _warn_node_cap(config: Config) -> None:
+    warning = node_cap_warning(config)
+    if warning is not None:
+        logger.warning("%s", warning)
+
+
 def add_to_server(service: KVTierService, server: grpc.aio.Server) -> None:
     """Register every RPC of the proto's service, with the copy-saving chunk codecs on Put/Get.
 
@@ -645,8 +696,10 @@ def add_to_server(service: KVTierService, server: grpc.aio.Server) -> None:
             (True, True): grpc.stream_stream_rpc_method_handler,
         }[(method.client_streaming, method.server_streaming)]
         wrap = rpc.stream if method.server_streaming else rpc.unary
+        handler = getattr(service, method.name)
+        enter = functools.partial(service.enter_call, method.name)
         handlers[method.name] = make(
-            wrap(service.telemetry, method.name, getattr(service, method.name)),
+            wrap(service.telemetry, method.name, handler, enter),
             request_deserializer=tolerant(
                 custom_deserializers.get(method.name, request_cls.FromString)
             ),

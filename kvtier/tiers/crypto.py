@@ -70,7 +70,10 @@ def load_key_file(path: Path, setting: str = "nvme.encryption_key_file") -> byte
     how to fix it."""
     where = f"{setting}: {path}"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO in its place opens at once (and is refused below) instead of
+        # hanging the start. A link is followed: the path is the operator's (e.g. a
+        # systemd credential), not a file in the tier.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ConfigError(f"{where} does not exist (make one: kvtier keygen {path})") from None
     except OSError as err:

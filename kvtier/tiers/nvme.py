@@ -23,6 +23,12 @@ tombstone logs set aside as `tombstones.<n>.log` and a fresh one opened) and `re
 (every record header; may run on a thread of its own while the tier takes new records,
 which it leaves alone), then `compact_tombstones()` once recovery is complete. `open()`
 is all three.
+
+Everything the tier creates is private to the service user whatever the umask
+(directories 0700, files 0600; a tier an older version left open is closed up at start),
+and every file is opened through kvtier/tiers/safe_open.py: never through a symbolic
+link, never blocking on a FIFO, only regular files used. Anything else found as a record,
+spare, temporary file or log is refused, counted (`refused`) and removed.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import hashlib
 import logging
 import mmap
 import os
+import stat
 import struct
 import threading
 import time
@@ -51,7 +58,7 @@ import xxhash
 
 from kvtier import failpoints
 from kvtier.buffers import aligned_buffer
-from kvtier.errors import ConfigError, CorruptRecord
+from kvtier.errors import ConfigError, CorruptRecord, NotRegularFile
 from kvtier.tiers.crypto import RecordCipher
 from kvtier.tiers.record import (
     ALIGN_BYTES,
@@ -62,6 +69,17 @@ from kvtier.tiers.record import (
     read_header_region,
     seal_record,
     verify_record,
+)
+from kvtier.tiers.safe_open import (
+    DIR_MODE,
+    OpenedFile,
+    RefusedFiles,
+    file_kind,
+    open_regular,
+    private_dir,
+    remove_entry,
+    same_file,
+    tighten,
 )
 
 if TYPE_CHECKING:
@@ -101,6 +119,8 @@ EPOCH_FILE = "epoch"
 EPOCH_BITS = 40
 _EPOCH = struct.Struct("<QQ")  # epoch, xxh3 of its 8 bytes
 _STOP_CHECK_FILES = 256  # a stopped recovery notices within this many files of a fan
+_PLACE_ATTEMPTS = 3  # files a write may find swapped before it gives up (see `write`)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +154,7 @@ class RecoveryReport:
     removed_temporary: int
     dropped_deleted: int = 0
     max_tombstone_generation: int = 0
+    refused_files: int = 0  # not regular files (links, FIFOs, ...): removed, not records
     complete: bool = True  # False: `stop_recovery()` ended it before every fan was scanned
     max_generation: int = 0  # of the records kept
 
@@ -186,10 +207,12 @@ class NvmeTier:
         self._free_bytes = 0
         self._free_lock = threading.Lock()
         self.free_limit_bytes = min(capacity_bytes // 64, 1 << 30)
+        self.refused = RefusedFiles()
         # This run's generations start here (None: not claimed yet, see `prepare`).
         self.first_generation: int | None = None
         self._epoch = 0
         self._removed_tmp = 0
+        self._refused_before = 0
         self._old_tombstone_logs: list[str] = []  # set aside by `prepare`, read by `recover`
         self._stop_recovery = threading.Event()
 
@@ -222,18 +245,25 @@ class NvmeTier:
         generations claimed (`first_generation`). A tier an older kvtier wrote has no
         epoch file (nor one that can be read): `first_generation` stays None, and the
         caller recovers before it takes any record, then `claim_epoch`s above it."""
+        self._refused_before = self.refused.count
         had_records = self._records_dir.is_dir()
-        self._records_dir.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+        private_dir(self.root, self.refused, "directory", follow=True)
         self._lock()
+        private_dir(self._records_dir, self.refused, "v1/")
         for fan in range(256):  # once here, not a mkdir per record write
-            (self._records_dir / f"{fan:02x}").mkdir(exist_ok=True)
-        self._tmp_dir.mkdir(parents=True, exist_ok=True)
-        self._free_dir.mkdir(parents=True, exist_ok=True)
-        self._scan_free()
+            private_dir(self._records_dir / f"{fan:02x}", self.refused, "v1/")
+        private_dir(self._tmp_dir, self.refused, "tmp/")
+        # Spares of a free/ an older version left open may be too; records are closed up
+        # by recovery on the fd it opens anyway (tombstones.log is made anew below).
+        self._scan_free(tighten_files=private_dir(self._free_dir, self.refused, "free/"))
         self._removed_tmp = 0
-        for stray in self._tmp_dir.iterdir():
-            stray.unlink(missing_ok=True)
-            self._removed_tmp += 1
+        with os.scandir(self._tmp_str) as strays:
+            for stray in strays:
+                if not stray.is_file(follow_symlinks=False):
+                    self.refused.refuse("tmp/", _entry_kind(stray))
+                remove_entry(stray.path)
+                self._removed_tmp += 1
         self.direct_io = self._want_direct and self._probe_direct_io()
         if self._want_direct and not self.direct_io:
             logger.warning(
@@ -254,23 +284,40 @@ class NvmeTier:
         live = self.root / TOMBSTONE_LOG
         names = [name for name in os.listdir(self.root) if is_tombstone_log(name)]
         numbers = [int(name.split(".")[1]) for name in names if name != TOMBSTONE_LOG]
-        if live.exists() and live.stat().st_size:
-            aside = f"tombstones.{max(numbers, default=0) + 1}.log"
-            os.rename(live, self.root / aside)
-            names.append(aside)
+        if TOMBSTONE_LOG in names:
+            try:
+                opened = open_regular(live, os.O_RDONLY)
+                os.close(opened.fd)
+                keep = opened.info.st_size > 0
+            except NotRegularFile as err:
+                self.refused.refuse("tombstone log", err.kind)
+                keep = False
+            if keep:
+                aside = f"tombstones.{max(numbers, default=0) + 1}.log"
+                os.rename(live, self.root / aside)
+                names.append(aside)
+            else:
+                remove_entry(live)
         self._old_tombstone_logs = sorted(name for name in names if name != TOMBSTONE_LOG)
-        self._tombstone_fd = os.open(
-            live, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640
-        )
+        self._tombstone_fd = open_regular(
+            live, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL
+        ).fd
         _fsync_dir(str(self.root))
 
     def _read_epoch(self) -> int | None:
         """The last epoch a start claimed; None when there is no epoch file (or it is
         damaged: then the highest generation is only known after a full recovery)."""
         try:
-            data = (self.root / EPOCH_FILE).read_bytes()
+            opened = open_regular(self.root / EPOCH_FILE, os.O_RDONLY)
         except FileNotFoundError:
             return None
+        except NotRegularFile as err:
+            self.refused.refuse("epoch file", err.kind)
+            remove_entry(self.root / EPOCH_FILE)
+            data = b""
+        else:
+            with os.fdopen(opened.fd, "rb") as fh:
+                data = fh.read(_EPOCH.size + 1)
         if len(data) == _EPOCH.size:
             epoch, digest = _EPOCH.unpack(data)
             if digest == xxhash.xxh3_64_intdigest(data[:8]):
@@ -307,7 +354,8 @@ class NvmeTier:
         head = struct.pack("<Q", epoch)
         data = _EPOCH.pack(epoch, xxhash.xxh3_64_intdigest(head))
         fresh = self.root / f"{EPOCH_FILE}.new"
-        fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+        remove_entry(fresh)  # a leftover (or planted) one is never opened
+        fd = open_regular(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL).fd
         try:
             if os.write(fd, data) != len(data):
                 raise OSError(errno.EIO, "short write to the epoch file")
@@ -326,7 +374,15 @@ class NvmeTier:
         `on_fan`, each fan's records are handed to it as soon as the fan is scanned (in
         fan order; the report then lists none). After `stop_recovery()` it returns early,
         `complete` False, without handing over the fan it was in."""
-        return self._recover(self._removed_tmp, self._read_tombstones(), on_fan)
+        report = self._recover(self._removed_tmp, self._read_tombstones(), on_fan)
+        report.refused_files = self.refused.count - self._refused_before
+        if report.refused_files:
+            logger.warning(
+                "refused %d files in the NVMe tier that were not regular files (links, "
+                "FIFOs, sockets, devices) and removed them",
+                report.refused_files,
+            )
+        return report
 
     def stop_recovery(self) -> None:
         """End a `recover()` running on another thread (it returns within a few files)."""
@@ -338,7 +394,7 @@ class NvmeTier:
         if failpoints.ACTIVE:
             failpoints.fire("nvme.compact")
         for name in self._old_tombstone_logs:
-            _unlink(str(self.root / name))
+            remove_entry(self.root / name)
         self._old_tombstone_logs = []
 
     def _lock(self) -> None:
@@ -371,9 +427,15 @@ class NvmeTier:
         out: dict[tuple[str, bytes], int] = {}
         for name in names:
             try:
-                data = (self.root / name).read_bytes()
+                opened = open_regular(self.root / name, os.O_RDONLY)
             except FileNotFoundError:
                 continue
+            except NotRegularFile as err:
+                self.refused.refuse("tombstone log", err.kind)
+                remove_entry(self.root / name)
+                continue
+            with os.fdopen(opened.fd, "rb") as log:
+                data = log.read()
             for ns_id, key, generation, _ in tombstone_entries(data):
                 out[ns_id, key] = max(out.get((ns_id, key), 0), generation)
         return out
@@ -436,8 +498,8 @@ class NvmeTier:
             removed_tmp,
             deleted,
             max(tombstones.values(), default=0),
-            complete,
-            max_generation,
+            complete=complete,
+            max_generation=max_generation,
         )
 
     def _fan_scans(self, tombstones: dict[tuple[str, bytes], int]) -> Iterator[FanScan | None]:
@@ -481,6 +543,10 @@ class NvmeTier:
             file = f"{directory}/{name}"
             try:
                 header = self._check_header(fan, name, file)
+            except NotRegularFile as err:
+                self.refused.refuse("v1/", err.kind)
+                remove_entry(file)
+                continue
             except (CorruptRecord, OSError) as err:
                 out.unreadable.append((name, str(err)))
                 _unlink(file)
@@ -512,12 +578,13 @@ class NvmeTier:
     def _check_header(self, fan: str, name: str, file: str) -> RecordHeader:
         """The verified header of the record file `file` (`name` in fan directory `fan`),
         which must be as long as the header says and where the header says it belongs."""
-        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+        opened = open_regular(file, os.O_RDONLY)
         try:
-            header = decode_header(read_header_region(fd), self.cipher)
-            size = os.fstat(fd).st_size
+            tighten(opened.fd, opened.info)  # an older version's 0640: free, fstat is done
+            header = decode_header(read_header_region(opened.fd), self.cipher)
         finally:
-            os.close(fd)
+            os.close(opened.fd)
+        size = opened.info.st_size
         if size != header.record_bytes:
             raise CorruptRecord(
                 f"record is {size} bytes on disk, header says {header.record_bytes}"
@@ -557,16 +624,27 @@ class NvmeTier:
             if self.cipher is None
             else self._seal(self.cipher, header, payload)
         )
-        fd, tmp = self._open_target(total, final)
-        try:
-            self._pwrite_all(fd, iov, total)
-            if self.sync_writes:
-                os.fdatasync(fd)
-        except BaseException:
+        for _ in range(_PLACE_ATTEMPTS):
+            opened, tmp = self._open_target(total, final)
+            fd = opened.fd
+            try:
+                self._pwrite_all(fd, iov, total)
+                if self.sync_writes:
+                    os.fdatasync(fd)
+                # Rename the name only while it is still the file written (not a link or
+                # FIFO swapped in since the open): rename moves names, not open files.
+                placed = same_file(fd, opened.info, tmp)
+            except BaseException:
+                os.close(fd)
+                _unlink(tmp)
+                raise
             os.close(fd)
-            _unlink(tmp)
-            raise
-        os.close(fd)
+            if placed:
+                break
+            self.refused.refuse(os.path.basename(os.path.dirname(tmp)) + "/", "swapped name")
+            remove_entry(tmp)
+        else:
+            raise OSError(errno.EIO, "record files kept being replaced while written")
         try:
             if failpoints.ACTIVE:
                 failpoints.fire("nvme.rename")
@@ -575,31 +653,38 @@ class NvmeTier:
             _unlink(tmp)
             raise
         if self.sync_writes:
-            dir_fd = os.open(os.path.dirname(final), os.O_RDONLY)
+            dir_fd = os.open(os.path.dirname(final), _DIR_FLAGS)
             try:
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
         return total
 
-    def _open_target(self, size: int, final: str) -> tuple[int, str]:
+    def _open_target(self, size: int, final: str) -> tuple[OpenedFile, str]:
         """A file to write a record of `size` bytes into, open for writing, and its path: a
         recycled file of exactly that size, overwritten where it lies in free/ (out of the
         pool, so no other writer takes it; a crash leaves it a spare again at the next
         start, never a record), else a new file in tmp/. Overwriting allocated blocks in
-        place skips block allocation; writing it in free/ skips a rename to tmp/."""
+        place skips block allocation; writing it in free/ skips a rename to tmp/. A spare
+        that is not a regular file of ours with one link is refused and removed, never
+        written through."""
         while (spare := self._take_free(size)) is not None:
             try:
-                fd = os.open(spare, self._flags(os.O_WRONLY))
+                opened = open_regular(spare, self._flags(os.O_WRONLY), sole=True, own=True)
             except FileNotFoundError:
                 continue
-            if os.fstat(fd).st_size == size:
-                return fd, spare
-            os.close(fd)
+            except NotRegularFile as err:
+                self.refused.refuse("free/", err.kind)
+                remove_entry(spare)
+                continue
+            if opened.info.st_size == size:
+                tighten(opened.fd, opened.info)
+                return opened, spare
+            os.close(opened.fd)
             _unlink(spare)  # not what its name said: do not trust it
         tmp = f"{self._tmp_str}/{os.path.basename(final)}.{uuid.uuid4().hex}.tmp"
         flags = self._flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        return os.open(tmp, flags, 0o640), tmp
+        return open_regular(tmp, flags), tmp
 
     def _seal(
         self, cipher: RecordCipher, header: RecordHeader, payload: Sequence[memoryview | mmap.mmap]
@@ -684,11 +769,16 @@ class NvmeTier:
     def _read_record(self, header: RecordHeader, iov: list[memoryview]) -> None:
         """Fill `iov` (adding up to the record's size) from the record file."""
         path = self._record_file(header.ns_id, header.key, header.generation)
-        fd = os.open(path, self._flags(os.O_RDONLY))
+        try:
+            opened = open_regular(path, self._flags(os.O_RDONLY))
+        except NotRegularFile as err:
+            self.refused.refuse("v1/", err.kind)
+            raise  # a CorruptRecord: a miss, and the store drops the record (remove)
+        fd = opened.fd
         try:
             if failpoints.ACTIVE:
                 failpoints.fire("nvme.read")
-            size = os.fstat(fd).st_size
+            size = opened.info.st_size
             if size != header.record_bytes:
                 raise CorruptRecord(f"record is {size} bytes, expected {header.record_bytes}")
             done = 0
@@ -719,6 +809,13 @@ class NvmeTier:
             failpoints.fire("nvme.remove")
         path = self._record_file(header.ns_id, header.key, header.generation)
         size = header.record_bytes
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISREG(mode):  # never into the pool of files to write over
+            remove_entry(path)
+            return
         with self._free_lock:
             keep = self._free_bytes + size <= self.free_limit_bytes
             if keep:
@@ -745,20 +842,54 @@ class NvmeTier:
             self._free_bytes -= size
             return spares.pop()
 
-    def _scan_free(self) -> None:
-        """Recyclable files left by the previous run (their names carry their sizes)."""
-        for spare in self._free_dir.iterdir():
-            size_text = spare.name.split(".", 1)[0]
-            if not size_text.isdigit() or self._free_bytes + int(size_text) > self.free_limit_bytes:
-                spare.unlink(missing_ok=True)
-                continue
-            self._free.setdefault(int(size_text), []).append(str(spare))
-            self._free_bytes += int(size_text)
+    def _scan_free(self, tighten_files: bool = False) -> None:
+        """Recyclable files left by the previous run (their names carry their sizes);
+        anything else there is refused (see `_open_target`). With `tighten_files` (free/
+        was open to group or others) each spare is closed up too."""
+        with os.scandir(self._free_str) as entries:
+            for spare in entries:
+                if not spare.is_file(follow_symlinks=False):  # d_type: no syscall
+                    self.refused.refuse("free/", _entry_kind(spare))
+                    remove_entry(spare.path)
+                    continue
+                size_text = spare.name.split(".", 1)[0]
+                if (
+                    not size_text.isdigit()
+                    or self._free_bytes + int(size_text) > self.free_limit_bytes
+                ):
+                    _unlink(spare.path)
+                    continue
+                if tighten_files and not self._tighten_spare(spare.path):
+                    continue
+                self._free.setdefault(int(size_text), []).append(spare.path)
+                self._free_bytes += int(size_text)
+
+    def _tighten_spare(self, spare: str) -> bool:
+        """chmod 600 a spare an older version left open; False if it is not one to keep."""
+        try:
+            opened = open_regular(spare, os.O_RDONLY, sole=True, own=True)
+        except FileNotFoundError:
+            return False
+        except NotRegularFile as err:
+            self.refused.refuse("free/", err.kind)
+            remove_entry(spare)
+            return False
+        try:
+            tighten(opened.fd, opened.info)
+        finally:
+            os.close(opened.fd)
+        return True
 
 
 def lock_tier(root: Path) -> int:
     """flock `<root>/.lock` for this process (BlockingIOError: someone holds it)."""
-    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+    try:
+        opened = open_regular(root / ".lock", os.O_RDWR | os.O_CREAT)
+    except NotRegularFile as err:
+        raise ConfigError(
+            f"nvme.path: {root}/.lock is a {err.kind}, not the tier's lock file; remove it"
+        ) from None
+    fd = opened.fd  # 0600 now, if an older version made it 0640 (O_CREAT: see open_regular)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -831,6 +962,14 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _entry_kind(entry: os.DirEntry[str]) -> str:
+    """What a directory entry that is not a regular file is (lstat: only for those)."""
+    try:
+        return file_kind(entry.stat(follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return "file"
 
 
 def _unlink(path: str) -> None:

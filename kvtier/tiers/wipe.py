@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.errors import ConfigError, CorruptRecord
+from kvtier.errors import ConfigError, CorruptRecord, NotRegularFile
 from kvtier.keys import tenant_of
 from kvtier.tiers.nvme import (
     RECORD_SUFFIX,
@@ -18,6 +17,7 @@ from kvtier.tiers.nvme import (
     tombstone_entries,
 )
 from kvtier.tiers.record import parse_header, read_header_region
+from kvtier.tiers.safe_open import open_regular, open_subdir, remove_entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +35,7 @@ class WipeReport:
     tombstones_dropped: int  # the tenant's entries taken out of the tombstone log
 
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC  # the path given: a link is fine
 _ZEROS_BYTES = 1 << 20
 
 
@@ -59,15 +59,15 @@ def wipe(root: Path, tenant: str | None) -> WipeReport:
             "(systemctl stop kvtier), run kvtier wipe, then start it again"
         ) from None
     zeros = bytes(_ZEROS_BYTES)
-    root_fd = os.open(root, _DIR_FLAGS)
+    root_fd = os.open(root, _ROOT_FLAGS)
     try:
         records = record_bytes = unreadable = overwritten = 0
-        v1_fd = _open_subdir(root_fd, "v1")
+        v1_fd = open_subdir(root_fd, "v1")
         if v1_fd is None:
             raise ConfigError(f"nvme.path: {root}/v1 is not a directory (a link?): not wiped")
         try:
             for fan in sorted(os.listdir(v1_fd)):
-                fan_fd = _open_subdir(v1_fd, fan)
+                fan_fd = open_subdir(v1_fd, fan)
                 if fan_fd is None:
                     continue
                 try:
@@ -92,7 +92,7 @@ def wipe(root: Path, tenant: str | None) -> WipeReport:
         spare_counts = []
         for name in ("free", "tmp"):
             count = 0
-            dir_fd = _open_subdir(root_fd, name)
+            dir_fd = open_subdir(root_fd, name)
             if dir_fd is not None:
                 try:
                     for entry in sorted(os.listdir(dir_fd)):
@@ -125,22 +125,11 @@ def wipe(root: Path, tenant: str | None) -> WipeReport:
     )
 
 
-def _open_subdir(dir_fd: int, name: str) -> int | None:
-    """A directory of the tier, never through a symbolic link (one planted in the tier
-    could otherwise point the wipe at files elsewhere); None if it is not a directory."""
-    try:
-        return os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dir_fd)
-    except OSError as err:
-        if err.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
-            return None
-        raise
-
-
 def _record_tenant(dir_fd: int, name: str) -> str | None:
     """The tenant a record file's header names; None if the header does not verify."""
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError:
+        fd = open_regular(name, os.O_RDONLY, dir_fd=dir_fd).fd
+    except (CorruptRecord, OSError):  # NotRegularFile: a link, a FIFO (never waited on)
         return None
     try:
         return tenant_of(parse_header(read_header_region(fd)).header.ns_id)
@@ -157,24 +146,21 @@ def _shred(dir_fd: int, name: str, zeros: bytes) -> int:
     the tier could otherwise aim the zeros at a file elsewhere (wipe may run as root).
     Anything else is just unlinked; a directory is left alone.
     """
-    flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     size = 0
     try:
-        fd = os.open(name, flags, dir_fd=dir_fd)
-    except OSError as err:
-        if err.errno == errno.EISDIR:
+        opened = open_regular(name, os.O_WRONLY, dir_fd=dir_fd, sole=True)
+    except NotRegularFile as err:
+        if err.kind == "directory":
             return 0
-        if err.errno not in (errno.ELOOP, errno.ENXIO, errno.EACCES):
-            raise
+    except PermissionError:
+        pass
     else:
         try:
-            info = os.fstat(fd)
-            if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
-                while size < info.st_size:
-                    size += os.pwrite(fd, zeros[: info.st_size - size], size)
-                os.fdatasync(fd)
+            while size < opened.info.st_size:
+                size += os.pwrite(opened.fd, zeros[: opened.info.st_size - size], size)
+            os.fdatasync(opened.fd)
         finally:
-            os.close(fd)
+            os.close(opened.fd)
     os.unlink(name, dir_fd=dir_fd)
     return size
 
@@ -186,8 +172,8 @@ def _wipe_tombstones(
     they guard nothing; they still name its keys), then overwrite the old log; returns how
     many entries were dropped."""
     try:
-        fd = os.open(log, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
-    except FileNotFoundError:
+        fd = open_regular(log, os.O_RDWR, dir_fd=root_fd).fd
+    except (FileNotFoundError, NotRegularFile):  # no log (the daemon refuses a non-file)
         return 0
     try:
         size = os.fstat(fd).st_size
@@ -197,9 +183,8 @@ def _wipe_tombstones(
         if len(kept) == len(entries) and len(data) == sum(map(len, kept)):
             return 0
         fresh = f"{log}.wipe"
-        new_fd = os.open(
-            fresh, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640, dir_fd=root_fd
-        )
+        remove_entry(fresh, dir_fd=root_fd)  # a leftover (or planted) one is never opened
+        new_fd = open_regular(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=root_fd).fd
         try:
             payload = b"".join(kept)
             if os.write(new_fd, payload) != len(payload):

@@ -380,3 +380,13 @@ def test_timeout_and_token_are_keyword_only() -> None:
     client.close()
     watch = inspect.signature(kvtier.Client.watch_events).parameters["timeout_s"]
     assert watch.kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_as_keys_passes_bytes_chains_through_and_converts_the_rest() -> None:
+    from kvtier.client._common import as_key, as_keys
+
+    hashes = [bytes([i]) * 16 for i in range(8)]
+    assert as_keys(hashes) == hashes
+    mixed: list[bytes | str] = [b"a", "b", bytearray(b"c"), memoryview(b"d")]  # type: ignore[list-item]
+    assert as_keys(mixed) == [as_key(k) for k in mixed] == [b"a", b"b", b"c", b"d"]
+    assert all(type(k) is bytes for k in as_keys(mixed))

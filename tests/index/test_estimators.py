@@ -154,3 +154,24 @@ def test_prefill_fit_is_non_negative_and_no_worse_than_any_non_negative_truth(
         )
 
     assert weighted_error(fit) <= weighted_error(truth) * (1 + 1e-6) + 1e-18
+
+
+@given(st.lists(st.tuples(st.integers(1, 64 << 20), st.floats(1e-6, 1.0)), min_size=0, max_size=30))
+@settings(max_examples=50, deadline=None)
+def test_cached_estimates_equal_a_fresh_solve_after_every_observation(
+    points: list[tuple[int, float]],
+) -> None:
+    """The estimate a Plan reads is solved once per observation and reused: after every
+    observe (and a seed change) it is exactly what solving from scratch gives."""
+    path = PathEstimator(seed=TierCost(1e9, 1e-5), min_observations=3)
+    prefill = PrefillEstimator(seed=PrefillCost(1e-4, 1e-9), min_observations=3)
+    for size, seconds in points:
+        path.observe(size, seconds)
+        prefill.observe(0, size % 8192 + 1, seconds)
+        assert path.estimate() == path._solve()
+        assert path.estimate() is path.estimate()
+        assert prefill.estimate() == prefill._solve()
+    path.seed = TierCost(5e8, 2e-5)
+    prefill.seed = PrefillCost(2e-4, 0.0)
+    assert path.estimate() == path._solve()
+    assert prefill.estimate() == prefill._solve()

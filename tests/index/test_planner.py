@@ -248,3 +248,47 @@ def test_evaluation_grid_holds_the_issue_bounds() -> None:
         and r["model"] == "llama3-70b-tp8"
     ]
     assert slow and max(r["gain_vs_fetch_all"] for r in slow) > 1.1
+
+
+def _scan_none(
+    front: list[float], loaded: list[float], tail: list[float], e: int, recompute_all_s: float
+) -> tuple[float, int, int]:
+    """The scalar scan the vectorised search replaced (kept here as its specification)."""
+    best_total, best_g, best_k = recompute_all_s, e, e
+    g_best = e
+    for k in range(e + 1, len(front)):
+        if front[k] - loaded[k] < front[g_best] - loaded[g_best]:
+            g_best = k
+        total = front[g_best] + loaded[k] - loaded[g_best] + tail[k]
+        if total < best_total:
+            best_total, best_g, best_k = total, g_best, k
+    return best_total, best_g, best_k
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 6), st.integers(0, 6), st.integers(0, 6)),
+        min_size=2,
+        max_size=40,
+    ),
+    st.integers(0, 5),
+    st.floats(0.0, 20.0),
+)
+def test_vectorised_none_search_makes_the_scans_choices_ties_included(
+    rows: list[tuple[int, int, int]], e: int, recompute_all_s: float
+) -> None:
+    """Small integers as costs make ties common: the first prefix minimum for g and the
+    first least total for k, exactly as the scan picks them."""
+    import numpy as np
+
+    from kvtier.index.planner import _best_split_none
+
+    e = min(e, len(rows) - 2)
+    front = [float(f) for f, _, _ in rows]
+    loaded = [float(ld) for _, ld, _ in rows]
+    tail = [float(t) for _, _, t in rows]
+    got = _best_split_none(
+        np.array(front[e:]), np.array(loaded[e:]), np.array(tail[e:]), e, recompute_all_s
+    )
+    assert got == _scan_none(front, loaded, tail, e, recompute_all_s)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 import signal
 import socket
 import threading
@@ -149,10 +148,6 @@ def test_sigterm_lets_in_flight_gets_finish_and_a_restart_serves_every_block(
             assert client.get(NS, key) == block_bytes(i, size), key
 
 
-def _record_files(nvme: Path) -> list[Path]:
-    return sorted(p for p in (nvme / "v1").rglob("*") if p.is_file())
-
-
 def test_a_stuck_io_worker_stops_the_watchdog_pings(
     start_daemon: StartDaemon, notify: NotifySocket
 ) -> None:
@@ -165,17 +160,16 @@ def test_a_stuck_io_worker_stops_the_watchdog_pings(
             KVTIER_SERVER__IO_STALL_S="1",
             KVTIER_NVME__DIRECT_IO="false",
             KVTIER_PLANNER__CALIBRATION_S="0",
+            # The first record read does not come back for 5 s, as on a dead drive or a
+            # hung mount. (A FIFO in place of the record did this once; the tier no longer
+            # waits on one: tests/faults/test_hostile_files.py.)
+            KVTIER_FAILPOINTS="nvme.read=delay:5*1",
         ),
     )
     with daemon.client(timeout_s=60) as client:
         client.put(NS, b"a", block_bytes(1, 1 << 20))
         client.put(NS, b"b", block_bytes(2, 1 << 20))  # the 1 MiB arena pushes a to NVMe
         assert client.lookup(NS, [b"a"]).tiers == ["nvme"]
-        [record] = _record_files(daemon.nvme_path)
-        # A record that never answers, as a dead drive or a hung mount would: opening a
-        # FIFO blocks until someone opens its other end.
-        record.unlink()
-        os.mkfifo(record)
         notify.wait_for("WATCHDOG", "1")
         stuck = threading.Thread(target=lambda: client.get(NS, b"a"), daemon=True)
         started_s = time.monotonic()
@@ -185,10 +179,7 @@ def test_a_stuck_io_worker_stops_the_watchdog_pings(
         # Pings went on until the read had been stuck for io_stall_s, then stopped.
         assert pings[-1] < started_s + 1.0 + 0.5, pings[-1] - started_s
         assert "an I/O worker has been stuck" in daemon.log()
-        # Unwedge it: the reader sees an empty file, a miss; pings resume.
-        writer = os.open(record, os.O_WRONLY | os.O_NONBLOCK)
-        os.close(writer)
-        stuck.join(30)
+        stuck.join(30)  # the read comes back; pings resume
         resumed_after = time.monotonic()
         time.sleep(1.0)
         assert [t for t in notify.times_of("WATCHDOG", "1") if t > resumed_after]

@@ -1,0 +1,136 @@
+"""Same-run A/B of `Client.plan` on a 256-block chain: this checkout against a git
+revision, each with its own real daemon, taking turns round by round.
+
+    python benchmarks/plan_ab.py --baseline-rev 890b437 [--rounds 8] [--plans 200]
+        [--json out.json]
+
+The chain is the one an engine re-plans every scheduler step while a prompt waits: 256
+blocks of 16 tokens, the first 192 cached in DRAM, the model's prefill estimate warmed by
+20 ReportPrefill calls, planned through the attached session (the zero-copy socket) as
+`Client.plan` does. Per overlap mode it reports the wall-clock p50 of a plan and the CPU
+time per plan of the client and of the daemon (from the daemon process's own counters):
+on a loaded machine the wall clock mostly measures the scheduler, the CPU times do not.
+Each figure is the median over rounds; the ratio is this checkout / baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from _daemon import baseline_tree
+
+ROOT = Path(__file__).resolve().parent.parent
+FIELDS = ("wall_p50_s", "client_cpu_s", "daemon_cpu_s")
+
+# Runs in a subprocess with PYTHONPATH set to one tree: its client and (through
+# kvtier.bench.daemon) its daemon. One line per round on stdin -> one line of figures.
+_WORKER = r"""
+import statistics, sys, tempfile, time
+from pathlib import Path
+import psutil
+import kvtier
+from kvtier.bench.daemon import daemon
+
+overlap, plans = sys.argv[1], int(sys.argv[2])
+ns = "llama3-8b/bench"
+with (
+    tempfile.TemporaryDirectory(prefix="kvtier-plan-ab-") as tmp,
+    daemon(Path(tmp), "uds", 64 << 20) as target,
+    kvtier.Client(target) as client,
+):
+    client.wait_ready()
+    chain = kvtier.chain_keys(ns, [[i] for i in range(256)])
+    for i in range(192):
+        client.put(ns, chain[i], b"x" * 4096)
+    for j in range(20):
+        client.report_prefill(ns, 0, 1000 + 100 * j, 0.05 + 0.01 * j)
+    for _ in range(100):
+        client.plan(ns, chain, 16, overlap=overlap)
+    served_by = psutil.Process().children()[0]
+    print("ready", flush=True)
+    for _ in sys.stdin:
+        walls = []
+        cpu0, d0 = time.process_time(), served_by.cpu_times()
+        for _ in range(plans):
+            started = time.perf_counter()
+            client.plan(ns, chain, 16, overlap=overlap)
+            walls.append(time.perf_counter() - started)
+        cpu1, d1 = time.process_time(), served_by.cpu_times()
+        daemon_cpu = (d1.user + d1.system - d0.user - d0.system) / plans
+        print(statistics.median(walls), (cpu1 - cpu0) / plans, daemon_cpu, flush=True)
+"""
+
+
+def measure(trees: dict[str, Path], overlap: str, args: argparse.Namespace) -> dict[str, Any]:
+    workers = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", _WORKER, overlap, str(args.plans)],
+            cwd=tree,  # `-c` puts the working directory first on sys.path
+            env={**os.environ, "PYTHONPATH": str(tree)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for name, tree in trees.items()
+    }
+    rounds: dict[str, list[list[float]]] = {name: [] for name in trees}
+    try:
+        for worker in workers.values():
+            assert worker.stdout is not None
+            if worker.stdout.readline().strip() != "ready":
+                raise SystemExit("a benchmark worker did not start its daemon")
+        for i in range(args.rounds):
+            names = list(workers)[:: 1 if i % 2 == 0 else -1]  # take turns going first
+            for name in names:
+                worker = workers[name]
+                assert worker.stdin is not None and worker.stdout is not None
+                worker.stdin.write("go\n")
+                worker.stdin.flush()
+                rounds[name].append([float(x) for x in worker.stdout.readline().split()])
+    finally:
+        for worker in workers.values():
+            assert worker.stdin is not None
+            worker.stdin.close()
+            worker.wait(60)
+    row: dict[str, Any] = {"overlap": overlap}
+    for col, field in enumerate(FIELDS):
+        this, base = (statistics.median(r[col] for r in rounds[n]) for n in ("this", "baseline"))
+        row[field] = {"this": this, "baseline": base, "ratio": round(this / base, 3)}
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline-rev", required=True)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--plans", type=int, default=200, help="plans per round")
+    parser.add_argument("--overlaps", default="none,layerwise")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    with (
+        tempfile.TemporaryDirectory(prefix="kvtier-ab-") as scratch,
+        baseline_tree(args.baseline_rev, Path(scratch)) as base,
+    ):
+        trees = {"this": ROOT, "baseline": base}
+        report = [measure(trees, overlap, args) for overlap in args.overlaps.split(",")]
+    for row in report:
+        for field in FIELDS:
+            f = row[field]
+            print(
+                f"{row['overlap']:>10} {field:>13}: baseline {f['baseline'] * 1e6:6.0f} µs -> "
+                f"this {f['this'] * 1e6:6.0f} µs  ({f['ratio']:.2f}x)"
+            )
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""benchmarks/scale.py, small, so that the script cannot rot: its JSON is complete and
+self-consistent (every block accounted for, every sampled block served and bit-exact)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "scale.py"
+
+
+def _run(tmp_path: Path, *args: str) -> dict[str, Any]:
+    out = tmp_path / "scale.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--json", str(out)],
+        check=True,
+        env=env,
+        timeout=180,
+        capture_output=True,
+    )
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def test_a_small_fill_and_restart_reports_consistent_figures(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    r = _run(tmp_path, "--blocks", "300", "--skip-stream", "--directory", str(data))
+    fill, restart, back = r["fill"], r["restart"], r["readback"]
+    assert fill["blocks"] == 300 and fill["block_bytes"] == 4096
+    assert fill["dram_blocks"] + fill["nvme_blocks"] == 300
+    assert fill["blocks_per_s"] > 0 and fill["mb_per_s"] > 0
+    assert 0 < fill["rss_anon_empty_bytes"] < fill["rss_anon_bytes"]
+    assert fill["rss_anon_per_block_bytes"] > 0
+    # The stall probe answered: at least one gap between its 5 ms wake-ups.
+    assert 5 <= fill["stall_max_ms"] < 60_000 and 5 <= restart["stall_max_ms"] < 60_000
+    assert restart["blocks_after"] == 300
+    assert 0 < restart["ready_s"] <= restart["sampled_served_s"]
+    assert restart["rss_anon_bytes"] > 0
+    assert restart["sampled"] == back["checked"] == back["bit_exact"] == 300
+    assert back["wrong"] == back["missing"] == 0
+    lat = r["latency"]
+    assert lat["chain_blocks"] == 256
+    assert 0 < lat["lookup_p50_ms"] <= lat["lookup_p99_ms"]
+    assert 0 < lat["plan_p50_ms"] <= lat["plan_p99_ms"]
+    assert "stream" not in r
+    assert list(data.iterdir()) == []  # the tier it made is gone
+
+
+def test_the_in_process_index_measure_reports_per_entry_figures(tmp_path: Path) -> None:
+    r = _run(tmp_path, "--in-process-memory", "3000")["in_process"]
+    assert r["entries"] == 3000 and r["policy"] == "kvtier"
+    assert r["gc_tracked_objects_per_entry"] >= 1  # the entry itself, at least
+    assert isinstance(r["rss_anon_per_entry_bytes"], int) and r["full_gc_s"] >= 0
