@@ -11,6 +11,13 @@ that socket with a 5-byte frame header. The same calls stay available over gRPC.
     response: u32 payload length | u8 status | serialized response (status 0), or a UTF-8
                                                error message (status = gRPC code value)
     Release gets no response: the client does not wait for it; order is kept per socket.
+
+Requests are small control messages (the bytes move through the arena), so each op has a
+cap on its payload (`request_caps`): its message with every field at its widest, batches
+at the daemon's largest (`limits.max_plan_blocks` keys of `limits.max_key_bytes`), and
+never more than the session's buffer. A daemon answers a request over its op's cap with
+RESOURCE_EXHAUSTED (its bytes dropped unread) and ends a session whose frame header
+declares more than MAX_FRAME_BYTES.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from google.protobuf.message import Message
 from kvtier._proto import kvtier_pb2 as pb
 
 HEADER = struct.Struct("<IB")
-MAX_FRAME_BYTES = 64 << 20
+MAX_FRAME_BYTES = 64 << 20  # a header over this is not a kvtier client's: the session ends
 
 
 class Op(IntEnum):
@@ -55,3 +62,53 @@ REQUEST_TYPES: dict[Op, type[Message]] = {
 
 def frame(code: int, payload: bytes) -> bytes:
     return HEADER.pack(len(payload), code) + payload
+
+
+# Field bounds for request_caps, wider than protobuf needs: a tag is one byte (field numbers
+# under 16), a varint at most 10 bytes, a UTF-8 character at most 4.
+_SCALAR_BYTES = 11  # tag + a 10-byte varint (an int32 below 0 takes all 10) or a double
+_MESSAGE_SLACK_BYTES = 1024  # the scalar fields around a batch, and a short string (overlap)
+_IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t
+_ITEM_SLACK_BYTES = 3 * _SCALAR_BYTES + 1 + 5  # a batch item's own tag and length, sizes, a group
+_UNKNOWN_OP_CAP_BYTES = 1024  # no op: answered INVALID_ARGUMENT whatever it carries
+
+
+def _length_delimited(content_bytes: int) -> int:
+    """A bytes, string or message field holding `content_bytes`: tag + length + content."""
+    return 1 + max(1, -(-content_bytes.bit_length() // 7)) + content_bytes
+
+
+def request_caps(
+    max_items: int,
+    max_key_bytes: int,
+    max_namespace_chars: int,
+    max_leases: int,
+    buffer_bytes: int,
+) -> dict[Op, int]:
+    """The largest payload a well-formed request of each op can have: `max_items` keys of
+    `max_key_bytes` in a batch (Reserve, Acquire, Plan, CudaPut, CudaGet), `max_leases`
+    lease ids in a Release, capped at `buffer_bytes` (a session never buffers more)."""
+    namespace = _length_delimited(4 * max_namespace_chars)
+    fixed = _MESSAGE_SLACK_BYTES + namespace
+    batch = fixed + max_items * (_length_delimited(max_key_bytes) + _ITEM_SLACK_BYTES)
+    caps = {
+        Op.RESERVE: batch,
+        Op.COMMIT: fixed + max_items * _SCALAR_BYTES,
+        Op.ACQUIRE: batch,
+        Op.RELEASE: fixed + max_leases * _SCALAR_BYTES,
+        Op.PLAN: batch,
+        Op.REPORT_PREFILL: fixed,
+        Op.REGISTER_CUDA: fixed + _length_delimited(_IPC_HANDLE_BYTES),
+        Op.CUDA_PUT: batch,
+        Op.CUDA_GET: batch,
+        Op.CUDA_WAIT: fixed,
+    }
+    return {op: min(cap, buffer_bytes) for op, cap in caps.items()}
+
+
+def request_cap(caps: dict[Op, int], op: int) -> int:
+    """The cap for a frame's op byte (any value a client sends)."""
+    try:
+        return caps[Op(op)]
+    except ValueError:
+        return _UNKNOWN_OP_CAP_BYTES

@@ -248,7 +248,7 @@ class Daemon:
             )
         if cfg.server.metrics_listen:
             registry = CollectorRegistry()
-            registry.register(StoreCollector(store))
+            registry.register(StoreCollector(store, arena.counters if arena else None))
             host, _, mport = cfg.server.metrics_listen.rpartition(":")
             try:
                 start_http_server(int(mport), addr=host or "127.0.0.1", registry=registry)

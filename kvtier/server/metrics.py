@@ -14,11 +14,13 @@ from prometheus_client.registry import Collector
 
 from kvtier.engine.store import Store
 from kvtier.server import looplag
+from kvtier.server.arena_socket import SideSocketCounters
 
 
 class StoreCollector(Collector):
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, side_socket: SideSocketCounters | None = None) -> None:
         self._store = store
+        self._side_socket = side_socket  # the zero-copy socket's, where the daemon has one
 
     def collect(self) -> Iterator[Metric]:
         s = self._store.stats()
@@ -120,6 +122,8 @@ class StoreCollector(Collector):
         yield from self._transfers()
         yield from self._estimates()
         yield from loop_lag_metrics(looplag.running())
+        if self._side_socket is not None:
+            yield from _side_socket(self._side_socket)
 
     def _transfers(self) -> Iterator[Metric]:
         t = self._store.telemetry
@@ -192,3 +196,45 @@ def loop_lag_metrics(lag: looplag.LoopLag | None) -> Iterator[Metric]:
     )
     hist.add_metric([], lag.lateness.cumulative(), lag.lateness.sum_s)
     yield hist
+
+
+def _side_socket(c: SideSocketCounters) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        "kvtier_session_socket_accepting",
+        "1 while the zero-copy socket accepts connections (0: its accept loop ended)",
+        value=1.0 if c.accepting else 0.0,
+    )
+    yield CounterMetricFamily(
+        "kvtier_session_socket_accept_errors",
+        "Failed accepts on the zero-copy socket (out of fds or memory), each retried",
+        value=c.accept_errors,
+    )
+    yield CounterMetricFamily(
+        "kvtier_session_socket_handshakes_shed",
+        "Connections closed before presenting a nonce: too many were waiting for one",
+        value=c.handshakes_shed,
+    )
+    yield CounterMetricFamily(
+        "kvtier_session_socket_sessions_refused",
+        "Attach calls refused: the tenant held limits.max_sessions_per_tenant",
+        value=c.sessions_refused,
+    )
+    yield GaugeMetricFamily(
+        "kvtier_session_socket_sessions", "Zero-copy sessions attached now", value=c.sessions
+    )
+    yield GaugeMetricFamily(
+        "kvtier_session_socket_sessions_paused",
+        "Sessions not being read now: their queued requests and unread replies exceed "
+        "limits.session_buffer_bytes",
+        value=c.sessions_paused,
+    )
+    yield CounterMetricFamily(
+        "kvtier_session_socket_read_pauses",
+        "Times a session's reading was paused for its buffer",
+        value=c.read_pauses,
+    )
+    yield CounterMetricFamily(
+        "kvtier_session_socket_oversize_requests",
+        "Session requests over their op's size cap (refused, or the session ended)",
+        value=c.oversize_requests,
+    )

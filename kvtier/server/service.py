@@ -504,7 +504,7 @@ class KVTierService:
             self._session_tenant(0)  # raises Unimplemented
         assert self._arena is not None
         arena_bytes = self._store.arena(tenant).capacity_bytes
-        session = self._arena.new_session(tenant)
+        session = self._arena.new_session(tenant, self._limits)
         return pb.AttachResponse(
             session_id=session.session_id,
             nonce=session.nonce,
