@@ -1,8 +1,9 @@
 """How long `kvtier serve` takes to become ready, and to have its NVMe index filled, on a
 tier of --records records: exec -> READY=1 (sd_notify) and exec -> the index complete
 (Stats: the NVMe tier no longer `recovering`; a daemon that recovers before it listens is
-complete at READY). While it recovers, a client gets one small DRAM block in a loop: the
-slowest of those gets bounds how long the daemon's event loop stalled.
+complete at READY). While it recovers, a client gets one small DRAM block in a loop (the
+slowest of those gets), and Stats report the daemon's longest event-loop stall
+(kvtier/server/looplag.py) meanwhile.
 
     python benchmarks/nvme_startup.py --directory /var/tmp/kvs \\
         --version before=/work/main --version after=. [--records 100000] [--rounds 3]
@@ -60,13 +61,20 @@ def _populate(root: Path, records: int, payload_bytes: int) -> None:
     marker.touch()
 
 
-def _recovering(client: kvtier.Client) -> tuple[bool, int]:
-    nvme = client.stats().tiers["nvme"]
-    return bool(getattr(nvme, "recovering", False)), nvme.blocks
+def _recovering(client: kvtier.Client) -> tuple[bool, int, float]:
+    """Whether the index is still filling, NVMe blocks, the daemon's longest event-loop
+    stall since the previous call (0 where it does not say)."""
+    stats = client.stats()
+    nvme = stats.tiers["nvme"]
+    stall_s = float(getattr(stats, "event_loop_stall_recent_max_s", 0.0))
+    return bool(getattr(nvme, "recovering", False)), nvme.blocks, stall_s
 
 
-def _one_start(checkout: Path, root: Path, work: Path, records: int) -> tuple[float, float, float]:
-    """(exec -> READY, exec -> index complete, slowest small get while recovering), s."""
+def _one_start(
+    checkout: Path, root: Path, work: Path, records: int
+) -> tuple[float, float, float, float]:
+    """(exec -> READY, exec -> index complete, slowest small get while recovering, the
+    daemon's longest loop stall while recovering), s."""
     notify_path = work / "notify.sock"
     notify_path.unlink(missing_ok=True)
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -107,8 +115,11 @@ def _one_start(checkout: Path, root: Path, work: Path, records: int) -> tuple[fl
 
             prober = threading.Thread(target=probe)
             prober.start()
+            _recovering(client)  # resets the stall record: what follows is recovery's
+            stall_s = 0.0
             while True:
-                recovering, blocks = _recovering(client)
+                recovering, blocks, stalled_s = _recovering(client)
+                stall_s = max(stall_s, stalled_s)
                 if not recovering:
                     break
                 time.sleep(0.01)
@@ -117,7 +128,7 @@ def _one_start(checkout: Path, root: Path, work: Path, records: int) -> tuple[fl
             prober.join()
             if blocks < records:
                 raise SystemExit(f"{checkout}: {blocks} NVMe blocks indexed, want {records}")
-        return ready_s, indexed_s, slowest_s
+        return ready_s, indexed_s, slowest_s, stall_s
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
@@ -143,7 +154,9 @@ def main() -> int:
         _populate(root, args.records, parse_size(args.payload))
         for checkout in versions.values():  # warm the page cache and the imports
             _one_start(Path(checkout).resolve(), root, work, args.records)
-        results: dict[str, list[tuple[float, float, float]]] = {label: [] for label in versions}
+        results: dict[str, list[tuple[float, float, float, float]]] = {
+            label: [] for label in versions
+        }
         for round_index in range(args.rounds):
             labels = list(versions) if round_index % 2 == 0 else list(reversed(versions))
             for label in labels:
@@ -152,10 +165,13 @@ def main() -> int:
                 print(f"round {round_index} {label}: " + " / ".join(f"{x:.3f} s" for x in got))
         print(f"{args.records} records of {args.payload}, warm, {args.rounds} rounds (median):")
         for label, rows in results.items():
-            ready, indexed, slowest = (statistics.median(col) for col in zip(*rows, strict=True))
+            ready, indexed, slowest, stall = (
+                statistics.median(col) for col in zip(*rows, strict=True)
+            )
             print(
                 f"  {label}: exec -> READY {ready:.2f} s, exec -> indexed {indexed:.2f} s, "
-                f"slowest DRAM get while recovering {slowest * 1e3:.1f} ms"
+                f"slowest DRAM get while recovering {slowest * 1e3:.1f} ms, longest loop "
+                f"stall then {stall * 1e3:.1f} ms"
             )
     finally:
         if not args.keep:
