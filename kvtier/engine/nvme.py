@@ -107,7 +107,7 @@ class NvmeDriver:
 
     async def claim_epoch(self, above_generation: int) -> int:
         """This run's first generation, above every generation recovery found."""
-        return await self.io.run(self.tier.claim_epoch, above_generation)
+        return await self.io.run(self.tier.epoch.claim_above, above_generation)
 
     async def stop_watching(self) -> None:
         if self._watch_task is not None:

@@ -35,7 +35,8 @@ from kvtier.engine.residency import Residency
 from kvtier.engine.results import Counters
 from kvtier.index.catalog import Entry
 from kvtier.sizes import human_size
-from kvtier.tiers.nvme import FanScan, RecoveredRecord, RecoveryReport, fan_of
+from kvtier.tiers.nvme import fan_of
+from kvtier.tiers.startup import FanScan, RecoveredRecord, RecoveryReport
 from kvtier.types import BlockId
 
 logger = logging.getLogger(__name__)

@@ -788,8 +788,8 @@ class Store:
 
     def take_generation(self) -> int:
         gen = self._next_generation
-        if self.nvme is not None and gen >= self.nvme.tier.generation_ceiling:
+        if self.nvme is not None and gen >= self.nvme.tier.epoch.ceiling:
             # Once per 2**40 generations: one small synced write, here on the loop.
-            gen = self.nvme.tier.claim_next_epoch()
+            gen = self.nvme.tier.epoch.claim_above(0)
         self._next_generation = gen + 1
         return gen

@@ -17,12 +17,9 @@ Deletes and overwrites append a tombstone (namespace, key, generation) to `tombs
 before they are acknowledged, so a record whose removal had not happened yet when the
 daemon was killed is not served again after the restart.
 
-Start-up is two steps so that a daemon can serve while its index fills: `prepare()` (quick:
-directories, lock, spares, this run's generations claimed in `epoch`, the last runs'
-tombstone logs set aside as `tombstones.<n>.log` and a fresh one opened) and `recover()`
-(every record header; may run on a thread of its own while the tier takes new records,
-which it leaves alone), then `compact_tombstones()` once recovery is complete. `open()`
-is all three.
+A daemon serves while its index fills: `prepare()` reads no record, `recover()` may run
+on a thread of its own meanwhile (the epoch and the tombstone logs that make this safe:
+kvtier/tiers/startup.py), `compact_tombstones()` after it; `open()` is all three.
 
 Everything the tier creates is private to the service user whatever the umask
 (directories 0700, files 0600; a tier an older version left open is closed up at start),
@@ -44,17 +41,13 @@ import logging
 import mmap
 import os
 import stat
-import struct
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-import xxhash
 
 from kvtier import failpoints
 from kvtier.buffers import aligned_buffer
@@ -81,6 +74,18 @@ from kvtier.tiers.safe_open import (
     same_file,
     tighten,
 )
+from kvtier.tiers.startup import (
+    TOMBSTONE_LOG,
+    FanScan,
+    GenerationEpoch,
+    RecoveredRecord,
+    RecoveryReport,
+    is_tombstone_log,
+    read_tombstone_logs,
+    set_aside_tombstone_logs,
+    tombstone_entries,
+    tombstone_entry,
+)
 
 if TYPE_CHECKING:
     from kvtier.config import NvmeConfig
@@ -88,16 +93,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "EPOCH_BITS",
-    "EPOCH_FILE",
     "RECORD_SUFFIX",
     "TOMBSTONE_LOG",
-    "FanScan",
     "NvmeTier",
     "RecoveredRecord",
     "RecoveryReport",
     "fan_of",
-    "is_tombstone_log",
     "lock_tier",
     "supports_o_direct",
     "tombstone_entries",
@@ -105,58 +106,13 @@ __all__ = [
 # The record format, re-exported as this module exported it before it moved to record.py.
 
 RECORD_SUFFIX = ".kvr"
-TOMBSTONE_LOG = "tombstones.log"
-_TOMBSTONE = struct.Struct("<QHH")  # generation, namespace length, key length; then both, xxh3
-_TOMBSTONE_XXH3 = struct.Struct("<Q")
 _LOGGED_DROPS = 10  # unreadable records named one by one in the log at start
 _SCRATCH_KEEP_BYTES = 16 << 20  # larger sealed records use a buffer of their own
 _RECOVERY_THREADS = 8  # fan directories scanned at once at start (see _recover)
 _CACHED_HEADER_S = 30e-6  # per record file: ~11 µs from the page cache here, ~70 from disk
-# Each start claims the next epoch (in EPOCH_FILE, durably, before it takes a record) and
-# numbers its generations from epoch << EPOCH_BITS: above every generation an earlier run
-# can have written, with no need to read their records first. 2**40 per run; 2**24 runs.
-EPOCH_FILE = "epoch"
-EPOCH_BITS = 40
-_EPOCH = struct.Struct("<QQ")  # epoch, xxh3 of its 8 bytes
 _STOP_CHECK_FILES = 256  # a stopped recovery notices within this many files of a fan
 _PLACE_ATTEMPTS = 3  # files a write may find swapped before it gives up (see `write`)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-@dataclass(frozen=True, slots=True)
-class RecoveredRecord:
-    header: RecordHeader
-    file: str  # the record file's path (a Path per record cost ~10 µs at start)
-
-    @property
-    def path(self) -> Path:
-        return Path(self.file)
-
-
-@dataclass(slots=True)
-class FanScan:
-    """What recovery found in one fan directory (merged by `NvmeTier._recover`, or handed
-    to its `on_fan` as soon as the fan is done)."""
-
-    fan: str = ""
-    records: list[RecoveredRecord] = field(default_factory=list)
-    files: int = 0  # record files looked at
-    unreadable: list[tuple[str, str]] = field(default_factory=list)  # (file name, why)
-    stale: int = 0
-    deleted: int = 0
-
-
-@dataclass(slots=True)
-class RecoveryReport:
-    records: list[RecoveredRecord]
-    dropped_corrupt: int
-    dropped_stale: int
-    removed_temporary: int
-    dropped_deleted: int = 0
-    max_tombstone_generation: int = 0
-    refused_files: int = 0  # not regular files (links, FIFOs, ...): removed, not records
-    complete: bool = True  # False: `stop_recovery()` ended it before every fan was scanned
-    max_generation: int = 0  # of the records kept
 
 
 class NvmeTier:
@@ -208,9 +164,7 @@ class NvmeTier:
         self._free_lock = threading.Lock()
         self.free_limit_bytes = min(capacity_bytes // 64, 1 << 30)
         self.refused = RefusedFiles()
-        # This run's generations start here (None: not claimed yet, see `prepare`).
-        self.first_generation: int | None = None
-        self._epoch = 0
+        self.epoch = GenerationEpoch(root)
         self._removed_tmp = 0
         self._refused_before = 0
         self._old_tombstone_logs: list[str] = []  # set aside by `prepare`, read by `recover`
@@ -234,17 +188,14 @@ class NvmeTier:
         self.prepare()
         report = self.recover()
         if self.first_generation is None:
-            self.claim_epoch(max(report.max_generation, report.max_tombstone_generation))
+            self.epoch.claim_above(max(report.max_generation, report.max_tombstone_generation))
         self.compact_tombstones()
         return report
 
     def prepare(self) -> None:
-        """Ready the tier for new records without reading any: directories, the lock,
-        O_DIRECT, temporary files removed, spares listed, the tombstone logs of earlier
-        runs set aside (read by `recover`) and a fresh one opened, and this run's
-        generations claimed (`first_generation`). A tier an older kvtier wrote has no
-        epoch file (nor one that can be read): `first_generation` stays None, and the
-        caller recovers before it takes any record, then `claim_epoch`s above it."""
+        """Ready the tier for new records without reading any; this run's generations
+        claimed (`first_generation`), except on a tier with no (readable) epoch file: the
+        caller recovers it before it takes a record, then `epoch.claim_above` it."""
         self._refused_before = self.refused.count
         had_records = self._records_dir.is_dir()
         self.root.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
@@ -269,111 +220,22 @@ class NvmeTier:
             logger.warning(
                 "O_DIRECT is not supported on %s; the NVMe tier uses buffered I/O", self.root
             )
-        self._set_aside_tombstones()
-        epoch = self._read_epoch()
-        if epoch is not None:
-            self._claim(epoch + 1)
-        elif not had_records:
-            self._claim(1)  # a new tier
-
-    def _set_aside_tombstones(self) -> None:
-        """Move the live log aside as tombstones.<n>.log and open a fresh one: this run's
-        tombstones then never follow a torn entry of an earlier run (which would hide them
-        from the next start), and the logs set aside stay until a recovery has removed
-        every record they name (`compact_tombstones`)."""
-        live = self.root / TOMBSTONE_LOG
-        names = [name for name in os.listdir(self.root) if is_tombstone_log(name)]
-        numbers = [int(name.split(".")[1]) for name in names if name != TOMBSTONE_LOG]
-        if TOMBSTONE_LOG in names:
-            try:
-                opened = open_regular(live, os.O_RDONLY)
-                os.close(opened.fd)
-                keep = opened.info.st_size > 0
-            except NotRegularFile as err:
-                self.refused.refuse("tombstone log", err.kind)
-                keep = False
-            if keep:
-                aside = f"tombstones.{max(numbers, default=0) + 1}.log"
-                os.rename(live, self.root / aside)
-                names.append(aside)
-            else:
-                remove_entry(live)
-        self._old_tombstone_logs = sorted(name for name in names if name != TOMBSTONE_LOG)
-        self._tombstone_fd = open_regular(
-            live, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL
-        ).fd
-        _fsync_dir(str(self.root))
-
-    def _read_epoch(self) -> int | None:
-        """The last epoch a start claimed; None when there is no epoch file (or it is
-        damaged: then the highest generation is only known after a full recovery)."""
-        try:
-            opened = open_regular(self.root / EPOCH_FILE, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        except NotRegularFile as err:
-            self.refused.refuse("epoch file", err.kind)
-            remove_entry(self.root / EPOCH_FILE)
-            data = b""
-        else:
-            with os.fdopen(opened.fd, "rb") as fh:
-                data = fh.read(_EPOCH.size + 1)
-        if len(data) == _EPOCH.size:
-            epoch, digest = _EPOCH.unpack(data)
-            if digest == xxhash.xxh3_64_intdigest(data[:8]):
-                return int(epoch)
-        logger.warning("%s is damaged: recovering the whole index before serving", EPOCH_FILE)
-        return None
-
-    def claim_epoch(self, above_generation: int) -> int:
-        """Claim an epoch whose generations are all above `above_generation` (after a full
-        recovery of a tier without an epoch file); returns `first_generation`."""
-        self._claim(max(self._epoch + 1, (above_generation >> EPOCH_BITS) + 1))
-        assert self.first_generation is not None
-        return self.first_generation
-
-    def claim_next_epoch(self) -> int:
-        """This run used up its 2**40 generations: claim the next epoch as well (one small
-        synced write); returns the new `first_generation`."""
-        return self.claim_epoch(0)
+        # This run's tombstones go to a fresh log (see kvtier/tiers/tier_state.py).
+        self._old_tombstone_logs, self._tombstone_fd = set_aside_tombstone_logs(
+            self.root, self.refused
+        )
+        if not self.epoch.claim_next(self.refused) and not had_records:
+            self.epoch.claim(1)  # a new tier
 
     @property
-    def generation_ceiling(self) -> int:
-        """The first generation this run's epoch does not cover."""
-        return (self._epoch + 1) << EPOCH_BITS
-
-    def _claim(self, epoch: int) -> None:
-        """Durably record `epoch` as claimed (written aside, synced, renamed, directory
-        synced) before any generation of it is handed out: after a crash, even a power
-        loss, the next start claims a later one."""
-        if epoch >= 1 << (64 - EPOCH_BITS):
-            raise ConfigError(
-                f"nvme.path: {self.root} has used up its generation numbers; empty it "
-                "(kvtier wipe) to start afresh"
-            )
-        head = struct.pack("<Q", epoch)
-        data = _EPOCH.pack(epoch, xxhash.xxh3_64_intdigest(head))
-        fresh = self.root / f"{EPOCH_FILE}.new"
-        remove_entry(fresh)  # a leftover (or planted) one is never opened
-        fd = open_regular(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL).fd
-        try:
-            if os.write(fd, data) != len(data):
-                raise OSError(errno.EIO, "short write to the epoch file")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(fresh, self.root / EPOCH_FILE)
-        _fsync_dir(str(self.root))
-        self._epoch = epoch
-        self.first_generation = epoch << EPOCH_BITS
+    def first_generation(self) -> int | None:
+        """This run's generations start here (None: not claimed yet, see `prepare`)."""
+        return self.epoch.first_generation
 
     def recover(self, on_fan: Callable[[FanScan], None] | None = None) -> RecoveryReport:
-        """Check every record file's header, after `prepare()`: what survived on disk.
-        Records of this run (generation at or above `first_generation`) are left alone,
-        so this may run on a thread of its own while the tier takes new records. With
-        `on_fan`, each fan's records are handed to it as soon as the fan is scanned (in
-        fan order; the report then lists none). After `stop_recovery()` it returns early,
-        `complete` False, without handing over the fan it was in."""
+        """Check every record file's header (after `prepare`), leaving this run's records
+        alone. With `on_fan`, each fan is handed to it once scanned (the report lists no
+        records); `stop_recovery()` ends it early, `complete` False."""
         report = self._recover(self._removed_tmp, self._read_tombstones(), on_fan)
         report.refused_files = self.refused.count - self._refused_before
         if report.refused_files:
@@ -419,26 +281,11 @@ class NvmeTier:
 
     def _read_tombstones(self) -> dict[tuple[str, bytes], int]:
         """(namespace, key) -> newest deleted generation, from the logs of earlier runs
-        (`prepare` set them aside; before it, every log there); a torn last entry is
-        ignored."""
+        (`prepare` set them aside; before it, every log there)."""
         names = self._old_tombstone_logs
         if self._tombstone_fd is None:
             names = sorted(n for n in os.listdir(self.root) if is_tombstone_log(n))
-        out: dict[tuple[str, bytes], int] = {}
-        for name in names:
-            try:
-                opened = open_regular(self.root / name, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            except NotRegularFile as err:
-                self.refused.refuse("tombstone log", err.kind)
-                remove_entry(self.root / name)
-                continue
-            with os.fdopen(opened.fd, "rb") as log:
-                data = log.read()
-            for ns_id, key, generation, _ in tombstone_entries(data):
-                out[ns_id, key] = max(out.get((ns_id, key), 0), generation)
-        return out
+        return read_tombstone_logs(self.root, names, self.refused)
 
     def tombstone(self, ns_id: str, key: bytes, generation: int) -> None:
         """Record that (ns_id, key) up to `generation` is deleted, before the delete is
@@ -447,7 +294,7 @@ class NvmeTier:
         if failpoints.ACTIVE:
             failpoints.fire("nvme.tombstone")
         assert self._tombstone_fd is not None, "open() the tier first"
-        entry = _tombstone_entry(ns_id, key, generation)
+        entry = tombstone_entry(ns_id, key, generation)
         with self._tombstone_lock:
             if os.write(self._tombstone_fd, entry) != len(entry):
                 raise OSError(errno.EIO, "short write to the tombstone log")
@@ -469,38 +316,28 @@ class NvmeTier:
         only contend for the GIL: 2x slower here on 2 cores); headers on the drive are
         not, so when the first fan shows the drive's latency the rest are scanned on
         _RECOVERY_THREADS threads (opens and reads release the GIL)."""
-        records: list[RecoveredRecord] = []
+        report = RecoveryReport([], 0, 0, removed_tmp, 0, max(tombstones.values(), default=0))
         unreadable: list[tuple[str, str]] = []
-        stale = deleted = max_generation = 0
-        complete = True
         for fan_scan in self._fan_scans(tombstones):
             if fan_scan is None:  # stopped
-                complete = False
+                report.complete = False
                 break
             unreadable += fan_scan.unreadable
-            stale += fan_scan.stale
-            deleted += fan_scan.deleted
-            for record in fan_scan.records:
-                max_generation = max(max_generation, record.header.generation)
+            report.dropped_stale += fan_scan.stale
+            report.dropped_deleted += fan_scan.deleted
+            newest = max((r.header.generation for r in fan_scan.records), default=0)
+            report.max_generation = max(report.max_generation, newest)
             if on_fan is None:
-                records += fan_scan.records
+                report.records += fan_scan.records
             else:
                 on_fan(fan_scan)
+        report.dropped_corrupt = len(unreadable)
         # A changed key makes every record unreadable: a few lines, then a total.
         for name, why in unreadable[:_LOGGED_DROPS]:
             logger.warning("dropping unreadable record %s: %s", name, why)
         if len(unreadable) > _LOGGED_DROPS:
             logger.warning("dropped %d unreadable records in all", len(unreadable))
-        return RecoveryReport(
-            records,
-            len(unreadable),
-            stale,
-            removed_tmp,
-            deleted,
-            max(tombstones.values(), default=0),
-            complete=complete,
-            max_generation=max_generation,
-        )
+        return report
 
     def _fan_scans(self, tombstones: dict[tuple[str, bytes], int]) -> Iterator[FanScan | None]:
         """Each fan's scan in fan order (None once stopped), on threads if the drive is
@@ -898,31 +735,6 @@ def lock_tier(root: Path) -> int:
     return fd
 
 
-def _tombstone_entry(ns_id: str, key: bytes, generation: int) -> bytes:
-    ns = ns_id.encode()
-    entry = _TOMBSTONE.pack(generation, len(ns), len(key)) + ns + key
-    return entry + _TOMBSTONE_XXH3.pack(xxhash.xxh3_64_intdigest(entry))
-
-
-def tombstone_entries(data: bytes) -> Iterator[tuple[str, bytes, int, bytes]]:
-    """(namespace id, key, generation, the entry's bytes) of each intact entry, in order,
-    up to the first torn or damaged one."""
-    pos = 0
-    while pos + _TOMBSTONE.size <= len(data):
-        generation, ns_len, key_len = _TOMBSTONE.unpack_from(data, pos)
-        end = pos + _TOMBSTONE.size + ns_len + key_len
-        if end + _TOMBSTONE_XXH3.size > len(data):
-            return
-        (digest,) = _TOMBSTONE_XXH3.unpack_from(data, end)
-        if digest != xxhash.xxh3_64_intdigest(data[pos:end]):
-            logger.warning("tombstone log damaged at byte %d; the rest is ignored", pos)
-            return
-        body = pos + _TOMBSTONE.size
-        ns_id = data[body : body + ns_len].decode()
-        yield ns_id, data[body + ns_len : end], generation, data[pos : end + _TOMBSTONE_XXH3.size]
-        pos = end + _TOMBSTONE_XXH3.size
-
-
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
     try:
@@ -941,27 +753,10 @@ def fan_of(ns_id: str, key: bytes) -> str:
     return _digest(ns_id, key)[:2]
 
 
-def is_tombstone_log(name: str) -> bool:
-    """Whether a file in the tier's root is a tombstone log: the live one, or one a
-    start set aside (`tombstones.<n>.log`) until a recovery completes."""
-    if name == TOMBSTONE_LOG:
-        return True
-    stem, dot, number = name.removesuffix(".log").partition(".")
-    return name.endswith(".log") and stem == "tombstones" and bool(dot) and number.isdigit()
-
-
 def _name_generation(name: str) -> int:
     """The generation a record file's name (<digest>.<generation>.kvr) gives; 0 if none."""
     text = name[: -len(RECORD_SUFFIX)].rpartition(".")[2]
     return int(text) if text.isdigit() else 0
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _entry_kind(entry: os.DirEntry[str]) -> str:

@@ -9,15 +9,10 @@ from pathlib import Path
 
 from kvtier.errors import ConfigError, CorruptRecord, NotRegularFile
 from kvtier.keys import tenant_of
-from kvtier.tiers.nvme import (
-    RECORD_SUFFIX,
-    TOMBSTONE_LOG,
-    is_tombstone_log,
-    lock_tier,
-    tombstone_entries,
-)
+from kvtier.tiers.nvme import RECORD_SUFFIX, TOMBSTONE_LOG, lock_tier, tombstone_entries
 from kvtier.tiers.record import parse_header, read_header_region
 from kvtier.tiers.safe_open import open_regular, open_subdir, remove_entry
+from kvtier.tiers.startup import is_tombstone_log
 
 
 @dataclass(frozen=True, slots=True)

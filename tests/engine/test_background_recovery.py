@@ -19,8 +19,9 @@ from kvtier.buffers import aligned_buffer
 from kvtier.engine.calibrate import CALIBRATION_NS_ID
 from kvtier.engine.store import Store
 from kvtier.tiers import nvme as tier_module
-from kvtier.tiers.nvme import EPOCH_BITS, NvmeTier, fan_of
+from kvtier.tiers.nvme import NvmeTier, fan_of
 from kvtier.tiers.record import RecordHeader, header_size_for
+from kvtier.tiers.startup import EPOCH_BITS, FanScan
 from tests.conftest import block_bytes
 from tests.engine.test_store import NS, get, make_config, put
 
@@ -37,7 +38,7 @@ class Gate:
 
         def gated(
             tier: NvmeTier, fan: str, tombstones: dict[tuple[str, bytes], int]
-        ) -> tier_module.FanScan | None:
+        ) -> FanScan | None:
             while fan >= self.upto:
                 if tier._stop_recovery.is_set():
                     return None

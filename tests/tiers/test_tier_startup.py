@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvtier.tiers.nvme import EPOCH_BITS, EPOCH_FILE, TOMBSTONE_LOG, NvmeTier
+from kvtier.tiers.nvme import TOMBSTONE_LOG, NvmeTier
+from kvtier.tiers.startup import EPOCH_BITS, EPOCH_FILE
 from kvtier.tiers.wipe import wipe
 from tests.tiers.test_nvme import NS, write
 
@@ -38,7 +39,7 @@ def test_each_start_claims_a_later_epoch_and_a_damaged_one_means_recover_first(
     assert tier.first_generation is None
     report = tier.recover()
     assert report.max_generation == (4 << EPOCH_BITS) + 7
-    assert tier.claim_epoch(report.max_generation) == 5 << EPOCH_BITS
+    assert tier.epoch.claim_above(report.max_generation) == 5 << EPOCH_BITS
     tier.close()
     tier = tier_at(tmp_path)
     tier.prepare()
