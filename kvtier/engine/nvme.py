@@ -207,9 +207,6 @@ class NvmeDriver:
         self._removing[block_id] = max(self._removing.get(block_id, 0), header.generation)
         self._spawn(self._remove(header))
 
-    async def remove_now(self, header: RecordHeader) -> None:
-        await self.io.run(self.tier.remove, header)
-
     async def _remove(self, header: RecordHeader) -> None:
         try:
             await self.io.run(self.tier.remove, header)
