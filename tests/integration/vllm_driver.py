@@ -3,12 +3,14 @@
     python vllm_driver.py build-model DIR
     python vllm_driver.py generate --model DIR --prompts P.json --out O.json
         [--target unix:///...sock] [--load 0|1] [--save 0|1] [--multiprocess]
+        [--device-path auto|emulate]
     python vllm_driver.py reference --model DIR --prompts P.json --out O.json
 
 `generate` runs every prompt (token ids) one at a time, greedy, with logprobs; writes per
 prompt the generated token ids, their logprobs, vLLM's num_cached_tokens and the time it
 took (the time to first token with --max-tokens 1). Without --target no connector is
-configured (the cold reference).
+configured (the cold reference). `--device-path emulate`: the connector moves the CPU KV
+through its GPU path (CUDA IPC, layer by layer), for a daemon running `gpu.emulate`.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ def generate(args: argparse.Namespace) -> None:
                 "retry_s": 0.5,
                 "timeout_s": args.timeout_s,
                 "fetch": args.fetch,
+                "device_path": args.device_path,
             },
         )
     started_s = time.perf_counter()
@@ -199,6 +202,7 @@ def main(argv: list[str]) -> None:
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--multiprocess", action="store_true")
     g.add_argument("--fetch", choices=["plan", "always"], default="plan")
+    g.add_argument("--device-path", choices=["auto", "emulate"], default="auto")
     g.add_argument("--warmup", type=int, default=0, help="throwaway prompts run first")
     g.add_argument("--timeout-s", type=float, default=2.0, help="the connector's RPC deadline")
     r = sub.add_parser("reference")
