@@ -11,7 +11,14 @@ import pytest
 import torch
 
 import kvtier
-from kvtier.integrations.paged_kv import ArenaKV, CudaIpcKV, Loaded, paged_kv, pages_of
+from kvtier.integrations.paged_kv import (
+    ArenaKV,
+    CudaIpcKV,
+    Loaded,
+    describe,
+    paged_kv,
+    pages_of,
+)
 from kvtier.integrations.prefix import layer_key
 from tests.conftest import DaemonProcess
 
@@ -125,7 +132,10 @@ def test_cpu_kv_goes_through_the_shared_arena_one_record_per_block(
         receiver.start_load(client, [(stored[0], 0), (b"never-stored", 1), (stored[1], 2)])
         assert receiver.end_load() == Loaded(1)
     assert same_block(source, 2, target, 0)
-    assert isinstance(paged_kv(NS, names, source, BLOCKS, emulate_ipc=True), CudaIpcKV)
+    assert describe(kv) == "KV on the CPU moves through the shared arena"
+    emulated = paged_kv(NS, names, source, BLOCKS, emulate_ipc=True)
+    assert isinstance(emulated, CudaIpcKV)
+    assert describe(emulated).startswith("KV on cpu moves through CUDA IPC (emulated")
 
 
 def test_pages_are_found_in_any_block_major_layout_and_refused_when_split() -> None:

@@ -29,7 +29,6 @@ blocks a load or save names must stay allocated to their request until it has en
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import time
 import weakref
@@ -45,8 +44,6 @@ from kvtier.client import CudaGetGroups
 from kvtier.client.cuda import cuda_ipc_handle, shared_memory_handle
 from kvtier.errors import AlreadyExists, KVTierError
 from kvtier.integrations.prefix import layer_key
-
-logger = logging.getLogger("vllm.kvtier")
 
 Blocks = list[tuple[bytes, int]]  # (chained key, engine block id)
 Fence = Callable[[], None]
@@ -342,20 +339,18 @@ def paged_kv(
     for CPU KV (`emulate_ipc`: CUDA IPC on the daemon's CPU stand-in instead)."""
     device = layers[0].device.type if layers else "cpu"
     if device == "cuda":
-        kv: PagedKV = CudaIpcKV(namespace, names, layers, num_blocks)
-    elif emulate_ipc:
-        kv = CudaIpcKV(namespace, names, layers, num_blocks, emulated=True)
-    else:
-        kv = ArenaKV(namespace, names, layers, num_blocks)
-    if isinstance(kv, CudaIpcKV):
-        logger.info(
-            "kvtier: KV on %s moves through CUDA IPC%s: %d layers in %d registered "
-            "allocation(s), loaded layer by layer",
-            kv.device,
-            " (emulated: shared memory, for a daemon with gpu.emulate)" if kv.emulated else "",
-            len(layers),
-            kv.registrations,
-        )
-    else:
-        logger.info("kvtier: KV on the CPU moves through the shared arena")
-    return kv
+        return CudaIpcKV(namespace, names, layers, num_blocks)
+    if emulate_ipc:
+        return CudaIpcKV(namespace, names, layers, num_blocks, emulated=True)
+    return ArenaKV(namespace, names, layers, num_blocks)
+
+
+def describe(kv: PagedKV) -> str:
+    """One line saying how the blocks move (for the engine's log)."""
+    if not isinstance(kv, CudaIpcKV):
+        return "KV on the CPU moves through the shared arena"
+    emulated = " (emulated: shared memory, for a daemon with gpu.emulate)" if kv.emulated else ""
+    return (
+        f"KV on {kv.device} moves through CUDA IPC{emulated}: {len(kv.layers)} layers in "
+        f"{kv.registrations} registered allocation(s), loaded layer by layer"
+    )

@@ -56,7 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import kvtier
 from kvtier.errors import KVTierError
-from kvtier.integrations.paged_kv import Blocks, Fence, PagedKV, paged_kv
+from kvtier.integrations.paged_kv import Blocks, Fence, PagedKV, describe, paged_kv
 from kvtier.integrations.prefix import (
     RequestState,
     engine_namespace,
@@ -406,9 +406,11 @@ class KVTierConnector(KVConnectorBase_V1):
                 f"KV on {layers[0].device if layers else 'no device'}, not on vLLM's device: "
                 "kvtier's scheduler and worker sides would name different records"
             )
-        return paged_kv(
+        kv = paged_kv(
             self.namespace, self._layer_names, layers, self._num_blocks, self._emulate_ipc
         )
+        logger.info("kvtier: %s", describe(kv))
+        return kv
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # Called before the forward pass; start_load_kv is not when a step loads nothing
