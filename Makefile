@@ -7,7 +7,8 @@ BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.installed
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: vllm-env serve test soak check lint typecheck proto proto-check systemd-check bench clean
+.PHONY: vllm-env serve test soak check lint typecheck proto proto-check systemd-check bench clean \
+	wheel-check
 
 # The daemon needs only the runtime dependencies; tests and tools add the dev extra
 # (which includes the CPU build of torch, pinned, for the tensor tests).
@@ -59,7 +60,7 @@ soak: $(STAMP)
 	$(BIN)/python -m pytest -m soak $(PYTEST_ARGS)
 
 ## check: everything CI runs: generated code, lint, types, the systemd unit, tests
-check: proto-check lint typecheck systemd-check test
+check: proto-check lint typecheck systemd-check test wheel-check
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check kvtier tests scripts benchmarks examples
@@ -82,6 +83,12 @@ proto-check: proto
 ## systemd-check: systemd-analyze verify (any output fails) and security exposure <= 3.0
 systemd-check: $(RUNTIME)
 	PYTHON=$(BIN)/python scripts/check_systemd.sh
+
+## wheel-check: python -m build's wheel and sdist, then the wheel in a fresh venv with
+## each extra and the README's install lines, each importing kvtier (pytest -m wheel;
+## about 2 minutes, from the package index)
+wheel-check: $(STAMP)
+	$(BIN)/python -m pytest -m wheel tests/test_wheel.py $(PYTEST_ARGS)
 
 ## bench: put/get throughput and latency (zero-copy, batched, gRPC) vs memcpy and Redis
 bench: $(STAMP)

@@ -354,6 +354,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
+    from kvtier import __version__
+
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the daemon (embedded defaults without --config)")
