@@ -8,7 +8,7 @@ RUNTIME := $(VENV)/.installed
 STAMP := $(VENV)/.installed-dev
 
 .PHONY: vllm-env serve test soak check lint typecheck proto proto-check systemd-check bench clean \
-	wheel-check
+	wheel-check deploy-check
 
 # The daemon needs only the runtime dependencies; tests and tools add the dev extra
 # (which includes the CPU build of torch, pinned, for the tensor tests).
@@ -60,7 +60,7 @@ soak: $(STAMP)
 	$(BIN)/python -m pytest -m soak $(PYTEST_ARGS)
 
 ## check: everything CI runs: generated code, lint, types, the systemd unit, tests
-check: proto-check lint typecheck systemd-check test wheel-check
+check: proto-check lint typecheck systemd-check deploy-check test wheel-check
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check kvtier tests scripts benchmarks examples
@@ -83,6 +83,11 @@ proto-check: proto
 ## systemd-check: systemd-analyze verify (any output fails) and security exposure <= 3.0
 systemd-check: $(RUNTIME)
 	PYTHON=$(BIN)/python scripts/check_systemd.sh
+
+## deploy-check: deploy/kubernetes rendered by `kubectl kustomize` and validated against
+## Kubernetes' schemas (offline), and its config, probes, limits and hardening checked
+deploy-check: $(STAMP)
+	KVTIER_REQUIRE_KUBECTL=1 $(BIN)/python -m pytest tests/test_deploy.py $(PYTEST_ARGS)
 
 ## wheel-check: python -m build's wheel and sdist, then the wheel in a fresh venv with
 ## each extra and the README's install lines, each importing kvtier (pytest -m wheel;

@@ -126,6 +126,7 @@ def test_sdist_carries_what_rebuilds_and_retests_it(dist: Path) -> None:
         "tests/test_wheel.py",
         "scripts/gen_proto.py",
         "systemd/kvtier.service",
+        "deploy/kubernetes/base/kustomization.yaml",
     ):
         assert needed in names, f"{needed} missing from the sdist"
     assert not [n for n in names if n.endswith((".pyc", ".pyo"))]
