@@ -85,9 +85,11 @@ systemd-check: $(RUNTIME)
 	PYTHON=$(BIN)/python scripts/check_systemd.sh
 
 ## deploy-check: deploy/kubernetes rendered by `kubectl kustomize` and validated against
-## Kubernetes' schemas (offline), and its config, probes, limits and hardening checked
+## Kubernetes' schemas (offline), its config, probes, limits and hardening checked, and
+## the Grafana dashboard's queries checked against a daemon's /metrics
 deploy-check: $(STAMP)
-	KVTIER_REQUIRE_KUBECTL=1 $(BIN)/python -m pytest tests/test_deploy.py $(PYTEST_ARGS)
+	KVTIER_REQUIRE_KUBECTL=1 $(BIN)/python -m pytest tests/test_deploy.py tests/test_dashboard.py \
+	  $(PYTEST_ARGS)
 
 ## wheel-check: python -m build's wheel and sdist, then the wheel in a fresh venv with
 ## each extra and the README's install lines, each importing kvtier (pytest -m wheel;
