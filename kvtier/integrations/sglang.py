@@ -132,6 +132,14 @@ class KVTierStorage(HiCacheStorage):
 
     # ---- SGLang's lifecycle ---------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        if getattr(mem_pool_host, "kv_buffer", None) is None:
+            # Hybrid models' logical anchor pools (DeepSeek V4, Mamba, SWA) keep their data
+            # in side pools that SGLang moves through the v2 interface, not supported here.
+            raise ValueError(
+                f"kvtier's HiCache storage needs a host KV pool with a KV buffer (MHA or "
+                f"MLA models); {type(mem_pool_host).__name__} has none: use another L3 "
+                "backend for this model"
+            )
         super().register_mem_pool_host(mem_pool_host)
         self.namespace = self._extra.get("namespace") or storage_namespace(
             self._config, mem_pool_host
@@ -240,8 +248,9 @@ class KVTierStorage(HiCacheStorage):
     def get(
         self, key: str, target_location: Any | None = None, target_sizes: Any | None = None
     ) -> torch.Tensor | None:
-        got = self.batch_get([key], [target_location])
-        return got[0] if got else None
+        if target_location is None:
+            return None  # SGLang always passes the page to fill
+        return self.batch_get([key], [target_location])[0]
 
     def batch_get(
         self,
@@ -249,7 +258,7 @@ class KVTierStorage(HiCacheStorage):
         target_locations: Sequence[Any] | None = None,
         target_sizes: Any | None = None,
     ) -> list[torch.Tensor | None]:
-        if target_locations is None or not keys:
+        if target_locations is None or any(t is None for t in target_locations):
             return [None] * len(keys)
         link, client = self._client()
         if client is None:
@@ -283,7 +292,7 @@ class KVTierStorage(HiCacheStorage):
         target_locations: Any | None = None,
         target_sizes: Any | None = None,
     ) -> bool:
-        if values is None or not keys:
+        if values is None or any(v is None for v in values):
             return False
         if not self._config.is_storage_writer:
             return True

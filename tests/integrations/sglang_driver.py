@@ -233,6 +233,14 @@ def scenario(target: str, layout: str) -> dict[str, Any]:
     out["mla_after_other"] = mla_writer.batch_exists(mla_keys)
     out["mla_writer_set"] = mla_writer.batch_set_v1(mla_keys, pages(writer, 0, 2))
     out["mla_after_writer"] = mla_other.batch_exists(mla_keys)
+    # A hybrid model's anchor pool (no KV buffer of its own) is refused, with why.
+    anchor = pool_cls(layout, layers=1, heads=1, dim=8, page_size=4, pages=2)
+    anchor.kv_buffer = None
+    try:
+        make_backend(target, anchor)
+        out["anchor_refused"] = ""
+    except ValueError as err:
+        out["anchor_refused"] = str(err)
     for backend in (storage, load, mla_writer, mla_other):
         backend.close()
     return out

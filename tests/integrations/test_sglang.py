@@ -63,6 +63,7 @@ def test_sglang_pages_round_trip_bit_exact_through_the_daemon(
     assert r["mla_namespaces_equal"]
     assert r["mla_other_set"] == [True, True] and r["mla_after_other"] == 0
     assert r["mla_writer_set"] == [True, True] and r["mla_after_writer"] == 2
+    assert "needs a host KV pool with a KV buffer" in r["anchor_refused"]
     stats = daemon.client().stats()
     assert stats.checksum_failures == 0 and stats.puts >= 6 + 2 + 2
 
