@@ -56,6 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import kvtier
 from kvtier.errors import KVTierError
+from kvtier.integrations.daemon import DaemonLink
 from kvtier.integrations.paged_kv import Blocks, Fence, PagedKV, describe, paged_kv
 from kvtier.integrations.prefix import (
     RequestState,
@@ -99,71 +100,13 @@ class KVTierMetadata(KVConnectorMetadata):
     prefill: PrefillStep | None = None
 
 
-class _Outage:
-    """Whether a daemon outage has been logged: shared by the clients of one side (the
-    worker's and its saver's), so an outage is one warning, and so is the recovery."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._logged = False
-
-    def flip(self, logged: bool) -> bool:
-        """Set the state; True if that changed it (the caller logs)."""
-        with self._lock:
-            changed, self._logged = self._logged != logged, logged
-            return changed
-
-
-class _Daemon:
-    """The client, with the engine's rule for a daemon that is down: skip kvtier (log once)
-    and try again after `retry_s`, never stalling a step on it."""
-
-    def __init__(self, extra: dict[str, Any], outage: _Outage | None = None) -> None:
-        self._target = extra.get("target") or os.environ.get("KVTIER_TARGET")
-        self._token = extra.get("token")
-        self._timeout_s = float(extra.get("timeout_s", 2.0))
-        self._retry_s = float(extra.get("retry_s", 5.0))
-        self._client: kvtier.Client | None = None
-        self._down_until_s = 0.0
-        self.outage = outage or _Outage()
-
-    def client(self) -> kvtier.Client | None:
-        if time.monotonic() < self._down_until_s:
-            return None
-        if self._client is None:
-            self._client = kvtier.Client(self._target, timeout_s=self._timeout_s, token=self._token)
-        return self._client
-
-    def failed(self, doing: str, err: Exception) -> None:
-        self._down_until_s = time.monotonic() + self._retry_s
-        if self.outage.flip(True):
-            logger.warning(
-                "kvtier: could not %s (%s); recomputing instead, retrying every %.0f s",
-                doing,
-                err,
-                self._retry_s,
-            )
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-
-    def succeeded(self) -> None:
-        if self.outage.flip(False):
-            logger.warning("kvtier: the daemon answers again")
-
-    def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-
-
 class _Saver:
     """Stores blocks on a thread of its own (with its own client), so a step does not wait
     for the daemon. Tracks which requests have saves in flight: a finished request's
     blocks are given back to vLLM (`finished`) only once everything it saved is stored."""
 
     def __init__(
-        self, daemon: _Daemon, save: Callable[[_Daemon, Blocks, Fence | None], None]
+        self, daemon: DaemonLink, save: Callable[[DaemonLink, Blocks, Fence | None], None]
     ) -> None:
         self._daemon = daemon
         self._save = save
@@ -262,7 +205,7 @@ class KVTierConnector(KVConnectorBase_V1):
             parallel.tensor_parallel_size,
         )
         self._extra = extra
-        self._daemon = _Daemon(extra)
+        self._daemon = DaemonLink(extra, logger=logger)
         if getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "") == "fail":
             logger.warning(
                 "kvtier: kv_load_failure_policy is 'fail': a block kvtier cannot give back "
@@ -452,7 +395,9 @@ class KVTierConnector(KVConnectorBase_V1):
         # The engine's compute: not the time it was held up waiting for a layer's load.
         forward_s = time.perf_counter() - self._forward_started_s - load_wait_s
         if meta.saves and self._saver is None:
-            self._saver = _Saver(_Daemon(self._extra, self._daemon.outage), self._save_blocks)
+            self._saver = _Saver(
+                DaemonLink(self._extra, self._daemon.outage, logger), self._save_blocks
+            )
         fence = self._kv.save_fence() if meta.saves and self._kv is not None else None
         for req_id, blocks in meta.saves.items():
             assert self._saver is not None
@@ -505,7 +450,7 @@ class KVTierConnector(KVConnectorBase_V1):
             )
         return self._kv.wait_s
 
-    def _save_blocks(self, daemon: _Daemon, saves: Blocks, fence: Fence | None) -> None:
+    def _save_blocks(self, daemon: DaemonLink, saves: Blocks, fence: Fence | None) -> None:
         """On the saver thread: a save that fails is a block not cached, nothing more."""
         client = daemon.client()
         if client is None or self._kv is None:
