@@ -14,28 +14,34 @@ Layout, per slot of one tier's order (bytes per block in brackets):
   pair of int32 link arrays (sentinels 0 and 1, slot s at s + 2), which queue in a byte,
   the 0..3 use count in a byte, the size in a uint32; its ghost FIFO a `DigestTable` of
   key digests (≈ 26 bytes a ghost, as many ghosts as main holds).
-* `PackedValue` [48] — an indexed binary min-heap of slots (`_heap`, `_where`) ordered by
-  (priority, −position, seq) read from float64 / int32 / int64 arrays; the parent slot,
-  and the children cached in this tier as an intrusive sibling list (`_first` child,
-  `_next_sib`, `_prev_sib`) in place of child sets.
-* `DigestSketch` [fixed, 256 KiB] — the count-min sketch in four bytearrays, rows indexed
-  by the four 16-bit quarters of the key digest (was: an xxh3-128 of `repr(key)` per
-  access, in lists of Python ints).
+* `PackedValue` [48] — per slot: priority (float64), seq (int64), position, size, parent
+  slot, and the children cached in this tier as an intrusive sibling list (`_first`
+  child, `_next_sib`, `_prev_sib`: int32s) in place of child sets; an indexed binary
+  min-heap (`_heap`, `_where`) of the blocks that may be chosen — those with no cached
+  child — ordered by (priority, −position, seq). Raising a chain is array writes: its
+  ancestors have children, so they are not in the heap; a block enters it when its last
+  cached child leaves.
+* `DigestSketch` [fixed, 256 KiB] — the count-min sketch in four bytearrays, row r
+  indexed by the digest's r-th 16-bit quarter. `key_digest` packs the four indices
+  FrequencySketch took from xxh3-128(`repr(key)`), so the counts, collisions included,
+  are FrequencySketch's; the repr is hashed once per block (by the catalog), not per use.
 * `PackedReuse`, `PackedGhosts` [≈ 26 a remembered key] — `DigestTable`s in LRU order.
 
 What is and is not identical to policy.py (tests/index/test_packed_policy.py checks it):
 
-* LRU, S3-FIFO, the reuse estimate, admission and ghosts make the same decisions for the
-  same calls (keys that share a 64-bit digest aside).
-* The sketch keeps the same counting (4 rows, saturating at 15, halved every 10 × width
-  adds) but hashes the digest, not `repr(key)`, so *which* keys collide differs.
-* The value policy orders blocks exactly as ValuePolicy's lazy heap does, with one
-  exception: ValuePolicy leaves superseded heap items in place, and when a block leaves
-  the tier and comes back at *exactly* the priority one of its old items still carries
-  (float equality: in practice a block that saves nothing, back before `L` moved), that
-  old item counts again, with its old (−position, seq), so the block sorts among equal
-  priorities as if it had never left. Here a returning block is always new. The shared
-  trace never does this (no block returns at its old priority in the replays checked).
+* LRU, S3-FIFO, the sketch, the reuse estimate, admission and ghosts make the same
+  decisions for the same calls (two keys with one 64-bit digest aside: those are one key
+  to the ghost tables and the reuse memory).
+* The value policy orders blocks as ValuePolicy's lazy heap does but for one case.
+  ValuePolicy leaves a block's superseded heap items in place until they surface or a
+  compaction drops them; if the block leaves the tier and in a later stay reaches
+  *exactly* (float equality) the priority one of them carries, that item counts again,
+  with the old stay's (−position, seq), and among equal priorities the block sorts as
+  if it had come back then. Here a block's order goes when it leaves: the decisions are
+  ValuePolicy's with its `remove` dropping the block's items. Equality across stays needs
+  L unmoved and the same uses × saving: a block removed (not evicted) and put back
+  before any eviction, or one that saves nothing (priority L) evicted and back before L
+  moves. The shared trace's replays never do this: every figure is identical.
 
 Slots named as a parent must keep naming that block: the children lists are keyed by the
 parent's slot whether or not the parent is in the tier (a parent that comes back finds
