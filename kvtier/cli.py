@@ -232,6 +232,35 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    """The daemon's gRPC health status, for probes that cannot speak gRPC over a UNIX socket
+    (a Kubernetes exec probe): exit 0 while SERVING, 1 otherwise (NOT_SERVING: draining),
+    2 when nothing answers (starting, stopped)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvtier.client._common import channel_security, normalize_target
+
+    target = normalize_target(args.target)
+    security = channel_security(target, None, None, None, None, None)
+    channel = (
+        grpc.insecure_channel(target, options=security.options)
+        if security.credentials is None
+        else grpc.secure_channel(target, security.credentials, options=security.options)
+    )
+    with channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout_s
+            )
+        except grpc.RpcError as err:
+            print(f"kvtier: {target}: {err.code().name}: {err.details()}", file=sys.stderr)
+            return EXIT_ERROR
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(status)
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else EXIT_MISS
+
+
 def cmd_events(args: argparse.Namespace) -> int:
     """Residency events as JSON lines (what a router's index follows), until --count."""
     epoch, _, seq = (args.resume or "").partition(":")
@@ -359,6 +388,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
+    from kvtier import __version__
+
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the daemon (embedded defaults without --config)")
@@ -465,6 +497,12 @@ def build_parser() -> argparse.ArgumentParser:
     stats = client_cmd("stats", "daemon and tier statistics", with_key=False)
     stats.add_argument("--json", action="store_true")
     stats.set_defaults(func=cmd_stats)
+
+    health = sub.add_parser("health", help="gRPC health status (exit 0 while SERVING)")
+    health.add_argument("--target", help="daemon address (default: the default socket)")
+    health.add_argument("--service", default="", help="service name ('' = the whole daemon)")
+    health.add_argument("--timeout-s", type=float, default=5.0, help="give up after this long")
+    health.set_defaults(func=cmd_health)
     return parser
 
 

@@ -4,6 +4,7 @@ imported by the caller's tensor, never here."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -24,6 +25,25 @@ def cuda_ipc_handle(tensor: Any) -> tuple[int, bytes, int, int]:
     device, handle, storage_offset = int(shared[0]), bytes(shared[1]), int(shared[3])
     offset = storage_offset + tensor.storage_offset() * tensor.element_size()
     return device, handle, offset, tensor.numel() * tensor.element_size()
+
+
+def shared_memory_handle(tensor: Any) -> tuple[int, bytes, int, int]:
+    """`cuda_ipc_handle`'s stand-in for a daemon running `gpu.emulate`: (device 0, the path
+    of the shared-memory file holding a contiguous CPU tensor, the tensor's byte offset in
+    it, its bytes). The tensor's storage is moved into shared memory first, in place
+    (torch's own sharing call, as torch.multiprocessing uses): every view of it follows,
+    so an engine's KV tensors can be handed over after they were allocated. The path is
+    this process's descriptor of the file: valid while the storage lives."""
+    if getattr(tensor, "device", None) is None or tensor.device.type != "cpu":
+        raise InvalidArgument("an emulated CUDA IPC handle is for a CPU tensor")
+    if not tensor.is_contiguous():
+        raise InvalidArgument("register_cuda takes a contiguous tensor: blocks are byte ranges")
+    storage = tensor.untyped_storage()
+    storage.share_memory_()
+    fd = int(storage._share_fd_cpu_()[0])
+    offset = tensor.storage_offset() * tensor.element_size()
+    path = f"/proc/{os.getpid()}/fd/{fd}"
+    return 0, path.encode(), offset, tensor.numel() * tensor.element_size()
 
 
 NO_SESSION = (

@@ -2,10 +2,12 @@
 
 An engine pages its KV cache in blocks of `block_size` tokens; kvtier stores one record
 per engine block (every layer's slice of it, back to back) under a chained key, so a key
-names the whole prefix up to the end of its block. This module decides, for one request:
-which of its blocks may be loaded (a prefix only: an engine cannot load block i without
-holding blocks < i), which to save after a step computed them, and the namespace the
-records live in (everything that changes their bytes: model, dtype, block size, layout).
+names the whole prefix up to the end of its block (an engine that loads layer by layer
+stores one record per layer of a block instead: `layer_key`). This module decides, for
+one request: which of its blocks may be loaded (a prefix only: an engine cannot load
+block i without holding blocks < i), which to save after a step computed them, and the
+namespace the records live in (everything that changes their bytes: model, dtype, block
+size, layout).
 """
 
 from __future__ import annotations
@@ -46,6 +48,13 @@ def request_keys(
     full = len(token_ids) // block_size
     blocks = [token_ids[i * block_size : (i + 1) * block_size] for i in range(full)]
     return chain_keys(namespace, blocks, extra=(salt or "").encode())
+
+
+def layer_key(block_key: bytes, layer: int) -> bytes:
+    """The key of one layer's record of an engine block, for engines that store a block as
+    one record per layer (loaded layer by layer): the block's chained key and the layer,
+    so it names the same prefix and no two layers (or blocks) share a key."""
+    return block_key + b"/L" + layer.to_bytes(2, "big")
 
 
 def loadable_blocks(prompt_tokens: int, block_size: int) -> int:

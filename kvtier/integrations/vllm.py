@@ -9,21 +9,29 @@ Turn it on with
 
 Scheduler side: for a new request it computes the chained keys of the prompt's full
 blocks, asks the daemon's planner (`Plan`) which to fetch rather than recompute, and tells
-vLLM to load that prefix. Worker side: before the forward pass it copies those blocks from
-the shared arena straight into vLLM's KV tensors (one slice per layer, no staging copy);
-after it, it hands the prompt blocks the step completed to a saver thread, which stores
-them the same way while the engine goes on with its next step (a finished request's
-blocks stay allocated until they are stored: vLLM's delayed free), and it reports the
-step's prefill time so the daemon's cost model learns this engine. A block that cannot be
-loaded (missing, corrupt, daemon gone) is reported to vLLM, which recomputes it; with the
-daemon down the engine runs as if there were no connector (logged once, retried every
-`retry_s`).
+vLLM to load that prefix. Worker side: the blocks move by the transport the KV tensors'
+device calls for (kvtier/integrations/paged_kv.py), through one code path. CPU KV: before
+the forward pass the blocks are copied from the shared arena straight into vLLM's KV
+tensors (one slice per layer, no staging copy). GPU KV: the KV allocation is registered
+with the daemon once (CUDA IPC), every layer's copies start before the forward pass and
+each layer is waited for just before its attention runs (`wait_for_layer_load`), so
+layer 0 computes while later layers arrive; records are then one per block and layer.
+After the forward pass the prompt blocks the step completed go to a saver thread, which
+stores them (GPU KV: the daemon's D2H copies into its pinned arena, on its own streams)
+while the engine goes on with its next step (a finished request's blocks stay allocated
+until they are stored: vLLM's delayed free), and the step's prefill time is reported so
+the daemon's cost model learns this engine. A block that cannot be loaded (missing,
+corrupt, daemon gone) is reported to vLLM, which recomputes it; with the daemon down the
+engine runs as if there were no connector (logged once, retried every `retry_s`).
 
 Extra config keys: `target` (default $KVTIER_TARGET, else the daemon's default socket),
 `token` (default $KVTIER_TOKEN), `timeout_s` (2), `retry_s` (5), `namespace` (default
 from the model, dtype, block size and KV layout), `load` / `save` (true), `fetch`:
 "plan" (the daemon's planner decides, default) or "always" (load every cached leading
-block, as cache-hit-only connectors do: a baseline to compare with).
+block, as cache-hit-only connectors do: a baseline to compare with), `device_path`
+(default $KVTIER_VLLM_DEVICE_PATH, else "auto": the KV tensors' device decides) or
+"emulate": CPU KV takes the GPU path, CUDA IPC, against a daemon running `gpu.emulate`
+(tests and demos on machines without a GPU: the KV tensors move into shared memory).
 """
 
 from __future__ import annotations
@@ -47,10 +55,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import kvtier
-from kvtier.errors import AlreadyExists, KVTierError
+from kvtier.errors import KVTierError
+from kvtier.integrations.daemon import DaemonLink
+from kvtier.integrations.paged_kv import Blocks, Fence, PagedKV, describe, paged_kv
 from kvtier.integrations.prefix import (
     RequestState,
     engine_namespace,
+    layer_key,
     loadable_blocks,
     prefix_load_end,
     request_keys,
@@ -76,9 +87,6 @@ class PrefillStep:
     end_token: int
 
 
-Blocks = list[tuple[bytes, int]]  # (key, engine block id)
-
-
 @dataclass
 class KVTierMetadata(KVConnectorMetadata):
     """One step's work for the worker: blocks to load before the forward pass, and per
@@ -92,73 +100,17 @@ class KVTierMetadata(KVConnectorMetadata):
     prefill: PrefillStep | None = None
 
 
-class _Outage:
-    """Whether a daemon outage has been logged: shared by the clients of one side (the
-    worker's and its saver's), so an outage is one warning, and so is the recovery."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._logged = False
-
-    def flip(self, logged: bool) -> bool:
-        """Set the state; True if that changed it (the caller logs)."""
-        with self._lock:
-            changed, self._logged = self._logged != logged, logged
-            return changed
-
-
-class _Daemon:
-    """The client, with the engine's rule for a daemon that is down: skip kvtier (log once)
-    and try again after `retry_s`, never stalling a step on it."""
-
-    def __init__(self, extra: dict[str, Any], outage: _Outage | None = None) -> None:
-        self._target = extra.get("target") or os.environ.get("KVTIER_TARGET")
-        self._token = extra.get("token")
-        self._timeout_s = float(extra.get("timeout_s", 2.0))
-        self._retry_s = float(extra.get("retry_s", 5.0))
-        self._client: kvtier.Client | None = None
-        self._down_until_s = 0.0
-        self.outage = outage or _Outage()
-
-    def client(self) -> kvtier.Client | None:
-        if time.monotonic() < self._down_until_s:
-            return None
-        if self._client is None:
-            self._client = kvtier.Client(self._target, timeout_s=self._timeout_s, token=self._token)
-        return self._client
-
-    def failed(self, doing: str, err: Exception) -> None:
-        self._down_until_s = time.monotonic() + self._retry_s
-        if self.outage.flip(True):
-            logger.warning(
-                "kvtier: could not %s (%s); recomputing instead, retrying every %.0f s",
-                doing,
-                err,
-                self._retry_s,
-            )
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-
-    def succeeded(self) -> None:
-        if self.outage.flip(False):
-            logger.warning("kvtier: the daemon answers again")
-
-    def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-
-
 class _Saver:
     """Stores blocks on a thread of its own (with its own client), so a step does not wait
     for the daemon. Tracks which requests have saves in flight: a finished request's
     blocks are given back to vLLM (`finished`) only once everything it saved is stored."""
 
-    def __init__(self, daemon: _Daemon, save: Callable[[_Daemon, Blocks], None]) -> None:
+    def __init__(
+        self, daemon: DaemonLink, save: Callable[[DaemonLink, Blocks, Fence | None], None]
+    ) -> None:
         self._daemon = daemon
         self._save = save
-        self._jobs: queue.SimpleQueue[tuple[str, Blocks] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[str, Blocks, Fence | None] | None] = queue.SimpleQueue()
         self._lock = threading.Condition()
         self._pending: Counter[str] = Counter()  # jobs queued or running, per request (> 0)
         self._tracked: set[str] = set()  # requests that saved anything (vLLM delays their free)
@@ -166,11 +118,12 @@ class _Saver:
         self._thread = threading.Thread(target=self._run, name="kvtier-saver", daemon=True)
         self._thread.start()
 
-    def submit(self, req_id: str, blocks: Blocks) -> None:
+    def submit(self, req_id: str, blocks: Blocks, fence: Fence | None = None) -> None:
+        """Store `blocks` once `fence` (what the step that wrote them must finish) passed."""
         with self._lock:
             self._pending[req_id] += 1
             self._tracked.add(req_id)
-        self._jobs.put((req_id, blocks))
+        self._jobs.put((req_id, blocks, fence))
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Block until no save is in flight (False if `timeout_s` passed first)."""
@@ -195,9 +148,9 @@ class _Saver:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            req_id, blocks = job
+            req_id, blocks, fence = job
             try:
-                self._save(self._daemon, blocks)
+                self._save(self._daemon, blocks, fence)
             except Exception:  # a bug here must not leave vLLM's blocks held forever
                 logger.exception("kvtier: saving %d blocks failed", len(blocks))
             finally:
@@ -219,12 +172,25 @@ class KVTierConnector(KVConnectorBase_V1):
         self._fetch = str(extra.get("fetch", "plan"))
         if self._fetch not in ("plan", "always"):
             raise ValueError(f"fetch must be 'plan' or 'always', not {self._fetch!r}")
+        device_path = str(
+            extra.get("device_path") or os.environ.get("KVTIER_VLLM_DEVICE_PATH") or "auto"
+        )
+        if device_path not in ("auto", "emulate"):
+            raise ValueError(f"device_path must be 'auto' or 'emulate', not {device_path!r}")
+        self._emulate_ipc = device_path == "emulate"
+        # Both sides must agree on the records (one per block, or per block and layer);
+        # the scheduler sees no tensor, so it goes by the device vLLM runs on, which is
+        # where vLLM allocates the KV.
+        device = str(getattr(vllm_config.device_config, "device_type", "cpu"))
+        self._per_layer = device == "cuda" or self._emulate_ipc
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             raise ValueError(f"{_ATTENTION_ONLY}; this one has {len(groups)}")
         spec = groups[0].kv_cache_spec
         self._block_size: int = spec.block_size
         self._layer_names: list[str] = sorted(groups[0].layer_names, key=_natural)
+        self._layer_index = {name: i for i, name in enumerate(self._layer_names)}
+        self._num_blocks: int = kv_cache_config.num_blocks
         self._block_bytes = spec.page_size_bytes * len(self._layer_names)
         parallel = vllm_config.parallel_config
         rank = parallel.rank if role == KVConnectorRole.WORKER else 0
@@ -239,7 +205,7 @@ class KVTierConnector(KVConnectorBase_V1):
             parallel.tensor_parallel_size,
         )
         self._extra = extra
-        self._daemon = _Daemon(extra)
+        self._daemon = DaemonLink(extra, logger=logger)
         if getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "") == "fail":
             logger.warning(
                 "kvtier: kv_load_failure_policy is 'fail': a block kvtier cannot give back "
@@ -250,7 +216,9 @@ class KVTierConnector(KVConnectorBase_V1):
         self._saved: set[str] = set()  # requests with saves handed to the worker
         # Worker side
         self._saver: _Saver | None = None
-        self._kv_layers: list[torch.Tensor] | None = None
+        self._kv: PagedKV | None = None
+        self._loading: Blocks = []  # this step's load, until end_load
+        self._load_client: kvtier.Client | None = None  # what it was started with
         self._load_errors: set[int] = set()
         self._forward_started_s = 0.0
         self._prefilled = False
@@ -280,14 +248,15 @@ class KVTierConnector(KVConnectorBase_V1):
         client = self._daemon.client()
         if client is None:
             return 0, False
+        keys = self._planned(state.keys[:usable])
         try:
             if self._fetch == "always":  # every cached block, as cache-hit-only connectors do
-                end = client.lookup(self.namespace, state.keys[:usable]).prefix_blocks
+                end = client.lookup(self.namespace, keys).prefix_blocks
             else:
                 end = prefix_load_end(
                     client.plan(
                         self.namespace,
-                        state.keys[:usable],
+                        keys,
                         self._block_size,
                         engine_cached_blocks=engine_blocks,
                         prompt_tokens=len(prompt),
@@ -302,6 +271,15 @@ class KVTierConnector(KVConnectorBase_V1):
             return 0, False
         state.load_from, state.load_to = engine_blocks, end
         return (end - engine_blocks) * self._block_size, False
+
+    def _planned(self, keys: list[bytes]) -> list[bytes]:
+        """The keys to plan a chain of blocks by: the blocks' own, or with a record per
+        layer, their last layer's (a block is loadable if that one is; a block missing an
+        earlier layer fails its load and is recomputed)."""
+        if not self._per_layer:
+            return keys
+        last = len(self._layer_names) - 1
+        return [layer_key(k, last) for k in keys]
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -361,7 +339,21 @@ class KVTierConnector(KVConnectorBase_V1):
 
     # ---- worker side --------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._kv_layers = [_block_major(kv_caches[name], name) for name in self._layer_names]
+        self._kv = self._paged([kv_caches[name] for name in self._layer_names])
+
+    def _paged(self, layers: list[torch.Tensor]) -> PagedKV:
+        """The transport for these tensors (see kvtier/integrations/paged_kv.py)."""
+        on_gpu = bool(layers) and layers[0].device.type == "cuda"
+        if self._per_layer != (on_gpu or self._emulate_ipc):
+            raise ValueError(
+                f"KV on {layers[0].device if layers else 'no device'}, not on vLLM's device: "
+                "kvtier's scheduler and worker sides would name different records"
+            )
+        kv = paged_kv(
+            self.namespace, self._layer_names, layers, self._num_blocks, self._emulate_ipc
+        )
+        logger.info("kvtier: %s", describe(kv))
+        return kv
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # Called before the forward pass; start_load_kv is not when a step loads nothing
@@ -377,14 +369,19 @@ class KVTierConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
-        if self._kv_layers is None:
-            self._kv_layers = self._layers_of(forward_context)
+        if self._kv is None:
+            self._kv = self._paged(self._layers_of(forward_context))
         if meta.loads:  # a step with loads has them before its forward pass
-            self._load_blocks(meta.loads)
+            self._loading = meta.loads
+            self._load_client = self._daemon.client()
+            self._kv.start_load(self._load_client, meta.loads)
             self._forward_started_s = time.perf_counter()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # every layer was loaded in start_load_kv
+        # CPU KV: a no-op (the load was done in start_load_kv); GPU KV: this layer's copies.
+        layer = self._layer_index.get(layer_name)
+        if self._kv is not None and layer is not None:
+            self._kv.wait_layer(layer)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -394,12 +391,17 @@ class KVTierConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
-        forward_s = time.perf_counter() - self._forward_started_s
+        load_wait_s = self._end_load()
+        # The engine's compute: not the time it was held up waiting for a layer's load.
+        forward_s = time.perf_counter() - self._forward_started_s - load_wait_s
         if meta.saves and self._saver is None:
-            self._saver = _Saver(_Daemon(self._extra, self._daemon.outage), self._save_blocks)
+            self._saver = _Saver(
+                DaemonLink(self._extra, self._daemon.outage, logger), self._save_blocks
+            )
+        fence = self._kv.save_fence() if meta.saves and self._kv is not None else None
         for req_id, blocks in meta.saves.items():
             assert self._saver is not None
-            self._saver.submit(req_id, blocks)
+            self._saver.submit(req_id, blocks, fence)
         if meta.prefill is not None and not self._prefilled:
             # The engine's first prefill carries one-time costs (lazy set-up): not reported.
             self._prefilled = True
@@ -417,6 +419,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._saver.finished(finished_req_ids) or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._end_load()  # vLLM asks before wait_for_save when it defers that (drafts)
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -426,45 +429,34 @@ class KVTierConnector(KVConnectorBase_V1):
         self._daemon.close()
 
     # ---- moving bytes -------------------------------------------------------------------
-    def _parts(self, block_id: int) -> list[torch.Tensor]:
-        assert self._kv_layers is not None
-        return [layer[block_id] for layer in self._kv_layers]
-
-    def _load_blocks(self, loads: Blocks) -> None:
-        client = self._daemon.client()
-        got: list[int | None] = [None] * len(loads)
-        if client is not None:
-            try:
-                got = client.get_many(
-                    self.namespace,
-                    [k for k, _ in loads],
-                    [self._parts(b) for _, b in loads],
-                    verify=True,
-                )
-                self._daemon.succeeded()
-            except (KVTierError, OSError) as err:
-                self._daemon.failed("load blocks", err)
-        # A chain is loaded as a prefix: after the first block that failed, none count.
-        failed = next((i for i, size in enumerate(got) if size != self._block_bytes), None)
-        if failed is not None:
-            self._load_errors.update(b for _, b in loads[failed:])
+    def _end_load(self) -> float:
+        """Finish the step's load (GPU KV: every layer's copies are in, or known missing)
+        and hand what did not arrive to vLLM; the time the engine was held up by it."""
+        if not self._loading or self._kv is None:
+            return 0.0
+        loads, self._loading = self._loading, []
+        loaded = self._kv.end_load()
+        if loaded.error is not None:
+            self._daemon.failed("load blocks", loaded.error)
+        elif self._load_client is not None:
+            self._daemon.succeeded()
+        self._load_client = None
+        if loaded.blocks < len(loads):
+            self._load_errors.update(b for _, b in loads[loaded.blocks :])
             logger.info(
                 "kvtier: %d of %d blocks not loaded; vLLM recomputes them",
-                len(loads) - failed,
+                len(loads) - loaded.blocks,
                 len(loads),
             )
+        return self._kv.wait_s
 
-    def _save_blocks(self, daemon: _Daemon, saves: Blocks) -> None:
+    def _save_blocks(self, daemon: DaemonLink, saves: Blocks, fence: Fence | None) -> None:
         """On the saver thread: a save that fails is a block not cached, nothing more."""
         client = daemon.client()
-        if client is None:
+        if client is None or self._kv is None:
             return
         try:
-            client.put_many(self.namespace, [(k, self._parts(b)) for k, b in saves])
-            daemon.succeeded()
-        except AlreadyExists:
-            # Recomputed KV may differ from the stored block in its last bits (another
-            # split of the prompt): either is right, the stored one stays.
+            self._kv.save(client, saves, fence)
             daemon.succeeded()
         except (KVTierError, OSError) as err:
             daemon.failed("save blocks", err)
@@ -478,21 +470,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 kv = kv[forward_context.virtual_engine]
             if kv is None:
                 raise ValueError(f"layer {name} has no KV cache tensor")
-            tensors.append(_block_major(kv, name))
+            tensors.append(kv)
         return tensors
-
-
-def _block_major(kv: torch.Tensor, name: str) -> torch.Tensor:
-    """The layer's KV tensor, checked to hold each block as one contiguous slice (the
-    CPU backend's [num_blocks, kv_heads, block_size, 2 * head_size])."""
-    if kv.device.type != "cpu":
-        raise ValueError(
-            f"layer {name}: KV on {kv.device}; this connector moves CPU KV (the GPU path "
-            "needs kvtier's CUDA movers)"
-        )
-    if not kv.is_contiguous() or not kv[0].is_contiguous():
-        raise ValueError(f"layer {name}: KV blocks are not contiguous slices of the tensor")
-    return kv
 
 
 def _natural(name: str) -> list[object]:

@@ -11,6 +11,10 @@ built offline, greedy, with logprobs. Against one real kvtier daemon:
 4. with the daemon stopped, a fresh vLLM still serves.
 Every run must give the tokens of a cold vLLM with no connector, and the tokens and
 logprobs, bit for bit, of vLLM alone whose own prefix cache was filled the same way.
+Both of the connector's transports are run: the shared arena (CPU KV), and the GPU path
+(CUDA IPC, loaded layer by layer; one record per block and layer) with the CPU KV forced
+onto it (`device_path: emulate`) against a daemon running `gpu.emulate`, so the same
+connector code moves the bytes between vLLM's own KV tensors and the daemon.
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ BLOCK_SIZE = 128
 PREFIX_TOKENS = 5 * BLOCK_SIZE
 SUFFIX_TOKENS = 200  # a sixth full block of each prompt's own, and a partial seventh
 StartDaemon = Callable[..., DaemonProcess]
+# Per transport: the daemon's environment and the driver's flags.
+PATHS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+    "arena": ({}, ()),
+    "device": ({"KVTIER_GPU__EMULATE": "true"}, ("--device-path", "emulate")),
+}
 
 
 def make_prompts(model: Path, count: int = 3, seed: int = 1) -> list[list[int]]:
@@ -84,41 +93,72 @@ def loadable_tokens(prompt: list[int]) -> int:
     return (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
-def test_vllm_through_kvtier_gives_identical_output(
-    vllm_python: Path, tiny_model: Path, start_daemon: StartDaemon, workdir: Path
-) -> None:
+def model_layers(model: Path) -> int:
+    return int(json.loads((model / "config.json").read_text())["num_hidden_layers"])
+
+
+@pytest.fixture(scope="module")
+def baseline(
+    vllm_python: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, Any]]:
+    """vLLM without kvtier, for both transports' runs: cold (no connector), and the
+    reference runs of vLLM's own prefix cache (see run_reference)."""
+    workdir = tmp_path_factory.mktemp("vllm-baseline")
     prompts = make_prompts(tiny_model)
     cold = run_vllm(vllm_python, tiny_model, prompts, workdir, "cold")
     assert cached_tokens(cold) == [0, 0, 0]
+    return {"cold": cold, **run_reference(vllm_python, tiny_model, prompts, workdir)}
 
-    daemon = start_daemon(dram="256MiB", nvme="1GiB")
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_vllm_through_kvtier_gives_identical_output(
+    vllm_python: Path,
+    tiny_model: Path,
+    start_daemon: StartDaemon,
+    workdir: Path,
+    baseline: dict[str, dict[str, Any]],
+    path: str,
+) -> None:
+    prompts = make_prompts(tiny_model)
+    cold = baseline["cold"]
+    env, flags = PATHS[path]
+    # A record per block, or (the GPU path) per block and layer.
+    records_per_block = model_layers(tiny_model) if path == "device" else 1
+
+    daemon = start_daemon(dram="256MiB", nvme="1GiB", env=env)
     target = daemon.target
     runs: dict[str, dict[str, Any]] = {}
 
+    def run(name: str, multiprocess: bool = False) -> dict[str, Any]:
+        runs[name] = run_vllm(
+            vllm_python, tiny_model, prompts, workdir, name, target, multiprocess, flags
+        )
+        return runs[name]
+
     # 1. Store: the first prompt computes everything; the others load the shared prefix.
-    runs["store"] = run_vllm(vllm_python, tiny_model, prompts, workdir, "store", target)
+    run("store")
     assert cached_tokens(runs["store"]) == [0, PREFIX_TOKENS, PREFIX_TOKENS]
+    transport = "moves through CUDA IPC (emulated" if path == "device" else "the shared arena"
+    assert transport in runs["store"]["log"]
     with daemon.client() as client:
         stats = client.stats()
     full_blocks = PREFIX_TOKENS // BLOCK_SIZE + len(prompts)  # shared + one own each
-    assert stats["tiers"]["dram"]["blocks"] == full_blocks, stats["tiers"]
+    assert stats["tiers"]["dram"]["blocks"] == full_blocks * records_per_block, stats["tiers"]
 
     # 2. A fresh engine, vLLM's default multiprocess mode: every loadable block from kvtier.
-    runs["warm"] = run_vllm(
-        vllm_python, tiny_model, prompts, workdir, "warm", target, multiprocess=True
-    )
+    run("warm", multiprocess=True)
     assert cached_tokens(runs["warm"]) == [loadable_tokens(p) for p in prompts]
 
     # 3. Every record corrupted on NVMe (a clean restart writes DRAM out, then serves
     # from NVMe): vLLM recomputes, the daemon counts the checksum failures.
     daemon.restart()
     records = sorted((daemon.nvme_path / "v1").glob("*/*.kvr"))
-    assert len(records) == full_blocks
-    for path in records:
-        data = bytearray(path.read_bytes())
+    assert len(records) == full_blocks * records_per_block
+    for record in records:
+        data = bytearray(record.read_bytes())
         data[-100] ^= 0xFF  # in the payload (the header is at the front)
-        path.write_bytes(bytes(data))
-    runs["corrupt"] = run_vllm(vllm_python, tiny_model, prompts, workdir, "corrupt", target)
+        record.write_bytes(bytes(data))
+    run("corrupt")
     with daemon.client() as client:
         failures = client.stats()["checksum_failures"]
     assert failures >= loadable_tokens(prompts[0]) // BLOCK_SIZE, failures
@@ -135,7 +175,7 @@ def test_vllm_through_kvtier_gives_identical_output(
     # 4. The daemon stopped: vLLM serves on, recomputing, and says so once per role
     # (the scheduler's planning and the worker's saving each notice it).
     daemon.terminate()
-    runs["down"] = run_vllm(vllm_python, tiny_model, prompts, workdir, "down", target)
+    run("down")
     assert cached_tokens(runs["down"]) == [0, 0, 0]
     assert 1 <= runs["down"]["log"].count("recomputing instead") <= 2
 
@@ -144,7 +184,7 @@ def test_vllm_through_kvtier_gives_identical_output(
     # ("sequence": store, and corrupt, whose first prompt recomputes and re-saves), or
     # with every prompt already run once ("repeat": warm). A cold run's logprobs differ
     # from those in the last bits (a prefix hit sums attention in another order).
-    reference = run_reference(vllm_python, tiny_model, prompts, workdir)
+    reference = baseline
     assert cached_tokens(reference["sequence"]) == cached_tokens(runs["store"])
     assert cached_tokens(reference["repeat"]) == cached_tokens(runs["warm"])
     expected = {
@@ -158,27 +198,31 @@ def test_vllm_through_kvtier_gives_identical_output(
         assert outputs(run) == outputs(expected[name]), name
 
 
+@pytest.mark.parametrize("path", list(PATHS))
 def test_saving_does_not_hold_the_engine_step(
-    vllm_python: Path, tiny_model: Path, start_daemon: StartDaemon, workdir: Path
+    vllm_python: Path, tiny_model: Path, start_daemon: StartDaemon, workdir: Path, path: str
 ) -> None:
     """The daemon takes 0.5 s to commit each block: the connector's saves run beside the
     engine, so the time to first token is that of an engine that saves nothing (a save in
     the step would add 3 s), and every block is stored all the same (the finished request's
-    blocks are held until then, and the engine waits for the saves before it exits)."""
+    blocks are held until then, and the engine waits for the saves before it exits). On
+    the GPU path a save is the daemon's copies, which the step does not wait for either."""
     prompt = make_prompts(tiny_model, count=1)[0]
     blocks = loadable_tokens(prompt) // BLOCK_SIZE
     delay_s = 0.5
-    daemon = start_daemon(env={"KVTIER_FAILPOINTS": f"store.commit=delay:{delay_s}"})
+    env, path_flags = PATHS[path]
+    daemon = start_daemon(env={**env, "KVTIER_FAILPOINTS": f"store.commit=delay:{delay_s}"})
     ttft_s: dict[str, float] = {}
     for save in (0, 1):
-        flags = ("--max-tokens", "1", "--save", str(save), "--timeout-s", "30")
+        flags = ("--max-tokens", "1", "--save", str(save), "--timeout-s", "30", *path_flags)
         run = run_vllm(
             vllm_python, tiny_model, [prompt], workdir, f"save{save}", daemon.target, extra=flags
         )
         ttft_s[f"save{save}"] = run["results"][0]["elapsed_s"]
     assert ttft_s["save1"] < ttft_s["save0"] + blocks * delay_s / 2, ttft_s
+    records_per_block = model_layers(tiny_model) if path == "device" else 1
     with daemon.client() as client:
-        assert client.stats()["tiers"]["dram"]["blocks"] == blocks
+        assert client.stats()["tiers"]["dram"]["blocks"] == blocks * records_per_block
 
 
 def test_the_engine_reports_what_its_prefills_take(

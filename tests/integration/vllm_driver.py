@@ -1,14 +1,16 @@
 """Runs real vLLM (from .venv-vllm) for the connector's end-to-end tests and benchmark.
 
-    python vllm_driver.py build-model DIR
+    python vllm_driver.py build-model DIR [--layers 4] [--hidden 256] [--heads 4] [--kv-heads 2]
     python vllm_driver.py generate --model DIR --prompts P.json --out O.json
         [--target unix:///...sock] [--load 0|1] [--save 0|1] [--multiprocess]
+        [--device-path auto|emulate]
     python vllm_driver.py reference --model DIR --prompts P.json --out O.json
 
 `generate` runs every prompt (token ids) one at a time, greedy, with logprobs; writes per
 prompt the generated token ids, their logprobs, vLLM's num_cached_tokens and the time it
 took (the time to first token with --max-tokens 1). Without --target no connector is
-configured (the cold reference).
+configured (the cold reference). `--device-path emulate`: the connector moves the CPU KV
+through its GPU path (CUDA IPC, layer by layer), for a daemon running `gpu.emulate`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 BLOCK_SIZE = 128
 
 
-def build_model(out: Path, layers: int = 4, hidden: int = 256) -> None:
+def build_model(
+    out: Path, layers: int = 4, hidden: int = 256, heads: int = 4, kv_heads: int = 2
+) -> None:
     """A tiny Llama with random (seeded) weights and a small BPE tokenizer, offline."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -61,8 +65,8 @@ def build_model(out: Path, layers: int = 4, hidden: int = 256) -> None:
         hidden_size=hidden,
         intermediate_size=hidden * 2,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=4096,
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
@@ -124,6 +128,7 @@ def generate(args: argparse.Namespace) -> None:
                 "retry_s": 0.5,
                 "timeout_s": args.timeout_s,
                 "fetch": args.fetch,
+                "device_path": args.device_path,
             },
         )
     started_s = time.perf_counter()
@@ -189,6 +194,8 @@ def main(argv: list[str]) -> None:
     b.add_argument("dir")
     b.add_argument("--layers", type=int, default=4)
     b.add_argument("--hidden", type=int, default=256)
+    b.add_argument("--heads", type=int, default=4)
+    b.add_argument("--kv-heads", type=int, default=2)
     g = sub.add_parser("generate")
     g.add_argument("--model", required=True)
     g.add_argument("--prompts", required=True)
@@ -199,6 +206,7 @@ def main(argv: list[str]) -> None:
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--multiprocess", action="store_true")
     g.add_argument("--fetch", choices=["plan", "always"], default="plan")
+    g.add_argument("--device-path", choices=["auto", "emulate"], default="auto")
     g.add_argument("--warmup", type=int, default=0, help="throwaway prompts run first")
     g.add_argument("--timeout-s", type=float, default=2.0, help="the connector's RPC deadline")
     r = sub.add_parser("reference")
@@ -208,7 +216,7 @@ def main(argv: list[str]) -> None:
     r.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args(argv)
     if args.cmd == "build-model":
-        build_model(Path(args.dir), args.layers, args.hidden)
+        build_model(Path(args.dir), args.layers, args.hidden, args.heads, args.kv_heads)
         return
     multiprocess = getattr(args, "multiprocess", False)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"

@@ -1,0 +1,741 @@
+"""The policies of kvtier/index/policy.py over catalog slots, with per-block state in arrays.
+
+Same decisions, other layout: a block is the integer slot the catalog gives it (reused
+after the block is freed), each per-block field one element of a typed array
+(kvtier/index/slots.py), so a million blocks cost a few tens of megabytes and no object
+the garbage collector walks. Blocks that have left (ghosts, reuse memory, use counts)
+are keyed by their 64-bit key digest instead, in fixed-size or bounded tables.
+
+Layout, per slot of one tier's order (bytes per block in brackets):
+
+* `PackedLru` [8] — a circular doubly-linked list in two int32 arrays (`_prev`, `_next`,
+  element 0 the sentinel, slot s at s + 1; `_next == -1`: not in the tier).
+* `PackedS3Fifo` [14 + ghosts] — the small and main FIFOs as two circular lists over one
+  pair of int32 link arrays (sentinels 0 and 1, slot s at s + 2), which queue in a byte,
+  the 0..3 use count in a byte, the size in a uint32; its ghost FIFO a `DigestTable` of
+  key digests (≈ 26 bytes a ghost, as many ghosts as main holds).
+* `PackedValue` [48] — per slot: priority (float64), seq (int64), position, size, parent
+  slot, and the children cached in this tier as an intrusive sibling list (`_first`
+  child, `_next_sib`, `_prev_sib`: int32s) in place of child sets; an indexed binary
+  min-heap (`_heap`, `_where`) of the blocks that may be chosen — those with no cached
+  child — ordered by (priority, −position, seq). Raising a chain is array writes: its
+  ancestors have children, so they are not in the heap; a block enters it when its last
+  cached child leaves.
+* `DigestSketch` [fixed, 256 KiB] — the count-min sketch in four bytearrays, row r
+  indexed by the digest's r-th 16-bit quarter. `key_digest` packs the four indices
+  FrequencySketch took from xxh3-128(`repr(key)`), so the counts, collisions included,
+  are FrequencySketch's; the repr is hashed once per block (by the catalog), not per use.
+* `PackedReuse`, `PackedGhosts` [≈ 26 a remembered key] — `DigestTable`s in LRU order.
+
+What is and is not identical to policy.py (tests/index/test_packed_policy.py checks it):
+
+* LRU, S3-FIFO, the sketch, the reuse estimate, admission and ghosts make the same
+  decisions for the same calls (two keys with one 64-bit digest aside: those are one key
+  to the ghost tables and the reuse memory).
+* The value policy orders blocks as ValuePolicy's lazy heap does but for one case.
+  ValuePolicy leaves a block's superseded heap items in place until they surface or a
+  compaction drops them; if the block leaves the tier and in a later stay reaches
+  *exactly* (float equality) the priority one of them carries, that item counts again,
+  with the old stay's (−position, seq), and among equal priorities the block sorts as
+  if it had come back then. Here a block's order goes when it leaves: the decisions are
+  ValuePolicy's with its `remove` dropping the block's items. Equality across stays needs
+  L unmoved and the same uses × saving: a block removed (not evicted) and put back
+  before any eviction, or one that saves nothing (priority L) evicted and back before L
+  moves. The shared trace's replays never do this: every figure is identical.
+
+Slots named as a parent must keep naming that block: the children lists are keyed by the
+parent's slot whether or not the parent is in the tier (a parent that comes back finds
+them, as ValuePolicy's dict of child sets by key did), so the catalog must not give such
+a slot to another block while `names_as_parent` is true in any tier.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from array import array
+from collections.abc import Callable
+from heapq import heappop, heappush
+
+from kvtier.index.policy import POLICIES, AdmissionMode, BlockInfo, ValueModel
+from kvtier.index.slots import NO_SLOT, DigestTable, extend, headroom
+
+__all__ = [
+    "NO_SLOT",
+    "DigestSketch",
+    "PackedAdmission",
+    "PackedGhosts",
+    "PackedLru",
+    "PackedPolicies",
+    "PackedReuse",
+    "PackedS3Fifo",
+    "PackedValue",
+    "SlotPolicy",
+]
+
+
+class SlotPolicy(ABC):
+    """Eviction order of one tier, over catalog slots (TierPolicy's contract).
+
+    `insert` when a block lands in the tier (a block already there: counts as `hit`),
+    `hit` when it is used there, `remove` when it leaves for any reason other than being
+    chosen, and `victim(evictable)` to choose (and forget) the next block to evict,
+    skipping slots the caller cannot evict now; None when none may go. Sizes are bytes
+    below 4 GiB; `parent` is the slot of the block before it in its chain (NO_SLOT:
+    none)."""
+
+    @abstractmethod
+    def insert(
+        self, slot: int, size_bytes: int, position: int = 0, parent: int = NO_SLOT
+    ) -> None: ...
+
+    @abstractmethod
+    def hit(self, slot: int) -> None: ...
+
+    @abstractmethod
+    def remove(self, slot: int) -> None: ...
+
+    @abstractmethod
+    def victim(self, evictable: Callable[[int], bool]) -> int | None:
+        """The next slot to evict (forgotten by the policy), or None if none may go."""
+
+    @abstractmethod
+    def __contains__(self, slot: object) -> bool: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    def names_as_parent(self, slot: int) -> bool:
+        """Whether a block in this tier names `slot` as its parent."""
+        return False
+
+
+# ---- LRU ------------------------------------------------------------------------------
+
+
+class PackedLru(SlotPolicy):
+    """Least recently used first: one circular list, oldest after the sentinel."""
+
+    def __init__(self) -> None:
+        self._prev = array("i", [0])
+        self._next = array("i", [0])
+        self._len = 0
+
+    def _present(self, node: int) -> bool:
+        return node < len(self._next) and self._next[node] >= 0
+
+    def _append(self, node: int) -> None:
+        prev, nxt = self._prev, self._next
+        last = prev[0]
+        prev[node], nxt[node] = last, 0
+        nxt[last] = node
+        prev[0] = node
+
+    def _unlink(self, node: int) -> None:
+        prev, nxt = self._prev, self._next
+        before, after = prev[node], nxt[node]
+        nxt[before] = after
+        prev[after] = before
+
+    def insert(self, slot: int, size_bytes: int, position: int = 0, parent: int = NO_SLOT) -> None:
+        node = slot + 1
+        if node >= len(self._next):
+            count = headroom(len(self._next), node + 1) - len(self._next)
+            extend(self._prev, count, -1)
+            extend(self._next, count, -1)
+        if self._next[node] >= 0:
+            self._unlink(node)
+        else:
+            self._len += 1
+        self._append(node)
+
+    def hit(self, slot: int) -> None:
+        node = slot + 1
+        if self._present(node):
+            self._unlink(node)
+            self._append(node)
+
+    def remove(self, slot: int) -> None:
+        node = slot + 1
+        if self._present(node):
+            self._unlink(node)
+            self._next[node] = -1
+            self._len -= 1
+
+    def victim(self, evictable: Callable[[int], bool]) -> int | None:
+        nxt = self._next
+        node = nxt[0]
+        while node:
+            if evictable(node - 1):
+                self._unlink(node)
+                nxt[node] = -1
+                self._len -= 1
+                return node - 1
+            node = nxt[node]
+        return None
+
+    def __contains__(self, slot: object) -> bool:
+        return isinstance(slot, int) and slot >= 0 and self._present(slot + 1)
+
+    def __len__(self) -> int:
+        return self._len
+
+
+# ---- S3-FIFO --------------------------------------------------------------------------
+
+_SMALL, _MAIN = 1, 2  # a slot's queue (0: not in the tier)
+
+
+class PackedS3Fifo(SlotPolicy):
+    """S3-FIFO by bytes, as S3FifoPolicy: small queue 10 % of the tier, main the rest,
+    ghosts (key digests, `digest_of(slot)`) as many as main holds."""
+
+    SMALL_FRACTION = 0.1
+    MAX_FREQ = 3
+
+    def __init__(self, capacity_bytes: int, digest_of: Callable[[int], int]) -> None:
+        self._capacity = capacity_bytes
+        self._digest_of = digest_of
+        # Nodes 0 and 1: the sentinels of the small and main lists; slot s is node s + 2.
+        self._prev = array("i", [0, 1])
+        self._next = array("i", [0, 1])
+        self._queue = bytearray()  # per slot: 0, _SMALL or _MAIN
+        self._freq = bytearray()
+        self._size = array("I")
+        self._small_len = 0
+        self._main_len = 0
+        self._small_bytes = 0
+        self._ghost = DigestTable()
+
+    def _grow(self, slot: int) -> None:
+        size = len(self._queue)
+        count = headroom(size, slot + 1) - size
+        self._queue.extend(bytes(count))
+        self._freq.extend(bytes(count))
+        extend(self._size, count, 0)
+        extend(self._prev, count, 0)
+        extend(self._next, count, 0)
+
+    def _append(self, sentinel: int, node: int) -> None:
+        prev, nxt = self._prev, self._next
+        last = prev[sentinel]
+        prev[node], nxt[node] = last, sentinel
+        nxt[last] = node
+        prev[sentinel] = node
+
+    def _unlink(self, node: int) -> None:
+        prev, nxt = self._prev, self._next
+        before, after = prev[node], nxt[node]
+        nxt[before] = after
+        prev[after] = before
+
+    def insert(self, slot: int, size_bytes: int, position: int = 0, parent: int = NO_SLOT) -> None:
+        if slot >= len(self._queue):
+            self._grow(slot)
+        if self._queue[slot]:
+            self.hit(slot)
+            return
+        self._size[slot] = size_bytes
+        self._freq[slot] = 0
+        if self._ghost.pop(self._digest_of(slot)) >= 0:
+            self._queue[slot] = _MAIN
+            self._main_len += 1
+            self._append(_MAIN - 1, slot + 2)
+        else:
+            self._queue[slot] = _SMALL
+            self._small_len += 1
+            self._small_bytes += size_bytes
+            self._append(_SMALL - 1, slot + 2)
+
+    def hit(self, slot: int) -> None:
+        if slot in self and self._freq[slot] < self.MAX_FREQ:
+            self._freq[slot] += 1
+
+    def remove(self, slot: int) -> None:
+        if slot not in self:
+            return
+        self._unlink(slot + 2)
+        if self._queue[slot] == _SMALL:
+            self._small_len -= 1
+            self._small_bytes -= self._size[slot]
+        else:
+            self._main_len -= 1
+        self._queue[slot] = 0
+
+    def victim(self, evictable: Callable[[int], bool]) -> int | None:
+        queue, freq, nxt = self._queue, self._freq, self._next
+        # Bounded: every block is looked at a few times at most (freq only goes down).
+        for _ in range(4 * (len(self) + 1)):
+            use_small = self._small_len > 0 and (
+                self._small_bytes >= self.SMALL_FRACTION * self._capacity or not self._main_len
+            )
+            sentinel = _SMALL - 1 if use_small else _MAIN - 1
+            node = nxt[sentinel]
+            if node == sentinel:
+                return None
+            slot = node - 2
+            if not evictable(slot):
+                self._unlink(node)  # in use: look again later
+                self._append(sentinel, node)
+                continue
+            self._unlink(node)
+            if use_small:
+                self._small_len -= 1
+                self._small_bytes -= self._size[slot]
+                if freq[slot] > 0:
+                    freq[slot] = 0
+                    queue[slot] = _MAIN  # used while on probation: promote
+                    self._main_len += 1
+                    self._append(_MAIN - 1, node)
+                    continue
+                self._remember_ghost(slot)
+            else:
+                if freq[slot] > 0:
+                    freq[slot] -= 1
+                    self._append(_MAIN - 1, node)  # a second chance
+                    continue
+                self._main_len -= 1
+            queue[slot] = 0
+            return slot
+        return None
+
+    def _remember_ghost(self, slot: int) -> None:
+        ghost = self._ghost
+        ghost.put(self._digest_of(slot))
+        while len(ghost) > max(self._main_len, 1):
+            ghost.pop_oldest()
+
+    def __contains__(self, slot: object) -> bool:
+        return isinstance(slot, int) and 0 <= slot < len(self._queue) and self._queue[slot] > 0
+
+    def __len__(self) -> int:
+        return self._small_len + self._main_len
+
+
+# ---- use counts -----------------------------------------------------------------------
+
+_HALVE = bytes(i >> 1 for i in range(256))
+
+
+class DigestSketch:
+    """FrequencySketch's count-min (4 rows, counters saturating at 15, all halved every
+    `reset_after` adds) over key digests: row r's counter is the digest's r-th 16-bit
+    quarter (masked to a power-of-two `width`), one byte each."""
+
+    ROWS = 4
+
+    def __init__(self, width: int = 1 << 16, reset_after: int | None = None) -> None:
+        if width <= 0 or width & (width - 1) or width > 1 << 16:
+            raise ValueError(f"sketch width must be a power of two up to 65536, not {width}")
+        self._mask = width - 1
+        self._rows = [bytearray(width) for _ in range(self.ROWS)]
+        self._reset_after = reset_after or 10 * width
+        self._added = 0
+
+    def add(self, digest: int) -> None:
+        mask = self._mask
+        for row in self._rows:
+            i = digest & mask
+            if row[i] < 15:
+                row[i] += 1
+            digest >>= 16
+        self._added += 1
+        if self._added >= self._reset_after:
+            self._added = 0
+            self._rows = [row.translate(_HALVE) for row in self._rows]  # C speed: ~0.1 ms
+
+    def count(self, digest: int) -> int:
+        mask = self._mask
+        r0, r1, r2, r3 = self._rows
+        return min(
+            r0[digest & mask],
+            r1[(digest >> 16) & mask],
+            r2[(digest >> 32) & mask],
+            r3[(digest >> 48) & mask],
+        )
+
+
+# ---- eviction by value ----------------------------------------------------------------
+
+
+_ABSENT, _PARENT = -1, -2  # _where of a slot not in the tier / in it with cached children
+
+
+class PackedValue(SlotPolicy):
+    """ValuePolicy's greedy-dual-size-frequency with leaves before parents, on an
+    indexed heap of the blocks that can be chosen: those in the tier with no cached
+    child. A block with cached children is never a victim, so it stays out of the heap
+    (raising a chain's priorities is then a few array writes, not a heap move per
+    ancestor) and goes in, at its priority then, when its last cached child leaves.
+
+    ValuePolicy pushes a new (priority, −position, seq) item on every `_set` and skips
+    stale ones when they surface, so among a block's live items the one that counts is
+    the first pushed at its current priority: here `_seq` changes only when the
+    priority does, which gives the same order (seq values differ, their order does
+    not)."""
+
+    def __init__(
+        self,
+        tier: str,
+        fallback: str | None,
+        model: ValueModel,
+        uses_of: Callable[[int], int],
+    ) -> None:
+        self._tier = tier
+        self._fallback = fallback
+        self._model = model
+        self._uses_of = uses_of  # the sketch's count for the slot's block
+        self._inflation = 0.0  # L: rises to each evicted priority
+        self._tick = 0  # seq of the last priority change
+        self._len = 0
+        self._prio = array("d")
+        self._seq = array("q")
+        self._pos = array("i")
+        self._size = array("I")
+        self._parent = array("i")
+        self._first = array("i")  # first child cached in this tier (-1: none)
+        self._next_sib = array("i")
+        self._prev_sib = array("i")
+        self._where = array("i")  # index in _heap, or _ABSENT / _PARENT
+        self._heap = array("i")
+
+    def _grow(self, slot: int) -> None:
+        size = len(self._where)
+        count = headroom(size, slot + 1) - size
+        extend(self._prio, count, 0.0)
+        extend(self._seq, count, 0)
+        extend(self._pos, count, 0)
+        extend(self._size, count, 0)
+        for values in (self._parent, self._first, self._next_sib, self._prev_sib, self._where):
+            extend(values, count, -1)
+
+    # ---- the heap: a < b when (prio, -pos, seq) of a is smaller -----------------------
+    def _sift_up(self, i: int) -> None:
+        heap, where, prio, pos, seq = self._heap, self._where, self._prio, self._pos, self._seq
+        s = heap[i]
+        p, q, n = prio[s], pos[s], seq[s]
+        while i:
+            j = (i - 1) >> 1
+            t = heap[j]
+            pt = prio[t]
+            if pt < p or (pt == p and (pos[t] > q or (pos[t] == q and seq[t] < n))):
+                break
+            heap[i] = t
+            where[t] = i
+            i = j
+        heap[i] = s
+        where[s] = i
+
+    def _sift_down(self, i: int) -> None:
+        """Move heap[i] down to its place: as heapq does, first to a leaf along the smaller
+        children (one comparison a level), then back up (a raised block usually belongs
+        near the bottom, so that is a step or two)."""
+        heap, where, prio, pos, seq = self._heap, self._where, self._prio, self._pos, self._seq
+        size = len(heap)
+        start = i
+        s = heap[i]
+        c = 2 * i + 1
+        while c < size:
+            t = heap[c]
+            if c + 1 < size:
+                u = heap[c + 1]
+                pt, pu = prio[t], prio[u]
+                if pu < pt or (
+                    pu == pt and (pos[u] > pos[t] or (pos[u] == pos[t] and seq[u] < seq[t]))
+                ):
+                    c, t = c + 1, u
+            heap[i] = t
+            where[t] = i
+            i = c
+            c = 2 * i + 1
+        p, q, n = prio[s], pos[s], seq[s]
+        while i > start:
+            j = (i - 1) >> 1
+            t = heap[j]
+            pt = prio[t]
+            if pt < p or (pt == p and (pos[t] > q or (pos[t] == q and seq[t] < n))):
+                break
+            heap[i] = t
+            where[t] = i
+            i = j
+        heap[i] = s
+        where[s] = i
+
+    def _push(self, slot: int) -> None:
+        self._heap.append(slot)
+        self._sift_up(len(self._heap) - 1)
+
+    def _take(self, slot: int, now: int) -> None:
+        """Take `slot` out of the heap; its _where becomes `now`."""
+        heap, where = self._heap, self._where
+        i = where[slot]
+        where[slot] = now
+        last = heap.pop()
+        if last != slot:
+            heap[i] = last
+            where[last] = i
+            self._sift_up(i)
+            self._sift_down(where[last])
+
+    # ---- priorities -----------------------------------------------------------------
+    def _own_priority(self, slot: int) -> float:
+        size = self._size[slot]
+        info = BlockInfo(size, self._pos[slot])
+        saving = self._model.saving_s(self._tier, self._fallback, info)
+        # Uses, not the learned reuse estimate: see ValuePolicy._own_priority.
+        uses = max(self._uses_of(slot), 1)
+        return self._inflation + uses * saving / max(size, 1)
+
+    def _raise(self, slot: int, priority: float) -> None:
+        self._prio[slot] = priority
+        self._tick += 1
+        self._seq[slot] = self._tick
+        if self._where[slot] >= 0:
+            self._sift_down(self._where[slot])  # larger: further from the root
+
+    def _set(self, slot: int, priority: float) -> None:
+        prio, where = self._prio, self._where
+        if prio[slot] != priority:  # never lower: a hit takes the max
+            self._raise(slot, priority)
+        # A parent is worth at least its children: raise the chain above this block.
+        parent = self._parent[slot]
+        while parent >= 0 and where[parent] != _ABSENT:
+            if prio[parent] >= priority:
+                break
+            self._raise(parent, priority)
+            parent = self._parent[parent]
+
+    def insert(self, slot: int, size_bytes: int, position: int = 0, parent: int = NO_SLOT) -> None:
+        if max(slot, parent) >= len(self._where):
+            self._grow(max(slot, parent))
+        where = self._where
+        if where[slot] != _ABSENT:
+            self.hit(slot)
+            return
+        self._len += 1
+        self._size[slot] = size_bytes
+        self._pos[slot] = position
+        self._parent[slot] = parent
+        if parent >= 0:
+            first = self._first[parent]
+            self._next_sib[slot] = first
+            self._prev_sib[slot] = -1
+            if first >= 0:
+                self._prev_sib[first] = slot
+            elif where[parent] >= 0:
+                self._take(parent, _PARENT)  # its first cached child: no longer a candidate
+            self._first[parent] = slot
+        # Arriving after blocks that extend it (e.g. promoted later): worth as much as they.
+        floor = 0.0
+        prio, nxt = self._prio, self._next_sib
+        child = self._first[slot]
+        while child >= 0:
+            if child != slot and prio[child] > floor:
+                floor = prio[child]
+            child = nxt[child]
+        self._tick += 1
+        self._seq[slot] = self._tick
+        prio[slot] = max(self._own_priority(slot), floor)
+        if self._first[slot] >= 0:
+            where[slot] = _PARENT
+        else:
+            self._push(slot)
+        self._set(slot, prio[slot])
+
+    def hit(self, slot: int) -> None:
+        if slot in self:
+            self._set(slot, max(self._own_priority(slot), self._prio[slot]))
+
+    def remove(self, slot: int) -> None:
+        if slot not in self:
+            return
+        self._len -= 1
+        if self._where[slot] >= 0:
+            self._take(slot, _ABSENT)
+        else:
+            self._where[slot] = _ABSENT
+        parent = self._parent[slot]
+        if parent >= 0:
+            before, after = self._prev_sib[slot], self._next_sib[slot]
+            if before >= 0:
+                self._next_sib[before] = after
+            else:
+                self._first[parent] = after
+            if after >= 0:
+                self._prev_sib[after] = before
+            if self._first[parent] < 0 and self._where[parent] == _PARENT:
+                self._push(parent)  # its last cached child left: a candidate again
+
+    def victim(self, evictable: Callable[[int], bool]) -> int | None:
+        heap = self._heap
+        if not heap:
+            return None
+        chosen: int | None = heap[0]
+        if not evictable(heap[0]):
+            # Skip blocks in use in heap order without moving them: visit the heap
+            # best-first from its root (the order ValuePolicy's pops and pushes-back give).
+            chosen = None
+            prio, pos, seq = self._prio, self._pos, self._seq
+            size = len(heap)
+            frontier = [(0.0, 0, 0, 0)]  # the root, already looked at
+            while frontier:
+                i = heappop(frontier)[3]
+                for c in (2 * i + 1, 2 * i + 2):
+                    if c < size:
+                        t = heap[c]
+                        heappush(frontier, (prio[t], -pos[t], seq[t], c))
+                if frontier and evictable(heap[frontier[0][3]]):
+                    chosen = heap[frontier[0][3]]
+                    break
+        if chosen is None:
+            return None
+        self._inflation = max(self._inflation, self._prio[chosen])
+        self.remove(chosen)
+        return chosen
+
+    def names_as_parent(self, slot: int) -> bool:
+        return 0 <= slot < len(self._first) and self._first[slot] >= 0
+
+    def __contains__(self, slot: object) -> bool:
+        return (
+            isinstance(slot, int) and 0 <= slot < len(self._where) and self._where[slot] != _ABSENT
+        )
+
+    def __len__(self) -> int:
+        return self._len
+
+
+# ---- what is remembered of blocks by digest -------------------------------------------
+
+
+def _bucket_code(uses: int, from_end: int) -> int:
+    """ReuseEstimator.bucket as one small int: uses 0..3 × from_end -1..3."""
+    return min(uses, 3) * 5 + (min(from_end, 3) + 1 if from_end >= 0 else 0)
+
+
+def _bucket_of(code: int) -> tuple[int, int]:
+    return code // 5, code % 5 - 1
+
+
+class PackedReuse:
+    """ReuseEstimator by key digest: the last bucket of up to `remembered_keys` keys (the
+    least recently observed forgotten first) in a DigestTable, counts in two lists."""
+
+    def __init__(self, remembered_keys: int = 1 << 20) -> None:
+        self._placed = [0] * 20
+        self._reused = [0] * 20
+        self._last = DigestTable()
+        self._remembered = remembered_keys
+
+    @staticmethod
+    def bucket(uses: int, from_end: int) -> tuple[int, int]:
+        return _bucket_of(_bucket_code(uses, from_end))
+
+    def observe(self, digest: int, uses: int, from_end: int) -> None:
+        """Record a placement or use of the block with key digest `digest`."""
+        previous = self._last.get(digest)
+        if previous >= 0:
+            self._reused[previous] += 1
+        code = _bucket_code(uses, from_end)
+        self._last.put(digest, code, to_end=True)
+        if len(self._last) > self._remembered:
+            self._last.pop_oldest()
+        self._placed[code] += 1
+
+    def probability(self, bucket: tuple[int, int]) -> float:
+        code = _bucket_code(*bucket)
+        return (self._reused[code] + 1) / (self._placed[code] + 2)
+
+    def p_reuse(self, digest: int, uses: int, from_end: int) -> float:
+        """P(reuse): the block's last bucket if it was seen, else the one it would be in."""
+        code = self._last.get(digest)
+        if code < 0:
+            code = _bucket_code(uses, from_end)
+        return (self._reused[code] + 1) / (self._placed[code] + 2)
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+
+class PackedGhosts:
+    """Ghosts by key digest: recently dropped keys (bounded, oldest forgotten first)."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._keys = DigestTable()
+
+    def add(self, digest: int) -> None:
+        self._keys.put(digest, to_end=True)
+        while len(self._keys) > self._capacity:
+            self._keys.pop_oldest()
+
+    def take(self, digest: int) -> bool:
+        """True (and forgets it) if the key was dropped recently."""
+        return self._keys.pop(digest) >= 0
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+class PackedAdmission:
+    """Admission (kvtier/index/policy.py) by key digest and distance from the chain's end."""
+
+    def __init__(
+        self,
+        mode: AdmissionMode,
+        sketch: DigestSketch,
+        reuse: PackedReuse,
+        min_p_reuse: float = 0.1,
+    ) -> None:
+        self.mode = mode
+        self._sketch = sketch
+        self._reuse = reuse
+        self.min_p_reuse = min_p_reuse
+
+    def admit_on_evict(self, digest: int, from_end: int) -> bool:
+        if self.mode == "selective":
+            uses = max(self._sketch.count(digest), 1)
+            return self._reuse.p_reuse(digest, uses, from_end) >= self.min_p_reuse
+        return self.mode == "write_back"
+
+    @property
+    def on_insert(self) -> bool:
+        return self.mode == "write_through"
+
+
+class PackedPolicies:
+    """Policies (kvtier/index/policy.py) for a catalog of slots: `digest_of(slot)` is the
+    key digest of the block in a slot (the catalog's array), read when a tier needs it."""
+
+    def __init__(
+        self,
+        name: str,
+        admission: AdmissionMode,
+        model: ValueModel,
+        ghost_capacity: int,
+        digest_of: Callable[[int], int],
+        min_p_reuse: float = 0.1,
+    ) -> None:
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+        self.name = name
+        self.model = model
+        self.digest_of = digest_of
+        self.sketch = DigestSketch()
+        self.reuse = PackedReuse()
+        self.admission = PackedAdmission(admission, self.sketch, self.reuse, min_p_reuse)
+        self.ghosts = PackedGhosts(ghost_capacity)
+
+    def accessed(self, digest: int, from_end: int) -> None:
+        """A block was asked for (hit or miss): count the use, settle its last estimate."""
+        self.sketch.add(digest)
+        self.reuse.observe(digest, self.sketch.count(digest), from_end)
+
+    def uses_of(self, slot: int) -> int:
+        return self.sketch.count(self.digest_of(slot))
+
+    def new_tier(self, tier: str, fallback: str | None, capacity_bytes: int) -> SlotPolicy:
+        if self.name == "lru":
+            return PackedLru()
+        if self.name == "s3fifo":
+            return PackedS3Fifo(capacity_bytes, self.digest_of)
+        return PackedValue(tier, fallback, self.model, self.uses_of)

@@ -1,0 +1,192 @@
+"""Per-block state in flat typed arrays, for an index of millions of blocks.
+
+A Python object per block costs ~50–100 bytes each and makes every garbage collection
+walk all of them (0.8 s at 1 M blocks). Here a block is an integer **slot** (0, 1, 2 …,
+given by the catalog and reused after the block is freed) and each of its fields is one
+element of an `array.array`: a few bytes, no object, invisible to the collector. Reading
+an element gives a plain Python int or float, so the code over them stays ordinary
+Python (numpy would not help: its scalar access is slower than `array`'s).
+
+* `headroom`, `extend` — grow arrays for a new slot, amortised.
+* `DigestTable` — an ordered map of 64-bit key digests to a small value (0–255), in
+  arrays: what a bounded `OrderedDict[key, small]` (FIFO or LRU) did, for blocks that
+  have no slot any more (ghosts, reuse memory). Nodes hold the digest, the value and a
+  doubly-linked order; an open-addressed index maps a digest to its node.
+
+Digests must be uniform 64-bit hashes (`key_digest`): the table indexes by their bits
+as they are. Two keys with one digest are one entry (at
+10 M keys, a chance of about 3 in a million that any two collide).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Hashable
+from typing import Any
+
+import xxhash
+
+NO_SLOT = -1
+_EMPTY = 0  # index entry: never used (node 0 is the order's sentinel, never a key)
+_DELETED = -1  # index entry: a key was here (probing must go on past it)
+_MIN_INDEX = 8
+
+
+def key_digest(key: Hashable) -> int:
+    """The 64-bit digest packed structures key a block by (computed once per block, when
+    the catalog adds it): the four 16-bit counter indices FrequencySketch takes from an
+    xxh3-128 of `repr(key)`, side by side. So `DigestSketch` counts exactly what
+    `FrequencySketch` counted (the same keys collide), and the digest is as uniform as
+    the hash is."""
+    h = xxhash.xxh3_128_intdigest(repr(key).encode())
+    return (
+        (h & 0xFFFF)
+        | (h >> 16 & 0xFFFF_0000)
+        | (h >> 32 & 0xFFFF_0000_0000)
+        | (h >> 48 & 0xFFFF_0000_0000_0000)
+    )
+
+
+def headroom(size: int, needed: int) -> int:
+    """The new length of arrays of `size` elements that must hold `needed`: at least an
+    eighth more, so growing one slot at a time stays amortised O(1)."""
+    return max(needed, size + (size >> 3), 16)
+
+
+def extend(values: array[Any], count: int, fill: float) -> None:
+    """Append `count` elements `fill` (at C speed)."""
+    values.extend(array(values.typecode, [fill]) * count)
+
+
+class DigestTable:
+    """Ordered digest -> value (0..255) map: `put` appends (or, with `to_end`, moves to
+    the end), `pop_oldest` takes from the front. The caller bounds it; nothing here
+    evicts on its own."""
+
+    def __init__(self) -> None:
+        # Node 0 is the sentinel of the circular order list: _next[0] is the oldest.
+        self._digest = array("Q", [0])
+        self._value = bytearray(1)
+        self._prev = array("i", [0])
+        self._next = array("i", [0])
+        self._free = 0  # first free node (chained through _next), 0: none
+        self._index = array("i", [_EMPTY]) * _MIN_INDEX
+        self._mask = _MIN_INDEX - 1
+        self._len = 0
+        self._deleted = 0  # _DELETED marks in the index
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _find(self, digest: int) -> int:
+        """Index position holding `digest`, or -1."""
+        index, mask, digests = self._index, self._mask, self._digest
+        i = digest & mask
+        while True:
+            node = index[i]
+            if node == _EMPTY:
+                return -1
+            if node > 0 and digests[node] == digest:
+                return i
+            i = (i + 1) & mask
+
+    def get(self, digest: int) -> int:
+        """The value of `digest`, or -1 if absent."""
+        i = self._find(digest)
+        return -1 if i < 0 else self._value[self._index[i]]
+
+    def __contains__(self, digest: int) -> bool:
+        return self._find(digest) >= 0
+
+    def put(self, digest: int, value: int = 0, to_end: bool = False) -> None:
+        """Set `digest`'s value; a new digest goes to the end, an old one stays where it
+        is unless `to_end` (FIFO vs LRU order)."""
+        i = self._find(digest)
+        if i >= 0:
+            node = self._index[i]
+            self._value[node] = value
+            if to_end:
+                self._unlink(node)
+                self._link_last(node)
+            return
+        if (self._len + self._deleted + 1) * 10 > 7 * len(self._index):
+            self._rehash()
+        node = self._new_node()
+        self._digest[node] = digest
+        self._value[node] = value
+        self._link_last(node)
+        index, mask = self._index, self._mask
+        i = digest & mask
+        while index[i] > 0:
+            i = (i + 1) & mask
+        if index[i] == _DELETED:
+            self._deleted -= 1
+        index[i] = node
+        self._len += 1
+
+    def pop(self, digest: int) -> int:
+        """Forget `digest`; returns its value, or -1 if it was absent."""
+        i = self._find(digest)
+        if i < 0:
+            return -1
+        return self._drop(i)
+
+    def oldest(self) -> int:
+        """The digest at the front (the table must not be empty)."""
+        return int(self._digest[self._next[0]])
+
+    def pop_oldest(self) -> int:
+        """Forget the digest at the front and return it (the table must not be empty)."""
+        digest = self.oldest()
+        self._drop(self._find(digest))
+        return digest
+
+    def _drop(self, i: int) -> int:
+        node = self._index[i]
+        self._index[i] = _DELETED
+        self._deleted += 1
+        self._len -= 1
+        self._unlink(node)
+        self._next[node] = self._free
+        self._free = node
+        return self._value[node]
+
+    def _new_node(self) -> int:
+        node = self._free
+        if node:
+            self._free = self._next[node]
+            return node
+        self._digest.append(0)
+        self._value.append(0)
+        self._prev.append(0)
+        self._next.append(0)
+        return len(self._next) - 1
+
+    def _link_last(self, node: int) -> None:
+        prev, nxt = self._prev, self._next
+        last = prev[0]
+        prev[node], nxt[node] = last, 0
+        nxt[last] = node
+        prev[0] = node
+
+    def _unlink(self, node: int) -> None:
+        prev, nxt = self._prev, self._next
+        before, after = prev[node], nxt[node]
+        nxt[before] = after
+        prev[after] = before
+
+    def _rehash(self) -> None:
+        size = _MIN_INDEX
+        while size < 2 * (self._len + 1):  # load up to 0.7 before the next: short probes
+            size <<= 1
+        index = array("i", [_EMPTY]) * size
+        mask = size - 1
+        digests, nxt = self._digest, self._next
+        node = nxt[0]
+        while node:
+            i = digests[node] & mask
+            while index[i]:
+                i = (i + 1) & mask
+            index[i] = node
+            node = nxt[node]
+        self._index, self._mask, self._deleted = index, mask, 0
