@@ -57,7 +57,7 @@ from collections.abc import Callable
 from heapq import heappop, heappush
 
 from kvtier.index.policy import POLICIES, AdmissionMode, BlockInfo, ValueModel
-from kvtier.index.slots import NO_SLOT, DigestTable, extend, headroom
+from kvtier.index.slots import NO_SLOT, DigestTable, extend, headroom, link_last, unlink
 
 __all__ = [
     "NO_SLOT",
@@ -124,17 +124,7 @@ class PackedLru(SlotPolicy):
         return node < len(self._next) and self._next[node] >= 0
 
     def _append(self, node: int) -> None:
-        prev, nxt = self._prev, self._next
-        last = prev[0]
-        prev[node], nxt[node] = last, 0
-        nxt[last] = node
-        prev[0] = node
-
-    def _unlink(self, node: int) -> None:
-        prev, nxt = self._prev, self._next
-        before, after = prev[node], nxt[node]
-        nxt[before] = after
-        prev[after] = before
+        link_last(self._prev, self._next, 0, node)
 
     def insert(self, slot: int, size_bytes: int, position: int = 0, parent: int = NO_SLOT) -> None:
         node = slot + 1
@@ -143,7 +133,7 @@ class PackedLru(SlotPolicy):
             extend(self._prev, count, -1)
             extend(self._next, count, -1)
         if self._next[node] >= 0:
-            self._unlink(node)
+            unlink(self._prev, self._next, node)
         else:
             self._len += 1
         self._append(node)
@@ -151,13 +141,13 @@ class PackedLru(SlotPolicy):
     def hit(self, slot: int) -> None:
         node = slot + 1
         if self._present(node):
-            self._unlink(node)
+            unlink(self._prev, self._next, node)
             self._append(node)
 
     def remove(self, slot: int) -> None:
         node = slot + 1
         if self._present(node):
-            self._unlink(node)
+            unlink(self._prev, self._next, node)
             self._next[node] = -1
             self._len -= 1
 
@@ -166,7 +156,7 @@ class PackedLru(SlotPolicy):
         node = nxt[0]
         while node:
             if evictable(node - 1):
-                self._unlink(node)
+                unlink(self._prev, self._next, node)
                 nxt[node] = -1
                 self._len -= 1
                 return node - 1
@@ -216,17 +206,7 @@ class PackedS3Fifo(SlotPolicy):
         extend(self._next, count, 0)
 
     def _append(self, sentinel: int, node: int) -> None:
-        prev, nxt = self._prev, self._next
-        last = prev[sentinel]
-        prev[node], nxt[node] = last, sentinel
-        nxt[last] = node
-        prev[sentinel] = node
-
-    def _unlink(self, node: int) -> None:
-        prev, nxt = self._prev, self._next
-        before, after = prev[node], nxt[node]
-        nxt[before] = after
-        prev[after] = before
+        link_last(self._prev, self._next, sentinel, node)
 
     def insert(self, slot: int, size_bytes: int, position: int = 0, parent: int = NO_SLOT) -> None:
         if slot >= len(self._queue):
@@ -253,7 +233,7 @@ class PackedS3Fifo(SlotPolicy):
     def remove(self, slot: int) -> None:
         if slot not in self:
             return
-        self._unlink(slot + 2)
+        unlink(self._prev, self._next, slot + 2)
         if self._queue[slot] == _SMALL:
             self._small_len -= 1
             self._small_bytes -= self._size[slot]
@@ -274,10 +254,10 @@ class PackedS3Fifo(SlotPolicy):
                 return None
             slot = node - 2
             if not evictable(slot):
-                self._unlink(node)  # in use: look again later
+                unlink(self._prev, self._next, node)  # in use: look again later
                 self._append(sentinel, node)
                 continue
-            self._unlink(node)
+            unlink(self._prev, self._next, node)
             if use_small:
                 self._small_len -= 1
                 self._small_bytes -= self._size[slot]
@@ -409,11 +389,12 @@ class PackedValue(SlotPolicy):
             extend(values, count, -1)
 
     # ---- the heap: a < b when (prio, -pos, seq) of a is smaller -----------------------
-    def _sift_up(self, i: int) -> None:
+    def _sift_up(self, i: int, top: int = 0) -> None:
+        """Move heap[i] up to its place, no higher than index `top`."""
         heap, where, prio, pos, seq = self._heap, self._where, self._prio, self._pos, self._seq
         s = heap[i]
         p, q, n = prio[s], pos[s], seq[s]
-        while i:
+        while i > top:
             j = (i - 1) >> 1
             t = heap[j]
             pt = prio[t]
@@ -447,18 +428,9 @@ class PackedValue(SlotPolicy):
             where[t] = i
             i = c
             c = 2 * i + 1
-        p, q, n = prio[s], pos[s], seq[s]
-        while i > start:
-            j = (i - 1) >> 1
-            t = heap[j]
-            pt = prio[t]
-            if pt < p or (pt == p and (pos[t] > q or (pos[t] == q and seq[t] < n))):
-                break
-            heap[i] = t
-            where[t] = i
-            i = j
         heap[i] = s
         where[s] = i
+        self._sift_up(i, start)
 
     def _push(self, slot: int) -> None:
         self._heap.append(slot)

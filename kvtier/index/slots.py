@@ -53,6 +53,21 @@ def headroom(size: int, needed: int) -> int:
     return max(needed, size + (size >> 3), 16)
 
 
+def link_last(prev: array[int], nxt: array[int], sentinel: int, node: int) -> None:
+    """Put `node` last in the circular list that `sentinel` heads (prev/next arrays)."""
+    last = prev[sentinel]
+    prev[node], nxt[node] = last, sentinel
+    nxt[last] = node
+    prev[sentinel] = node
+
+
+def unlink(prev: array[int], nxt: array[int], node: int) -> None:
+    """Take `node` out of its circular list (its own prev/next are left as they were)."""
+    before, after = prev[node], nxt[node]
+    nxt[before] = after
+    prev[after] = before
+
+
 def extend(values: array[Any], count: int, fill: float) -> None:
     """Append `count` elements `fill` (at C speed)."""
     values.extend(array(values.typecode, [fill]) * count)
@@ -106,15 +121,15 @@ class DigestTable:
             node = self._index[i]
             self._value[node] = value
             if to_end:
-                self._unlink(node)
-                self._link_last(node)
+                unlink(self._prev, self._next, node)
+                link_last(self._prev, self._next, 0, node)
             return
         if (self._len + self._deleted + 1) * 10 > 7 * len(self._index):
             self._rehash()
         node = self._new_node()
         self._digest[node] = digest
         self._value[node] = value
-        self._link_last(node)
+        link_last(self._prev, self._next, 0, node)
         index, mask = self._index, self._mask
         i = digest & mask
         while index[i] > 0:
@@ -146,7 +161,7 @@ class DigestTable:
         self._index[i] = _DELETED
         self._deleted += 1
         self._len -= 1
-        self._unlink(node)
+        unlink(self._prev, self._next, node)
         self._next[node] = self._free
         self._free = node
         return self._value[node]
@@ -161,19 +176,6 @@ class DigestTable:
         self._prev.append(0)
         self._next.append(0)
         return len(self._next) - 1
-
-    def _link_last(self, node: int) -> None:
-        prev, nxt = self._prev, self._next
-        last = prev[0]
-        prev[node], nxt[node] = last, 0
-        nxt[last] = node
-        prev[0] = node
-
-    def _unlink(self, node: int) -> None:
-        prev, nxt = self._prev, self._next
-        before, after = prev[node], nxt[node]
-        nxt[before] = after
-        prev[after] = before
 
     def _rehash(self) -> None:
         size = _MIN_INDEX
