@@ -1501,3 +1501,90 @@ class CudaGetResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CudaGetResponse: _TypeAlias = CudaGetResponse  # noqa: Y015
+
+@_typing.final
+class PrefetchChain(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """one waiting request's chain, block 0 first"""
+
+    def __init__(
+        self,
+        *,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefetchChain: _TypeAlias = PrefetchChain  # noqa: Y015
+
+@_typing.final
+class PrefetchRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    CHAINS_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    ttl_s: _builtins.float
+    """0: limits.prefetch_ttl_s"""
+    @_builtins.property
+    def chains(self) -> _containers.RepeatedCompositeFieldContainer[Global___PrefetchChain]:
+        """nearest deadline (next to be scheduled) first"""
+
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        chains: _abc.Iterable[Global___PrefetchChain] | None = ...,
+        ttl_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chains", b"chains", "namespace", b"namespace", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefetchRequest: _TypeAlias = PrefetchRequest  # noqa: Y015
+
+@_typing.final
+class PrefetchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCEPTED_BLOCKS_FIELD_NUMBER: _builtins.int
+    IN_DRAM_FIELD_NUMBER: _builtins.int
+    TO_PROMOTE_FIELD_NUMBER: _builtins.int
+    NOT_STORED_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    accepted_blocks: _builtins.int
+    """blocks now announced (a chain past the tenant's limit is cut)"""
+    in_dram: _builtins.int
+    """of those, in DRAM already: kept there"""
+    to_promote: _builtins.int
+    """on NVMe: being promoted into DRAM"""
+    not_stored: _builtins.int
+    """on no local tier (fetched from the remote tier if it holds them)"""
+    ttl_s: _builtins.float
+    """the TTL applied"""
+    def __init__(
+        self,
+        *,
+        accepted_blocks: _builtins.int = ...,
+        in_dram: _builtins.int = ...,
+        to_promote: _builtins.int = ...,
+        not_stored: _builtins.int = ...,
+        ttl_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_blocks", b"accepted_blocks", "in_dram", b"in_dram", "not_stored", b"not_stored", "to_promote", b"to_promote", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefetchResponse: _TypeAlias = PrefetchResponse  # noqa: Y015

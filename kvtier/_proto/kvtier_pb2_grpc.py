@@ -135,6 +135,11 @@ class KVTierStub:
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.CudaWaitRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.CudaGetResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/kvtier.v1.KVTier/Prefetch',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
 
 
 class KVTierServicer:
@@ -287,6 +292,16 @@ class KVTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """Queue prefetch: an engine announces requests waiting in its queue. Their blocks on
+        NVMe (or in the remote tier) are promoted into DRAM in the background and every
+        announced block in DRAM is kept there (never an eviction victim while others are)
+        until it is loaded (Get, Acquire, CudaGet) or ttl_s passes. Answers at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -389,6 +404,11 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.CudaWait,
                     request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.CudaWaitRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_kvtier__pb2.CudaGetResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.PrefetchRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.PrefetchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -931,6 +951,33 @@ class KVTier:
             '/kvtier.v1.KVTier/CudaWait',
             kvtier_dot_v1_dot_kvtier__pb2.CudaWaitRequest.SerializeToString,
             kvtier_dot_v1_dot_kvtier__pb2.CudaGetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/Prefetch',
+            kvtier_dot_v1_dot_kvtier__pb2.PrefetchRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -94,6 +94,12 @@ class KVTierStub:
     """One group of a grouped CudaGet (group_sizes): answers once that group's blocks are
     in the engine's memory.
     """
+    Prefetch: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.PrefetchRequest, _kvtier_pb2.PrefetchResponse]
+    """Queue prefetch: an engine announces requests waiting in its queue. Their blocks on
+    NVMe (or in the remote tier) are promoted into DRAM in the background and every
+    announced block in DRAM is kept there (never an eviction victim while others are)
+    until it is loaded (Get, Acquire, CudaGet) or ttl_s passes. Answers at once.
+    """
 
 @_typing.type_check_only
 class KVTierAsyncStub(KVTierStub):
@@ -152,6 +158,12 @@ class KVTierAsyncStub(KVTierStub):
     CudaWait: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.CudaWaitRequest, _kvtier_pb2.CudaGetResponse]  # type: ignore[assignment]
     """One group of a grouped CudaGet (group_sizes): answers once that group's blocks are
     in the engine's memory.
+    """
+    Prefetch: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.PrefetchRequest, _kvtier_pb2.PrefetchResponse]  # type: ignore[assignment]
+    """Queue prefetch: an engine announces requests waiting in its queue. Their blocks on
+    NVMe (or in the remote tier) are promoted into DRAM in the background and every
+    announced block in DRAM is kept there (never an eviction victim while others are)
+    until it is loaded (Get, Acquire, CudaGet) or ttl_s passes. Answers at once.
     """
 
 class KVTierServicer(metaclass=_abc_1.ABCMeta):
@@ -328,6 +340,18 @@ class KVTierServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_kvtier_pb2.CudaGetResponse, _abc.Awaitable[_kvtier_pb2.CudaGetResponse]]:
         """One group of a grouped CudaGet (group_sizes): answers once that group's blocks are
         in the engine's memory.
+        """
+
+    @_abc_1.abstractmethod
+    def Prefetch(
+        self,
+        request: _kvtier_pb2.PrefetchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvtier_pb2.PrefetchResponse, _abc.Awaitable[_kvtier_pb2.PrefetchResponse]]:
+        """Queue prefetch: an engine announces requests waiting in its queue. Their blocks on
+        NVMe (or in the remote tier) are promoted into DRAM in the background and every
+        announced block in DRAM is kept there (never an eviction victim while others are)
+        until it is loaded (Get, Acquire, CudaGet) or ttl_s passes. Answers at once.
         """
 
 def add_KVTierServicer_to_server(servicer: KVTierServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -54,12 +54,14 @@ from kvtier.client._results import (
     BlockStat,
     EventBatch,
     PlanResult,
+    PrefetchResult,
     Snapshot,
     Stats,
     block_stat,
     event_batch,
     lookup_result,
     plan_result,
+    prefetch_result,
     prefill_cost,
     snapshot_of,
     stats_of,
@@ -321,6 +323,20 @@ def report_prefill(
         Op.REPORT_PREFILL, "ReportPrefill", request, pb.ReportPrefillResponse
     )
     return prefill_cost(resp)
+
+
+def prefetch(
+    namespace: str, chains: Sequence[Sequence[bytes | str]], ttl_s: float = 0.0
+) -> Operation[PrefetchResult]:
+    """Announce the chains of requests waiting in the engine's queue (nearest deadline
+    first): the daemon promotes their NVMe blocks into DRAM in the background and keeps
+    them there until loaded or `ttl_s` (0: the daemon's limits.prefetch_ttl_s) passes."""
+    request = pb.PrefetchRequest(
+        namespace=namespace,
+        chains=[pb.PrefetchChain(keys=as_keys(chain)) for chain in chains],
+        ttl_s=ttl_s,
+    )
+    return prefetch_result((yield from rpc("Prefetch", request, pb.PrefetchResponse)))
 
 
 # The zero-copy path (same node, UNIX socket); elsewhere the same calls go over gRPC.

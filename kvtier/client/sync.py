@@ -68,6 +68,7 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
     stats = blocking(_core.stats)
     plan = blocking(_core.plan)
     report_prefill = blocking(_core.report_prefill)
+    prefetch = blocking(_core.prefetch)
     # The zero-copy path (same node, UNIX socket)
     put_from = blocking(_core.put_from)
     get_into = blocking(_core.get_into)

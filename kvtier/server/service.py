@@ -444,6 +444,33 @@ class KVTierService:
         logger.debug("plan %s, %d blocks: %s", request.namespace, len(keys), plan.reason)
         return plan_response(plan, costs)
 
+    async def Prefetch(self, request: pb.PrefetchRequest, context: Ctx) -> pb.PrefetchResponse:
+        ns_id = self._ns_id(self._caller(context), request.namespace)
+        limits = self._limits
+        ttl_s = request.ttl_s or limits.prefetch_ttl_s
+        if not math.isfinite(ttl_s) or ttl_s <= 0 or ttl_s > limits.max_prefetch_ttl_s:
+            raise InvalidArgument(
+                f"ttl_s must be > 0 and at most limits.max_prefetch_ttl_s="
+                f"{limits.max_prefetch_ttl_s:g} (0: limits.prefetch_ttl_s)"
+            )
+        if not request.chains:
+            raise InvalidArgument("send at least one chain of keys to prefetch")
+        blocks = sum(len(chain.keys) for chain in request.chains)
+        if blocks > limits.max_plan_blocks:
+            raise InvalidArgument(
+                f"{blocks} keys in one Prefetch, more than limits.max_plan_blocks="
+                f"{limits.max_plan_blocks}: announce fewer waiting requests per call"
+            )
+        chains = [check_keys(chain.keys, limits.max_key_bytes) for chain in request.chains]
+        done = self._store.prefetch.announce(ns_id, chains, ttl_s)
+        return pb.PrefetchResponse(
+            accepted_blocks=done.accepted_blocks,
+            in_dram=done.in_dram,
+            to_promote=done.to_promote,
+            not_stored=done.not_stored,
+            ttl_s=ttl_s,
+        )
+
     async def _report_prefill(
         self, session_id: int, tenant: str, request: pb.ReportPrefillRequest
     ) -> pb.ReportPrefillResponse:
