@@ -8,6 +8,7 @@ import socket
 import time
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
@@ -144,3 +145,36 @@ def test_bad_requests_are_invalid_argument_and_harmless(start_daemon: StartDaemo
         assert stub.Prefetch(ok, timeout=10).accepted_blocks == 1  # a repeated key once
     with daemon.client() as client, pytest.raises(kvtier.InvalidArgument):
         client.prefetch(NS, [[b"k"]], ttl_s=-5.0)
+
+
+@pytest.mark.vllm
+def test_vllm_announces_each_waiting_request_once(
+    vllm_python: Path, tiny_model: Path, start_daemon: StartDaemon, workdir: Path
+) -> None:
+    """The connector announces a request's chain the first time vLLM asks about it
+    (however often it asks again): after a restart has moved every block to NVMe, a fresh
+    vLLM's requests announce exactly their loadable blocks, and its output is unchanged."""
+    from tests.integration.test_vllm import (
+        BLOCK_SIZE,
+        cached_tokens,
+        loadable_tokens,
+        make_prompts,
+        run_vllm,
+    )
+
+    port = _port()
+    daemon = start_daemon(
+        dram="256MiB", nvme="1GiB", extra=["--metrics-listen", f"127.0.0.1:{port}"]
+    )
+    prompts = make_prompts(tiny_model)
+    stored = run_vllm(vllm_python, tiny_model, prompts, workdir, "store", daemon.target)
+    assert _metric(port, "kvtier_prefetch_announced_blocks_total") == sum(
+        loadable_tokens(p) // BLOCK_SIZE for p in prompts
+    )
+    daemon.restart()  # a clean stop writes DRAM out: every block is now on NVMe only
+    warm = run_vllm(vllm_python, tiny_model, prompts, workdir, "warm", daemon.target)
+    assert cached_tokens(warm) == [loadable_tokens(p) for p in prompts]
+    assert _metric(port, "kvtier_prefetch_announced_blocks_total") == sum(
+        loadable_tokens(p) // BLOCK_SIZE for p in prompts
+    )
+    assert [r["token_ids"] for r in warm["results"]] == [r["token_ids"] for r in stored["results"]]
