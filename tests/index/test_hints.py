@@ -155,3 +155,15 @@ def test_a_client_cannot_grow_the_table_past_its_bounds() -> None:
     assert len(table) <= 4 and table.keys_held <= 10
     assert table.protected(999, 999.0)  # the newest survives, cut to the table's size
     assert not table.protected(0, 999.0)
+
+
+def test_a_load_ends_the_claim_of_the_request_served_first() -> None:
+    # Two waiting requests share block 5; the first (nearest deadline) is served and loads
+    # it: the second's claim must outlive the first's deadline.
+    table: HintTable[int] = HintTable(8, 64)
+    table.add([5, 6], 0.0, 2.0)
+    table.add([5, 7], 0.0, 9.0)
+    assert table.use(5) is False
+    assert table.expire(2.0) == [6]
+    assert table.protected(5, 3.0)
+    assert table.to_promote(3.0, lambda k: True, 10) == [5, 7]

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from kvtier.index.planner import TierCost
 from kvtier.sim.queue import QueueConfig, queue_replay, speedup_for_busy
 from kvtier.sim.replay import ReplayConfig, Request, replay
 
@@ -53,20 +54,22 @@ def test_a_request_that_does_not_wait_gains_nothing() -> None:
 
 
 def test_a_promotion_that_cannot_finish_before_its_request_starts_is_not_counted() -> None:
-    # [1, 2] arrives behind a prompt that prefills for less than two promotions take.
-    quick = ReplayConfig(4, 64, policy="lru", admission="write_back")
-    short = [
+    # [1, 2] arrives behind a one-block prompt; NVMe is slowed so that one promotion fits
+    # in that prompt's prefill and two do not: exactly one block comes from DRAM.
+    requests = [
         _req(0, [1, 2]),
         _req(10_000, [7, 8]),
         _req(20_000, [9, 10]),
         _req(30_000, [50]),
         _req(30_000, [1, 2]),
     ]
-    on = queue_replay(quick, QueueConfig(prefetch=True), short)
-    prefill_s = queue_replay(quick, QueueConfig(prefetch=False), short[:4])["ttft_p99_s"]
-    expected = min(int(prefill_s // FETCH_S), 2)
-    assert on["prefetched_blocks"] == expected
-    assert on["tiers"]["dram"]["hits"] == expected
+    ahead_s = queue_replay(CFG, QueueConfig(), [_req(0, [50])])["ttft_p99_s"]
+    bandwidth = CFG.block_bytes / (0.6 * ahead_s)  # a promotion takes 60 % of the wait
+    slow = ReplayConfig(4, 64, policy="lru", admission="write_back", nvme=TierCost(bandwidth))
+    on = queue_replay(slow, QueueConfig(prefetch=True), requests)
+    assert on["wait_p99_s"] == pytest.approx(ahead_s)
+    assert on["prefetched_blocks"] == 1 and on["prefetched_used"] == 1
+    assert on["tiers"]["dram"]["hits"] == 1 and on["tiers"]["nvme"]["hits"] == 1
 
 
 def test_prefetch_off_is_the_plain_replay() -> None:
