@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +119,24 @@ def test_speedup_for_busy_makes_the_engine_that_busy() -> None:
     assert report["server_busy"] == pytest.approx(0.8)
     with pytest.raises(ValueError):
         speedup_for_busy(CFG, requests, 0.0)
+
+
+def test_the_cli_reports_both_arms_and_refuses_bad_flags(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    rows = [
+        {"timestamp": r.timestamp_ms, "input_length": r.input_tokens, "hash_ids": r.hash_ids}
+        for r in _burst(gap_ms=1)
+    ]
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    base = [sys.executable, "-m", "kvtier", "replay", str(trace), "--dram-capacity", "4"]
+    base += ["--nvme-capacity", "64", "--policy", "lru", "--admission", "write_back"]
+    done = subprocess.run([*base, "--prefetch", "--busy", "0.8", "--json"], capture_output=True)
+    assert done.returncode == 0, done.stderr
+    off, on = json.loads(done.stdout)
+    assert (off["prefetch"], on["prefetch"]) == (False, True)
+    assert off["server_busy"] == pytest.approx(0.8) and on["speedup"] == off["speedup"]
+    assert on["prefetched_blocks"] == 2 and off["prefetched_blocks"] == 0
+    for bad in (["--queue", "--busy", "-1"], ["--queue", "--hint-ttl", "0"]):
+        refused = subprocess.run([*base, *bad], capture_output=True, text=True)
+        assert refused.returncode == 2 and "kvtier replay:" in refused.stderr
+        assert "Traceback" not in refused.stderr
