@@ -280,6 +280,15 @@ def unary_requests(live: int) -> st.SearchStrategy[tuple[str, Message]]:
         st.tuples(st.just("Attach"), st.just(pb.AttachRequest())),
         st.tuples(st.just("Plan"), plan_requests()),
         st.tuples(st.just("ReportPrefill"), report_prefill_requests()),
+        st.tuples(
+            st.just("Prefetch"),
+            st.builds(
+                pb.PrefetchRequest,
+                namespace=NS,
+                chains=st.lists(st.builds(pb.PrefetchChain, keys=CHAIN), max_size=3),
+                ttl_s=DOUBLE,
+            ),
+        ),
         *zero_copy_requests(sid),
     )
 
