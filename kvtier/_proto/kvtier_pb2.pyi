@@ -1588,3 +1588,84 @@ class PrefetchResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PrefetchResponse: _TypeAlias = PrefetchResponse  # noqa: Y015
+
+@_typing.final
+class PutBlockRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """exactly header.size_bytes bytes"""
+    @_builtins.property
+    def header(self) -> Global___PutHeader: ...
+    def __init__(
+        self,
+        *,
+        header: Global___PutHeader | None = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutBlockRequest: _TypeAlias = PutBlockRequest  # noqa: Y015
+
+@_typing.final
+class GetBlockRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    MAX_INLINE_BYTES_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    key: _builtins.bytes
+    max_inline_bytes: _builtins.int
+    """The largest block to send inline (the caller's receive limit, less room for the
+    header). 0: 4 MiB - 64 KiB, which fits gRPC's default 4 MiB message limit. The
+    daemon caps it at 8 MiB.
+    """
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        key: _builtins.bytes = ...,
+        max_inline_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "max_inline_bytes", b"max_inline_bytes", "namespace", b"namespace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetBlockRequest: _TypeAlias = GetBlockRequest  # noqa: Y015
+
+@_typing.final
+class GetBlockResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    USE_STREAM_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """the block; empty when use_stream is set"""
+    use_stream: _builtins.bool
+    """larger than max_inline_bytes: read it with Get"""
+    @_builtins.property
+    def header(self) -> Global___GetHeader: ...
+    def __init__(
+        self,
+        *,
+        header: Global___GetHeader | None = ...,
+        data: _builtins.bytes = ...,
+        use_stream: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header", "use_stream", b"use_stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetBlockResponse: _TypeAlias = GetBlockResponse  # noqa: Y015

@@ -100,6 +100,17 @@ class KVTierStub:
     announced block in DRAM is kept there (never an eviction victim while others are)
     until it is loaded (Get, Acquire, CudaGet) or ttl_s passes. Answers at once.
     """
+    PutBlock: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.PutBlockRequest, _kvtier_pb2.PutResponse]
+    """---- one block in one message, for blocks up to a few MiB (the byte path's fast form) ----
+    Put and Get above, without a stream: a stream costs a client about twice a unary
+    call's fixed overhead, which at 1-4 MiB is as much as moving the bytes. The daemon
+    accepts messages of up to 8 MiB + 64 KiB (a larger block: use Put). Same checks,
+    statuses and visibility rules as Put.
+    """
+    GetBlock: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.GetBlockRequest, _kvtier_pb2.GetBlockResponse]
+    """Read one block in one message if it is at most max_inline_bytes; else the answer is
+    only its header with use_stream set: read it with Get. A miss is NOT_FOUND.
+    """
 
 @_typing.type_check_only
 class KVTierAsyncStub(KVTierStub):
@@ -164,6 +175,17 @@ class KVTierAsyncStub(KVTierStub):
     NVMe (or in the remote tier) are promoted into DRAM in the background and every
     announced block in DRAM is kept there (never an eviction victim while others are)
     until it is loaded (Get, Acquire, CudaGet) or ttl_s passes. Answers at once.
+    """
+    PutBlock: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.PutBlockRequest, _kvtier_pb2.PutResponse]  # type: ignore[assignment]
+    """---- one block in one message, for blocks up to a few MiB (the byte path's fast form) ----
+    Put and Get above, without a stream: a stream costs a client about twice a unary
+    call's fixed overhead, which at 1-4 MiB is as much as moving the bytes. The daemon
+    accepts messages of up to 8 MiB + 64 KiB (a larger block: use Put). Same checks,
+    statuses and visibility rules as Put.
+    """
+    GetBlock: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.GetBlockRequest, _kvtier_pb2.GetBlockResponse]  # type: ignore[assignment]
+    """Read one block in one message if it is at most max_inline_bytes; else the answer is
+    only its header with use_stream set: read it with Get. A miss is NOT_FOUND.
     """
 
 class KVTierServicer(metaclass=_abc_1.ABCMeta):
@@ -352,6 +374,29 @@ class KVTierServicer(metaclass=_abc_1.ABCMeta):
         NVMe (or in the remote tier) are promoted into DRAM in the background and every
         announced block in DRAM is kept there (never an eviction victim while others are)
         until it is loaded (Get, Acquire, CudaGet) or ttl_s passes. Answers at once.
+        """
+
+    @_abc_1.abstractmethod
+    def PutBlock(
+        self,
+        request: _kvtier_pb2.PutBlockRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvtier_pb2.PutResponse, _abc.Awaitable[_kvtier_pb2.PutResponse]]:
+        """---- one block in one message, for blocks up to a few MiB (the byte path's fast form) ----
+        Put and Get above, without a stream: a stream costs a client about twice a unary
+        call's fixed overhead, which at 1-4 MiB is as much as moving the bytes. The daemon
+        accepts messages of up to 8 MiB + 64 KiB (a larger block: use Put). Same checks,
+        statuses and visibility rules as Put.
+        """
+
+    @_abc_1.abstractmethod
+    def GetBlock(
+        self,
+        request: _kvtier_pb2.GetBlockRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvtier_pb2.GetBlockResponse, _abc.Awaitable[_kvtier_pb2.GetBlockResponse]]:
+        """Read one block in one message if it is at most max_inline_bytes; else the answer is
+        only its header with use_stream set: read it with Get. A miss is NOT_FOUND.
         """
 
 def add_KVTierServicer_to_server(servicer: KVTierServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -32,9 +32,15 @@ import grpc
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import Op
 from kvtier._wire import (
+    DEFAULT_INLINE_BYTES,
+    INLINE_MAX_BYTES,
+    InlinePut,
     RawChunk,
     Undecodable,
+    get_block_message,
+    get_block_response_serializer,
     get_response_serializer,
+    put_block_request_deserializer,
     put_request_deserializer,
     tolerant,
 )
@@ -75,6 +81,7 @@ from kvtier.server.messages import (
     leased,
     plan_response,
     prefill_response,
+    put_response,
     stats_response,
 )
 from kvtier.server.ratelimit import RateLimiter
@@ -264,12 +271,26 @@ class KVTierService:
             result = await self._store.put_commit(writer, header.xxh3_64)
         finally:
             self._store.put_abort(writer)
-        return pb.PutResponse(
-            size_bytes=result.size_bytes,
-            xxh3_64=result.xxh3_64,
-            tier=TIER_TO_PB[result.tier],
-            already_present=result.already_present,
-        )
+        return put_response(result)
+
+    async def PutBlock(self, request: InlinePut, context: Ctx) -> pb.PutResponse:
+        """Put in one message: the same checks, the block written and hashed in one pass."""
+        header = request.header
+        tenant, block_id = self._tenant_block(context, header.namespace, header.key)
+        size_bytes = memoryview(request.data).nbytes
+        if size_bytes != header.size_bytes:
+            raise InvalidArgument(
+                f"the PutBlock request carries {size_bytes} bytes but its header declares "
+                f"{header.size_bytes}; nothing was stored"
+            )
+        self._admit_bytes(tenant, size_bytes)
+        writer = await self._store.put_begin(block_id, size_bytes, header.overwrite)
+        try:
+            writer.write(request.data)
+            result = await self._store.put_commit(writer, header.xxh3_64)
+        finally:
+            self._store.put_abort(writer)
+        return put_response(result)
 
     async def Get(
         self,
@@ -293,6 +314,35 @@ class KVTierService:
             )
             for chunk in reader.chunks(self._chunk_bytes):
                 yield RawChunk(chunk)
+        finally:
+            reader.close()
+
+    async def GetBlock(self, request: pb.GetBlockRequest, context: Ctx) -> bytes:
+        """Get in one message, already serialized (a GetBlockResponse): built while the
+        block is pinned, since gRPC serializes a unary answer only after the handler has
+        returned, when the extent may already hold another block."""
+        tenant, block_id = self._tenant_block(context, request.namespace, request.key)
+        inline_bytes = min(request.max_inline_bytes or DEFAULT_INLINE_BYTES, INLINE_MAX_BYTES)
+        entry = self._store.stat(block_id)
+        if entry is not None:
+            if entry.size_bytes > inline_bytes:  # nothing opened or charged: Get will be
+                header = pb.GetHeader(
+                    size_bytes=entry.size_bytes,
+                    xxh3_64=entry.xxh3_64,
+                    tier=TIER_TO_PB[entry.fastest_tier],
+                )
+                return get_block_message(header, (), True)
+            self._admit_bytes(tenant, entry.size_bytes)  # before the bytes move, as Get
+        reader = await self._store.open_block(block_id)
+        if reader is None:
+            raise NotFound("block not found in this namespace")
+        try:
+            header = pb.GetHeader(
+                size_bytes=reader.size_bytes, xxh3_64=reader.xxh3_64, tier=TIER_TO_PB[reader.tier]
+            )
+            if reader.size_bytes > inline_bytes:  # replaced meanwhile, or a remote fetch
+                return get_block_message(header, (), True)
+            return get_block_message(header, list(reader.chunks(INLINE_MAX_BYTES)), False)
         finally:
             reader.close()
 
@@ -710,8 +760,14 @@ def add_to_server(service: KVTierService, server: grpc.aio.Server) -> None:
     Handlers are built from the service descriptor, so a method added to the proto needs
     only its handler method here.
     """
-    custom_deserializers: dict[str, Any] = {"Put": put_request_deserializer}
-    custom_serializers: dict[str, Any] = {"Get": get_response_serializer}
+    custom_deserializers: dict[str, Any] = {
+        "Put": put_request_deserializer,
+        "PutBlock": put_block_request_deserializer,
+    }
+    custom_serializers: dict[str, Any] = {
+        "Get": get_response_serializer,
+        "GetBlock": get_block_response_serializer,
+    }
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in pb.DESCRIPTOR.services_by_name["KVTier"].methods:
         request_cls = getattr(pb, method.input_type.name)
