@@ -16,7 +16,10 @@ Points: nvme.write (before a record's temporary file is opened), nvme.pwrite (ea
 call), nvme.rename (record written, not yet visible), nvme.read, nvme.remove,
 nvme.tombstone, nvme.compact (a complete recovery about to remove the tombstone logs of
 earlier runs), nvme.recover_fan (recovery about to scan one fan directory, on its thread: a
-delay there is a slow scan, a kill a crash mid-recovery), store.evict (a block written
+delay there is a slow scan, a kill a crash mid-recovery; in the segment layout: one
+segment loaded), segment.seal (a segment's footer about to be written), segment.reclaim
+(reclaim about to copy one live record, and once more before it deletes the emptied
+segment), store.evict (a block written
 to NVMe, its DRAM copy not yet freed), store.commit (a put's bytes received, not yet in
 the catalog), remote.get (a fetch from the remote tier, inside its timed read: a delay
 there is a slow network to the planner).
@@ -49,6 +52,8 @@ POINTS = frozenset(
         "nvme.tombstone",
         "nvme.compact",
         "nvme.recover_fan",
+        "segment.seal",
+        "segment.reclaim",
         "store.evict",
         "store.commit",
         "remote.get",

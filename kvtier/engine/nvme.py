@@ -31,6 +31,7 @@ from kvtier.movers.io import IoPool
 from kvtier.sizes import human_size
 from kvtier.tiers.nvme import NvmeTier
 from kvtier.tiers.record import RecordHeader, header_size_for
+from kvtier.tiers.segments import SegmentTier
 from kvtier.types import BlockId
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,8 @@ class NvmeDriver:
     def __init__(
         self, config: NvmeConfig, io: IoPool, spawn: Spawn, take_generation: Callable[[], int]
     ) -> None:
-        self.tier = NvmeTier.from_config(config)
+        layout = SegmentTier if config.layout == "segments" else NvmeTier
+        self.tier = layout.from_config(config)
         self.io = io
         self.health = TierHealth("nvme", config.offline_after_errors)
         self._offline_retry_s = config.offline_retry_s

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "EPOCH_BITS",
     "EPOCH_FILE",
+    "LAYOUT_DIRS",
     "TOMBSTONE_LOG",
     "FanScan",
     "GenerationEpoch",
@@ -49,6 +50,8 @@ __all__ = [
 ]
 
 EPOCH_FILE = "epoch"
+# Where each `nvme.layout` keeps its records: a tier holding the other one is refused.
+LAYOUT_DIRS = {"files": "v1", "segments": "segments"}
 EPOCH_BITS = 40
 _EPOCH = struct.Struct("<QQ")  # epoch, xxh3 of its 8 bytes
 TOMBSTONE_LOG = "tombstones.log"
