@@ -139,6 +139,7 @@ class _Segment:
     size_bytes: int
     records: dict[RecordId, tuple[int, RecordHeader]] = field(default_factory=dict)
     live_bytes: int = 0
+    stored_bytes: int = 0  # of every record in it, live or dead
     loaded: bool = False  # its records are known (recovered, or written by this run)
     sealed: bool = False  # its footer is written (or it is an earlier run's)
     pending: int = 0  # reserved records not yet published or failed (under the tier's lock)
@@ -309,6 +310,7 @@ class SegmentTier(NvmeTier):
                 self._retire(seg, delete=True)
                 continue
             seg.loaded = True
+            seg.stored_bytes = sum(h.record_bytes for _, h in item.entries)
             for offset, header in item.entries:
                 ident = (header.ns_id, header.key)
                 dead_up_to = tombstones.get(ident, 0)
@@ -491,6 +493,7 @@ class SegmentTier(NvmeTier):
                     seg.footer_bytes += entry
                     seg.log.append((offset, header))
                     seg.pending += 1
+                    seg.stored_bytes += size
                     with seg.cond:
                         seg.inflight += 1
                     return seg, offset
@@ -756,6 +759,8 @@ class SegmentTier(NvmeTier):
             return 0
         done = 0
         with self._reclaim_lock:
+            with self._mu:
+                before = set(self._segments)  # `force` ends: copies land in newer ones
             while not self._closing.is_set():
                 with self._mu:
                     # Emptied ones first: free, and reading them costs nothing.
@@ -778,13 +783,15 @@ class SegmentTier(NvmeTier):
                         and not s.pending
                         and not s.seal_failed
                         and s is not self._active
-                        and s.live_bytes < s.size_bytes - 2 * ALIGN_BYTES
+                        and s.live_bytes < s.stored_bytes
+                        and (not force or s.seg_id in before)
                     ]
                 if not candidates or not (pressed or force):
                     break
-                victim = min(candidates, key=lambda s: s.live_bytes)
-                if not force and victim.live_bytes > victim.size_bytes * 0.9:
+                victim = min(candidates, key=lambda s: s.live_bytes / max(1, s.stored_bytes))
+                if not force and victim.live_bytes > victim.stored_bytes * 0.9:
                     break  # nearly all live: copying it gains too little
+                before.discard(victim.seg_id)
                 self._relocate(victim)
                 done += 1
         return done
