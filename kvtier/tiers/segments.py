@@ -38,8 +38,10 @@ file layout's deletes do); the dead record stays in its segment until the segmen
 reclaimed, so after a complete recovery the tombstones that still cover a record on disk
 are carried into the live log before the older logs are removed.
 
-Reclaim (a background thread of the tier): when the segments come within two segments of
-`nvme.capacity_bytes`, the sealed segment with the fewest live bytes is emptied: its live
+Reclaim (a background thread of the tier): segments without a live record are deleted at
+once; when the segments come within two segments of `nvme.capacity_bytes` (or fill more
+than half of it and one is at most half live) the sealed segment with the smallest live
+share is emptied: its live
 records (those the catalog still holds, i.e. the ones the policy kept) are re-appended,
 the copies synced, then the segment deleted; `relocated_bytes` over `written_bytes` is
 the write amplification. The room reclaim needs is kept back from the capacity the store
@@ -762,18 +764,8 @@ class SegmentTier(NvmeTier):
             with self._mu:
                 before = set(self._segments)  # `force` ends: copies land in newer ones
             while not self._closing.is_set():
+                done += self._retire_emptied()
                 with self._mu:
-                    # Emptied ones first: free, and reading them costs nothing.
-                    for seg in list(self._segments.values()):
-                        if (
-                            seg.sealed
-                            and seg.loaded
-                            and not seg.records
-                            and not seg.pending
-                            and seg is not self._active
-                        ):
-                            self._retire_locked(seg)
-                            done += 1
                     pressed = self.allocated_bytes + 2 * self.segment_bytes > self.disk_limit_bytes
                     candidates = [
                         s
@@ -786,15 +778,44 @@ class SegmentTier(NvmeTier):
                         and s.live_bytes < s.stored_bytes
                         and (not force or s.seg_id in before)
                     ]
-                if not candidates or not (pressed or force):
+                    half_full = self.allocated_bytes > self.disk_limit_bytes // 2
+                if not candidates:
                     break
                 victim = min(candidates, key=lambda s: s.live_bytes / max(1, s.stored_bytes))
-                if not force and victim.live_bytes > victim.stored_bytes * 0.9:
-                    break  # nearly all live: copying it gains too little
+                live_share = victim.live_bytes / max(1, victim.stored_bytes)
+                # Under pressure anything but a nearly full segment is worth emptying; on a
+                # tier past half full, a segment at most half live is (copying its live
+                # half frees the other: write amplification at most 2 for it).
+                if not (
+                    force or (pressed and live_share <= 0.9) or (half_full and live_share <= 0.5)
+                ):
+                    break
                 before.discard(victim.seg_id)
                 self._relocate(victim)
                 done += 1
         return done
+
+    def _retire_emptied(self) -> int:
+        """Delete the sealed segments without a live record: free, nothing to read."""
+        with self._mu:
+            empty = [s for s in self._segments.values() if self._emptied(s)]
+        if empty and failpoints.ACTIVE:
+            failpoints.fire("segment.reclaim")
+        with self._mu:
+            empty = [s for s in empty if self._emptied(s)]  # none revived meanwhile
+            for seg in empty:
+                self._retire_locked(seg)
+        return len(empty)
+
+    def _emptied(self, seg: _Segment) -> bool:
+        return (
+            seg.sealed
+            and seg.loaded
+            and not seg.records
+            and not seg.pending
+            and seg is not self._active
+            and seg.seg_id in self._segments
+        )
 
     def _relocate(self, victim: _Segment) -> None:
         """Re-append the live records of `victim` (each checked first: a damaged one is
@@ -805,7 +826,7 @@ class SegmentTier(NvmeTier):
         touched: set[_Segment] = set()
         for _rid, (offset, header) in live:
             if failpoints.ACTIVE:
-                failpoints.fire("segment.reclaim")
+                failpoints.fire("segment.relocate")
             if buf is None or len(buf) < header.record_bytes:
                 buf = aligned_buffer(header.record_bytes)
             view = memoryview(buf)[: header.record_bytes]
@@ -828,6 +849,9 @@ class SegmentTier(NvmeTier):
             for rid in list(victim.records):
                 self._drop_locked(rid, victim)  # removed or dropped while copying
             self._retire_locked(victim)
+        logger.debug(
+            "reclaimed NVMe segment %s: %d live records re-appended", victim.path, len(live)
+        )
 
     def _retire(self, seg: _Segment, delete: bool) -> None:
         with self._mu:
