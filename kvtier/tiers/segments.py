@@ -114,6 +114,8 @@ _MAX_SEGMENT_BYTES = 256 << 20
 _MIN_SEGMENT_BYTES = 4 << 20
 _LOAD_THREADS = 8  # segments whose footers (or records) are read at once at start
 _RECLAIM_POLL_S = 1.0  # the reclaimer also looks this often without being woken
+_SPACE_WAIT_S = 5.0  # a write at the limit waits this long for the reclaimer, then ENOSPC
+_SPACE_POLL_S = 0.005
 
 
 def segment_bytes_for(capacity_bytes: int) -> int:
@@ -221,7 +223,10 @@ class SegmentTier(NvmeTier):
         self._rotate_lock = threading.Lock()  # one thread opens the next segment
         self._where: dict[RecordId, _Segment] = {}
         self._segments: dict[int, _Segment] = {}
+        # The segment callers append to, and the one reclaim copies into: apart, so that
+        # callers at the limit cannot use up the room reclaim needs to free some.
         self._active: _Segment | None = None
+        self._relocating: _Segment | None = None
         self._next_id = 1
         self._old: list[_Segment] = []  # earlier runs' segments, for `recover`
         self.allocated_bytes = 0  # of segment files on disk
@@ -486,9 +491,10 @@ class SegmentTier(NvmeTier):
     def _reserve(self, header: RecordHeader, relocating: bool) -> tuple[_Segment, int]:
         """An extent of the active segment for this record (a new segment if it is full)."""
         size, entry = header.record_bytes, _entry_bytes(header)
+        give_up_s: float | None = None
         while True:
             with self._mu:
-                seg = self._active
+                seg = self._relocating if relocating else self._active
                 if seg is not None and not seg.full and seg.fits(size, entry):
                     offset = seg.tail
                     seg.tail += size
@@ -499,17 +505,27 @@ class SegmentTier(NvmeTier):
                     with seg.cond:
                         seg.inflight += 1
                     return seg, offset
-            self._rotate(seg, size, entry, relocating)
+            if self._rotate(seg, size, entry, relocating):
+                continue
+            # At the limit: the store keeps its live bytes below capacity_bytes, so the
+            # reclaimer frees room behind a stream of writes; wait for it, briefly.
+            now_s = time.monotonic()
+            if give_up_s is None:
+                give_up_s = now_s + _SPACE_WAIT_S
+            if relocating or now_s >= give_up_s:
+                raise OSError(errno.ENOSPC, "NVMe segments full (reclaim has not caught up)")
+            time.sleep(_SPACE_POLL_S)
 
-    def _rotate(self, full: _Segment | None, size: int, entry: int, relocating: bool) -> None:
-        """Seal the full active segment and open the next one (one thread at a time)."""
+    def _rotate(self, full: _Segment | None, size: int, entry: int, relocating: bool) -> bool:
+        """Seal the full active segment and open the next one (one thread at a time); False
+        if the segments are at the limit (the reclaimer is woken)."""
         with self._rotate_lock:
             with self._mu:
-                if self._active is not full:
-                    return  # another writer rotated meanwhile
+                if (self._relocating if relocating else self._active) is not full:
+                    return True  # another writer rotated meanwhile
                 if full is not None:
                     full.full = True
-                    self._active = None
+                    self._set_active(None, relocating)
             if full is not None:
                 self._seal_when_idle(full)
             seg_bytes = max(
@@ -519,12 +535,19 @@ class SegmentTier(NvmeTier):
             limit = self.disk_limit_bytes + (self.segment_bytes if relocating else 0)
             if self.allocated_bytes + seg_bytes > limit:
                 self._reclaim_wake.set()
-                raise OSError(errno.ENOSPC, "NVMe segments full (reclaim has not caught up)")
+                return False  # the caller waits for the reclaimer (lock released)
             new = self._create_segment(seg_bytes)
             with self._mu:
-                self._active = new
+                self._set_active(new, relocating)
             if self.allocated_bytes + 2 * self.segment_bytes > self.disk_limit_bytes:
                 self._reclaim_wake.set()
+            return True
+
+    def _set_active(self, seg: _Segment | None, relocating: bool) -> None:
+        if relocating:
+            self._relocating = seg
+        else:
+            self._active = seg
 
     def _create_segment(self, size_bytes: int) -> _Segment:
         with self._mu:
@@ -578,6 +601,8 @@ class SegmentTier(NvmeTier):
             with self._mu:
                 if self._active is seg:
                     self._active = None
+                if self._relocating is seg:
+                    self._relocating = None
                 seg.full = True
             self._seal_when_idle(seg)
             if not ok:
@@ -775,6 +800,7 @@ class SegmentTier(NvmeTier):
                         and not s.pending
                         and not s.seal_failed
                         and s is not self._active
+                        and s is not self._relocating
                         and s.live_bytes < s.stored_bytes
                         and (not force or s.seg_id in before)
                     ]
@@ -814,6 +840,7 @@ class SegmentTier(NvmeTier):
             and not seg.records
             and not seg.pending
             and seg is not self._active
+            and seg is not self._relocating
             and seg.seg_id in self._segments
         )
 
@@ -879,10 +906,11 @@ class SegmentTier(NvmeTier):
             self._reclaimer.join(timeout=30)
             self._reclaimer = None
         with self._mu:
-            active, self._active = self._active, None
-        if active is not None:
-            active.full = True
-            self._seal_when_idle(active)
+            active = [s for s in (self._active, self._relocating) if s is not None]
+            self._active = self._relocating = None
+        for seg in active:
+            seg.full = True
+            self._seal_when_idle(seg)
         with self._mu:
             for seg in list(self._segments.values()):
                 self._segments.pop(seg.seg_id)
