@@ -94,6 +94,14 @@ class NvmeDriver:
         return self.tier.capacity_bytes
 
     @property
+    def write_amplification(self) -> float:
+        """Bytes written to disk per byte of records written (the segment layout's reclaim
+        re-appends live records; 1.0 for the file layout). For `kvtier replay` and the
+        metrics to report."""
+        tier = self.tier
+        return tier.write_amplification if isinstance(tier, SegmentTier) else 1.0
+
+    @property
     def refused_files(self) -> int:
         """Files refused since start for not being regular files (links, FIFOs, ...)."""
         return self.tier.refused.count
