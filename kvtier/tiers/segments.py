@@ -53,6 +53,7 @@ option), a migration from the file layout (refused likewise), and `kvtier wipe`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import logging
@@ -489,6 +490,12 @@ class SegmentTier(NvmeTier):
         except BaseException:
             with self._mu:
                 seg.pending -= 1
+            if not relocating:
+                # The bytes may be complete on disk (a failed sync, a write after a hole)
+                # and listed in a footer: the caller was told it failed, so it must never
+                # come back at a restart (a newer value that stayed in DRAM could be lost).
+                with contextlib.suppress(OSError):
+                    self._append_tombstone(header.ns_id, header.key, header.generation)
             raise
         with self._mu:
             seg.pending -= 1
@@ -758,16 +765,21 @@ class SegmentTier(NvmeTier):
         if failpoints.ACTIVE:
             failpoints.fire("nvme.remove")
         rid = (header.ns_id, header.key, header.generation)
-        entry = tombstone_entry(header.ns_id, header.key, header.generation)
-        assert self._tombstone_fd is not None, "open() the tier first"
-        with self._tombstone_lock:  # as durable as the file layout's unlink: not synced
-            if os.write(self._tombstone_fd, entry) != len(entry):
-                raise OSError(errno.EIO, "short write to the tombstone log")
+        self._append_tombstone(header.ns_id, header.key, header.generation)
         with self._mu:
             seg = self._where.get(rid)
             if seg is not None:
                 self._drop_locked(rid, seg)
         self._reclaim_wake.set()
+
+    def _append_tombstone(self, ns_id: str, key: bytes, generation: int) -> None:
+        """A tombstone in the live log, not synced: as durable as the file layout's unlink
+        (survives a SIGKILL; with sync_writes the deletes that are acknowledged sync)."""
+        entry = tombstone_entry(ns_id, key, generation)
+        assert self._tombstone_fd is not None, "open() the tier first"
+        with self._tombstone_lock:
+            if os.write(self._tombstone_fd, entry) != len(entry):
+                raise OSError(errno.EIO, "short write to the tombstone log")
 
     def _drop_locked(self, rid: RecordId, seg: _Segment) -> None:
         offset_header = seg.records.pop(rid, None)
