@@ -75,7 +75,6 @@ from kvtier.tiers.safe_open import (
     tighten,
 )
 from kvtier.tiers.startup import (
-    LAYOUT_DIRS,
     TOMBSTONE_LOG,
     FanScan,
     GenerationEpoch,
@@ -83,6 +82,7 @@ from kvtier.tiers.startup import (
     RecoveryReport,
     is_tombstone_log,
     read_tombstone_logs,
+    refuse_other_layout,
     set_aside_tombstone_logs,
     tombstone_entries,
     tombstone_entry,
@@ -203,7 +203,7 @@ class NvmeTier:
         self.root.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
         private_dir(self.root, self.refused, "directory", follow=True)
         self._lock()
-        self.refuse_other_layout()
+        refuse_other_layout(self.root, self.layout)
         private_dir(self._records_dir, self.refused, "v1/")
         for fan in range(256):  # once here, not a mkdir per record write
             private_dir(self._records_dir / f"{fan:02x}", self.refused, "v1/")
@@ -270,18 +270,6 @@ class NvmeTier:
             raise ConfigError(
                 f"nvme.path: {self.root} is in use by another kvtier daemon"
             ) from None
-
-    def refuse_other_layout(self) -> None:
-        """A ConfigError if the tier directory holds records in the other `nvme.layout`:
-        never served as this one, never overwritten (no migration yet)."""
-        for other, name in LAYOUT_DIRS.items():
-            if other == self.layout or not _holds_files(self.root / name):
-                continue
-            raise ConfigError(
-                f"nvme.path: {self.root} holds records in the {other!r} layout but "
-                f"nvme.layout is {self.layout!r}; set nvme.layout = {other!r} to serve them, "
-                "or empty the directory to start afresh (its blocks are lost)"
-            )
 
     def close(self) -> None:
         if self._tombstone_fd is not None:
@@ -772,18 +760,6 @@ def _name_generation(name: str) -> int:
     """The generation a record file's name (<digest>.<generation>.kvr) gives; 0 if none."""
     text = name[: -len(RECORD_SUFFIX)].rpartition(".")[2]
     return int(text) if text.isdigit() else 0
-
-
-def _holds_files(directory: Path) -> bool:
-    """Whether `directory` (or a directory in it) holds anything but empty directories."""
-    try:
-        entries = list(os.scandir(directory))
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-    for entry in entries:
-        if not entry.is_dir(follow_symlinks=False) or _holds_files(Path(entry.path)):
-            return True
-    return False
 
 
 def _entry_kind(entry: os.DirEntry[str]) -> str:

@@ -90,6 +90,7 @@ from kvtier.tiers.startup import (
     RecoveredRecord,
     RecoveryReport,
     fsync_dir,
+    refuse_other_layout,
     set_aside_tombstone_logs,
     tombstone_entry,
 )
@@ -257,7 +258,7 @@ class SegmentTier(NvmeTier):
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         private_dir(self.root, self.refused, "directory", follow=True)
         self._lock_tier()
-        self.refuse_other_layout()
+        refuse_other_layout(self.root, self.layout)
         had_records = self._seg_dir.is_dir()
         private_dir(self._seg_dir, self.refused, "segments/")
         self.direct_io = self._want_direct and supports_o_direct(self._seg_dir)
