@@ -252,6 +252,12 @@ class NvmeConfig(_Section):
         description="file of a 256-bit key (64 hex digits, mode 0600; make one: kvtier keygen "
         "PATH): records are encrypted and authenticated with AES-256-GCM; empty = plaintext",
     )
+    layout: Literal["files", "segments"] = Field(
+        "files",
+        description="files: one record file per block; segments: records appended to large "
+        "preallocated segment files (no encryption yet); a tier in the other layout is "
+        "refused at start",
+    )
 
 
 class RemoteConfig(_Section):
