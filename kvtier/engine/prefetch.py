@@ -28,14 +28,26 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from kvtier.engine.core import StoreCore
+from kvtier.engine.nvme import NvmeDriver
 from kvtier.index.hints import HintTable
 from kvtier.keys import tenant_of
+from kvtier.movers.io import IoPool
+from kvtier.tiers.dram import DramTier
 from kvtier.types import BlockId
 
-if TYPE_CHECKING:
-    from kvtier.engine.store import Store
+
+class PrefetchStore(StoreCore, Protocol):
+    """What the prefetcher needs of the store (a Protocol, so this module does not import
+    the store that imports it)."""
+
+    io: IoPool
+    nvme: NvmeDriver | None
+
+    @property
+    def arenas(self) -> dict[str, DramTier]: ...
 
 logger = logging.getLogger(__name__)
 IDLE_WAKE_S = 1.0  # the worker looks for expired hints at least this often
@@ -62,7 +74,7 @@ class PrefetchCounters:
 class Prefetcher:
     """Create with its store, `start()` on the store's loop, `await close()`."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: PrefetchStore) -> None:
         self._store = store
         self.counters = PrefetchCounters()
         self._tables: dict[str, HintTable[BlockId]] = {}
