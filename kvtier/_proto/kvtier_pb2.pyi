@@ -968,6 +968,7 @@ class PlanRequest(_message.Message):
     ENGINE_CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
     OVERLAP_FIELD_NUMBER: _builtins.int
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    FAMILY_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     tokens_per_block: _builtins.int
     prompt_tokens: _builtins.int
@@ -978,6 +979,10 @@ class PlanRequest(_message.Message):
     """"none" (default), "layerwise", "bidirectional" """
     kv_bytes_per_token: _builtins.int
     """0: from the stored blocks, else the model profile"""
+    family: _builtins.str
+    """The splits the engine can carry out: "any" (default): recompute a front, fetch a run,
+    recompute the rest; "prefix": fetch only right after engine_cached_blocks (vLLM).
+    """
     @_builtins.property
     def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """the prompt's chain, block 0 first"""
@@ -992,10 +997,11 @@ class PlanRequest(_message.Message):
         engine_cached_blocks: _builtins.int = ...,
         overlap: _builtins.str = ...,
         kv_bytes_per_token: _builtins.int = ...,
+        family: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_cached_blocks", b"engine_cached_blocks", "keys", b"keys", "kv_bytes_per_token", b"kv_bytes_per_token", "namespace", b"namespace", "overlap", b"overlap", "prompt_tokens", b"prompt_tokens", "tokens_per_block", b"tokens_per_block"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_cached_blocks", b"engine_cached_blocks", "family", b"family", "keys", b"keys", "kv_bytes_per_token", b"kv_bytes_per_token", "namespace", b"namespace", "overlap", b"overlap", "prompt_tokens", b"prompt_tokens", "tokens_per_block", b"tokens_per_block"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from kvtier.engine.results import Counters
 from kvtier.index.estimators import PathEstimator, PrefillEstimator
-from kvtier.index.planner import Plan, PlanRequest
+from kvtier.index.planner import Family, Plan, PlanRequest
 from kvtier.index.planner import plan as make_plan
 from kvtier.keys import tenant_of
 from kvtier.profiles import MODELS
@@ -113,6 +113,7 @@ class CostModel:
         overlap: Overlap,
         kv_bytes_per_token: int,
         first_size_bytes: int | None,
+        family: Family = "any",
     ) -> tuple[Plan, BlockCosts]:
         """The plan for a chain whose blocks sit in `tiers`; remembers what it asks to fetch.
         Without `kv_bytes_per_token`, the first cached block's size (`first_size_bytes`)
@@ -132,6 +133,7 @@ class CostModel:
             prefill=self.prefill_estimator(ns_id).estimate(),
             engine_cached_blocks=engine_cached_blocks,
             overlap=overlap,
+            family=family,
         )
         result = make_plan(request)
         costs = result.block_costs()

@@ -15,7 +15,13 @@ is a split of the chain: blocks the engine already holds [0, E), then
                                       total = max(C(E,g) + C(k,N), L(g,k) + C(k,N)/layers)
 
 where k ranges over every prefix of the cached run and g over E..k (recomputing the front
-pays where early positions are cheap and the tier is slow). The planner searches
+pays where early positions are cheap and the tier is slow).
+
+The engine says which of these it can carry out (`family`): "any" (the default) is every
+split above; "prefix" is g = E only — fetch [E, k) right after what the engine holds and
+recompute the rest, the one shape vLLM's connector API can express (it cannot say
+"recompute the front, then load a later run"). Within "prefix" the search is over k alone:
+every k's total at once, one argmin. The planner searches
 every k, and for each k the best g exactly (a prefix minimum; a prefix minimum and a
 sliding-window minimum on either side of where loading and computing balance; or the
 crossing of a rising and a falling cost),
@@ -30,6 +36,7 @@ import collections
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -42,10 +49,15 @@ from kvtier.types import (
     TierCost,
 )
 
+Family = Literal["any", "prefix"]
+FAMILIES: tuple[Family, ...] = ("any", "prefix")
+
 __all__ = [
+    "FAMILIES",
     "OVERLAPS",
     "BlockCosts",
     "BlockPlan",
+    "Family",
     "Overlap",
     "Plan",
     "PlanRequest",
@@ -135,12 +147,15 @@ class PlanRequest:
     engine_cached_blocks: int = 0
     overlap: Overlap = "none"
     layers: int = 32
+    family: Family = "any"  # the splits the engine can carry out (module docstring)
 
     def __post_init__(self) -> None:
         if self.prompt_tokens <= 0 or self.tokens_per_block <= 0 or self.kv_bytes_per_token <= 0:
             raise ValueError("prompt_tokens, tokens_per_block and kv_bytes_per_token must be > 0")
         if self.overlap not in OVERLAPS:
             raise ValueError(f"overlap must be one of {', '.join(OVERLAPS)}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {', '.join(FAMILIES)}")
         if self.layers <= 0:
             raise ValueError("layers must be > 0")
 
@@ -236,7 +251,11 @@ def plan(req: PlanRequest) -> Plan:
     inv = 1 / req.layers
     best_total, best_g, best_k = split_cost(req, arr, e, e), e, e
     ks = range(e + 1, arr.cached_end + 1)
-    if req.overlap == "none":
+    if req.family == "prefix":
+        if len(ks):
+            best_total, best_k = _best_prefix(req, arr)
+            best_g = e
+    elif req.overlap == "none":
         # cost = (front[g] - loaded[g]) + loaded[k] + tail[k]: best g is a prefix minimum
         # (the first index holding it), best k the first with the least total.
         if len(ks):
@@ -296,11 +315,38 @@ def plan(req: PlanRequest) -> Plan:
         recompute_all_s=recompute_all,
         fetch_all_s=fetch_all,
         reason=_reason(
-            req.overlap, e, best_g, best_k, arr.cached_end, n, best_total, recompute_all, fetch_all
+            req.overlap,
+            e,
+            best_g,
+            best_k,
+            arr.cached_end,
+            n,
+            best_total,
+            recompute_all,
+            fetch_all,
+            req.family,
         ),
         _req=req,
         _arrays=arr,
     )
+
+
+def _best_prefix(req: PlanRequest, arr: _Arrays) -> tuple[float, int]:
+    """(total, k) of the cheapest split with g = E: every k in E..cached_end priced at once
+    (k = E is recompute-all, and the first k holding the least total wins, so a tie goes
+    to fetching less, as in the other searches). The same formulas as `split_cost`."""
+    e = arr.engine
+    load = arr.loaded_np[e:] - arr.loaded_np[e]
+    tail = arr.tail_np[e:]
+    front = arr.front_np[e]  # recompute [E, E): 0
+    if req.overlap == "none":
+        totals = front + load + tail
+    elif req.overlap == "layerwise":
+        totals = front + np.maximum(load, tail) + load / req.layers
+    else:
+        totals = np.maximum(front + tail, load + tail / req.layers)
+    k = int(np.argmin(totals))
+    return float(totals[k]), k + e
 
 
 def _best_split_none(
@@ -323,12 +369,13 @@ def _best_split_none(
 
 
 def oracle_total(req: PlanRequest) -> float:
-    """The best total by brute force over every split (g, k): what `plan` must equal."""
+    """The best total by brute force over every split (g, k) in `req.family`: what `plan`
+    must equal."""
     arr = _arrays(req)
     return min(
         split_cost(req, arr, g, k)
         for k in range(arr.engine, arr.cached_end + 1)
-        for g in range(arr.engine, k + 1)
+        for g in (range(arr.engine, k + 1) if req.family == "any" else (arr.engine,))
     )
 
 
@@ -342,16 +389,20 @@ def _reason(
     total: float,
     recompute_all: float,
     fetch_all: float,
+    family: Family = "any",
 ) -> str:
+    # A prefix-only plan says so: a reader comparing it with an "any" plan of the same
+    # chain then knows why it did not recompute the front.
+    only = "prefix-only plan: " if family == "prefix" else ""
     if k == g:
         return (
-            f"recompute all {n - engine} blocks: {recompute_all * 1e3:.1f} ms beats "
+            f"{only}recompute all {n - engine} blocks: {recompute_all * 1e3:.1f} ms beats "
             f"fetching the {cached_end - engine} cached ones ({fetch_all * 1e3:.1f} ms)"
         )
     joiner = "while fetching" if overlap == "bidirectional" else "then fetch"
     front = f"recompute {g - engine} front blocks {joiner} " if g > engine else "fetch "
     return (
-        f"{front}blocks {g}..{k - 1} of {cached_end - engine} cached, recompute the last "
+        f"{only}{front}blocks {g}..{k - 1} of {cached_end - engine} cached, recompute the last "
         f"{n - k}: {total * 1e3:.1f} ms vs fetch-all {fetch_all * 1e3:.1f} ms, "
         f"recompute-all {recompute_all * 1e3:.1f} ms"
     )

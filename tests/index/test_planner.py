@@ -14,6 +14,7 @@ from kvtier.index.planner import (
     PlanRequest,
     PrefillCost,
     TierCost,
+    cost_of,
     oracle_total,
     plan,
 )
@@ -93,6 +94,93 @@ def test_plan_equals_the_oracle(
     assert all(b.tier is not None for b in blocks if b.action == "fetch")
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    prompt=st.integers(1, 20_000),
+    block=st.sampled_from([16, 64, 256, 512]),
+    head=st.integers(0, 40),
+    tail=st.integers(0, 40),
+    engine=st.integers(0, 10),
+    overlap=st.sampled_from(OVERLAPS),
+    a=st.floats(1e-6, 1e-4),
+    c=st.floats(1e-11, 1e-8),
+    step=st.floats(0, 0.01),
+    bw=st.floats(1e7, 1e11),
+    lat=st.floats(0, 1e-2),
+    layers=st.integers(1, 96),
+    slow_head=st.booleans(),
+)
+def test_prefix_family_is_the_best_prefix_and_never_beats_any(
+    prompt: int,
+    block: int,
+    head: int,
+    tail: int,
+    engine: int,
+    overlap: str,
+    a: float,
+    c: float,
+    step: float,
+    bw: float,
+    lat: float,
+    layers: int,
+    slow_head: bool,
+) -> None:
+    """family="prefix": fetch [E, k) for the best k by brute force over every k (priced by
+    `cost_of`, the reference formulas), never cheaper than the unrestricted plan. A slow
+    head (the case where "any" recomputes the front) is drawn half the time."""
+    from dataclasses import replace
+
+    head_cost, tail_cost = TierCost(bw * 8, lat / 10), TierCost(bw, lat)
+    if slow_head:
+        head_cost, tail_cost = tail_cost, head_cost
+    req = PlanRequest(
+        prompt_tokens=prompt,
+        tokens_per_block=block,
+        kv_bytes_per_token=128 << 10,
+        cached_tiers=["head"] * head + ["tail"] * tail,
+        tier_costs={"head": head_cost, "tail": tail_cost},
+        prefill=PrefillCost(a, c, step),
+        engine_cached_blocks=engine,
+        overlap=overlap,  # type: ignore[arg-type]
+        layers=layers,
+        family="prefix",
+    )
+    result = plan(req)
+    n = -(-prompt // block)
+    e = min(engine, n)
+    cached_end = max(e, min(n, head + tail))
+    brute = [cost_of(req, e, k) for k in range(e, cached_end + 1)]
+    assert math.isclose(result.total_s, min(brute), rel_tol=1e-9, abs_tol=1e-15)
+    # The reported split costs what the plan says it costs.
+    assert math.isclose(brute[result.fetch_end - e], result.total_s, rel_tol=1e-9, abs_tol=1e-15)
+    assert result.fetch_start == result.engine_blocks == e
+    assert math.isclose(result.total_s, oracle_total(req), rel_tol=1e-9, abs_tol=1e-15)
+    if result.fetch_blocks:
+        assert result.reason.startswith("prefix-only plan: fetch blocks")
+    unrestricted = plan(replace(req, family="any"))
+    assert unrestricted.total_s <= result.total_s * (1 + 1e-12) + 1e-15
+
+
+def test_prefix_family_fetches_the_head_where_any_recomputes_it() -> None:
+    """The slow-network case: "any" recomputes the cheap front and fetches later blocks;
+    "prefix" cannot, so it fetches from the engine's end or recomputes everything."""
+    base = request(  # 70B over 25 GbE, as test_slow_network_recomputes_the_front
+        prompt_tokens=128 * 1024,
+        kv_bytes_per_token=320 << 10,
+        cached_tiers=["net"] * 256,
+        tier_costs={"net": TierCost(25e9 / 8, 50e-6)},
+        prefill=PrefillCost(a_s_per_token=44.2e-6, c_s_per_token2=8.3e-10),
+    )
+    anyplan = plan(base)
+    assert anyplan.fetch_start > 0  # the premise: the unrestricted plan recomputes the front
+    from dataclasses import replace
+
+    prefix = plan(replace(base, family="prefix"))
+    assert prefix.fetch_start == 0
+    assert prefix.total_s > anyplan.total_s
+    assert prefix.reason.startswith("prefix-only plan: ")
+
+
 def test_worked_case_8b_32k_prompt_28k_cached_on_one_nvme() -> None:
     # Issue figures (bf16, 40 % of peak): fetch-all ~854 ms, best overlapped ~494 ms,
     # recompute-all ~1867 ms.
@@ -138,7 +226,13 @@ def test_nothing_cached_or_all_held_by_the_engine() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [dict(prompt_tokens=0), dict(tokens_per_block=0), dict(overlap="sideways"), dict(layers=0)],
+    [
+        dict(prompt_tokens=0),
+        dict(tokens_per_block=0),
+        dict(overlap="sideways"),
+        dict(layers=0),
+        dict(family="suffix"),
+    ],
 )
 def test_bad_requests_are_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
