@@ -222,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         metavar="N",
-        help="also fetch N blocks from a daemon's DRAM tier and N from its NVMe tier, "
-        "comparing each with the fetch time its plan predicted",
+        help="also fetch N runs of blocks (sizes x queue depths) from a daemon's DRAM tier "
+        "and N from its NVMe tier, comparing each with the fetch time its plan predicted",
     )
     parser.add_argument(
         "--dir", type=Path, default=None, help="where the --real-tiers daemon keeps its NVMe tier"
@@ -257,12 +257,18 @@ def main(argv: list[str] | None = None) -> int:
         (t, report["real_tiers"][t]) for t in ("dram", "nvme") if "real_tiers" in report
     ):
         print(
-            f"{tier} tier, {report['real_tiers']['fetches_per_tier']} fetches: predicted vs "
-            f"measured median abs error {figures['median_abs_error']:.1%} (second half "
-            f"{figures['median_abs_error_second_half']:.1%}, p90 {figures['p90_abs_error']:.1%});"
-            f" medians {figures['median_predicted_s'] * 1e3:.2f} ms predicted, "
-            f"{figures['median_measured_s'] * 1e3:.2f} ms measured"
+            f"{tier} tier, {report['real_tiers']['runs_per_tier']} fetched runs: |predicted - "
+            f"measured| / measured p50 {figures['median_abs_error']:.1%}, p90 "
+            f"{figures['p90_abs_error']:.1%} (second half p50 "
+            f"{figures['median_abs_error_second_half']:.1%}, p90 "
+            f"{figures['p90_abs_error_second_half']:.1%})"
         )
+        for cell, by in figures["by_size_and_depth"].items():
+            print(
+                f"  {cell}: median predicted {by['median_predicted_s'] * 1e3:.2f} ms, "
+                f"measured {by['median_measured_s'] * 1e3:.2f} ms, p90 error "
+                f"{by['p90_abs_error']:.1%}"
+            )
     for path, by_overlap in report.get("plan_rpc_p50_s_256_blocks", {}).items():
         for overlap, seconds in by_overlap.items():
             print(f"256-block Plan from a client ({path}), {overlap}: p50 {seconds * 1e6:.0f} µs")

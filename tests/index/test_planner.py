@@ -53,6 +53,8 @@ def request(**kw: object) -> PlanRequest:
     bw=st.floats(1e8, 1e11),
     lat=st.floats(0, 1e-3),
     layers=st.integers(1, 96),
+    run=st.one_of(st.just(0.0), st.floats(0, 0.05)),
+    family=st.sampled_from(["any", "prefix"]),
 )
 def test_plan_equals_the_oracle(
     prompt: int,
@@ -69,6 +71,8 @@ def test_plan_equals_the_oracle(
     bw: float,
     lat: float,
     layers: int,
+    run: float,
+    family: str,
 ) -> None:
     tiers = ["dram"] * head + ["nvme"] * tail + ([None, "dram"] if gap else [])
     req = PlanRequest(
@@ -81,6 +85,8 @@ def test_plan_equals_the_oracle(
         engine_cached_blocks=engine,
         overlap=overlap,
         layers=layers,
+        run_latency_s=run,
+        family=family,
     )  # type: ignore[arg-type]
     result = plan(req)
     assert math.isclose(result.total_s, oracle_total(req), rel_tol=1e-9, abs_tol=1e-15)
@@ -109,6 +115,7 @@ def test_plan_equals_the_oracle(
     lat=st.floats(0, 1e-2),
     layers=st.integers(1, 96),
     slow_head=st.booleans(),
+    run=st.one_of(st.just(0.0), st.floats(0, 0.05)),
 )
 def test_prefix_family_is_the_best_prefix_and_never_beats_any(
     prompt: int,
@@ -124,6 +131,7 @@ def test_prefix_family_is_the_best_prefix_and_never_beats_any(
     lat: float,
     layers: int,
     slow_head: bool,
+    run: float,
 ) -> None:
     """family="prefix": fetch [E, k) for the best k by brute force over every k (priced by
     `cost_of`, the reference formulas), never cheaper than the unrestricted plan. A slow
@@ -144,6 +152,7 @@ def test_prefix_family_is_the_best_prefix_and_never_beats_any(
         overlap=overlap,  # type: ignore[arg-type]
         layers=layers,
         family="prefix",
+        run_latency_s=run,
     )
     result = plan(req)
     n = -(-prompt // block)
@@ -232,6 +241,8 @@ def test_nothing_cached_or_all_held_by_the_engine() -> None:
         dict(overlap="sideways"),
         dict(layers=0),
         dict(family="suffix"),
+        dict(run_latency_s=-1.0),
+        dict(run_latency_s=float("nan")),
     ],
 )
 def test_bad_requests_are_refused(bad: dict[str, object]) -> None:
@@ -386,3 +397,19 @@ def test_vectorised_none_search_makes_the_scans_choices_ties_included(
         np.array(front[e:]), np.array(loaded[e:]), np.array(tail[e:]), e, recompute_all_s
     )
     assert got == _scan_none(front, loaded, tail, e, recompute_all_s)
+
+
+def test_run_latency_is_paid_once_per_fetched_run() -> None:
+    """A run latency prices a fetch of k blocks at run + k * per-block: the plan's total
+    for fetch-all rises by exactly that once, and a large enough one makes recomputing
+    everything the plan."""
+    from dataclasses import replace
+
+    base = request(cached_tiers=["dram"] * 56, tier_costs={"dram": DRAM})
+    without = plan(base)
+    withrun = plan(replace(base, run_latency_s=0.01))
+    assert withrun.run_latency_s == 0.01
+    assert math.isclose(withrun.fetch_all_s, without.fetch_all_s + 0.01, rel_tol=1e-12)
+    assert withrun.recompute_all_s == without.recompute_all_s
+    huge = plan(replace(base, run_latency_s=10.0))
+    assert huge.fetch_blocks == 0 and huge.total_s == huge.recompute_all_s
