@@ -131,11 +131,14 @@ def _measure(client: Any, tier: str, layout: list[_Run]) -> dict[str, Any]:
         seconds = time.perf_counter() - started
         if got != [run.size_bytes] * len(run.keys):
             raise SystemExit(f"run {n}: fetched {got}, stored {run.size_bytes} each")
-        guess = plan.run_latency_s + sum(plan.fetch_s)
+        # A client older than run pricing has no run_latency_s: its planner weighed the
+        # blocks alone (what benchmarks/real_tiers_ab.py measures as the baseline).
+        run_s = getattr(plan, "run_latency_s", 0.0)
+        guess = run_s + sum(plan.fetch_s)
         predicted.append(guess)
         measured.append(seconds)
         cells.setdefault((run.size_bytes, len(run.keys)), []).append((guess, seconds))
-        run_latency_s.setdefault((run.size_bytes, len(run.keys)), []).append(plan.run_latency_s)
+        run_latency_s.setdefault((run.size_bytes, len(run.keys)), []).append(run_s)
     errors = fetch_errors(predicted, measured)
     half = len(predicted) // 2
     # The noise floor, same run: each fetch "predicted" by the median measured time of its
