@@ -968,6 +968,7 @@ class PlanRequest(_message.Message):
     ENGINE_CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
     OVERLAP_FIELD_NUMBER: _builtins.int
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    FAMILY_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     tokens_per_block: _builtins.int
     prompt_tokens: _builtins.int
@@ -978,6 +979,10 @@ class PlanRequest(_message.Message):
     """"none" (default), "layerwise", "bidirectional" """
     kv_bytes_per_token: _builtins.int
     """0: from the stored blocks, else the model profile"""
+    family: _builtins.str
+    """The splits the engine can carry out: "any" (default): recompute a front, fetch a run,
+    recompute the rest; "prefix": fetch only right after engine_cached_blocks (vLLM).
+    """
     @_builtins.property
     def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """the prompt's chain, block 0 first"""
@@ -992,10 +997,11 @@ class PlanRequest(_message.Message):
         engine_cached_blocks: _builtins.int = ...,
         overlap: _builtins.str = ...,
         kv_bytes_per_token: _builtins.int = ...,
+        family: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_cached_blocks", b"engine_cached_blocks", "keys", b"keys", "kv_bytes_per_token", b"kv_bytes_per_token", "namespace", b"namespace", "overlap", b"overlap", "prompt_tokens", b"prompt_tokens", "tokens_per_block", b"tokens_per_block"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_cached_blocks", b"engine_cached_blocks", "family", b"family", "keys", b"keys", "kv_bytes_per_token", b"kv_bytes_per_token", "namespace", b"namespace", "overlap", b"overlap", "prompt_tokens", b"prompt_tokens", "tokens_per_block", b"tokens_per_block"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1020,6 +1026,7 @@ class PlanResponse(_message.Message):
     TIERS_FIELD_NUMBER: _builtins.int
     FETCH_S_FIELD_NUMBER: _builtins.int
     RECOMPUTE_S_FIELD_NUMBER: _builtins.int
+    RUN_LATENCY_S_FIELD_NUMBER: _builtins.int
     total_s: _builtins.float
     recompute_all_s: _builtins.float
     fetch_all_s: _builtins.float
@@ -1027,6 +1034,8 @@ class PlanResponse(_message.Message):
     fetch_start: _builtins.int
     fetch_end: _builtins.int
     reason: _builtins.str
+    run_latency_s: _builtins.float
+    """paid once by the fetched run, beyond its fetch_s"""
     @_builtins.property
     def tiers(self) -> _containers.RepeatedScalarFieldContainer[Global___Tier.ValueType]:
         """where each cached block lives (UNSPECIFIED: not cached)"""
@@ -1052,10 +1061,11 @@ class PlanResponse(_message.Message):
         tiers: _abc.Iterable[Global___Tier.ValueType] | None = ...,
         fetch_s: _abc.Iterable[_builtins.float] | None = ...,
         recompute_s: _abc.Iterable[_builtins.float] | None = ...,
+        run_latency_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_blocks", b"engine_blocks", "fetch_all_s", b"fetch_all_s", "fetch_end", b"fetch_end", "fetch_s", b"fetch_s", "fetch_start", b"fetch_start", "reason", b"reason", "recompute_all_s", b"recompute_all_s", "recompute_s", b"recompute_s", "tiers", b"tiers", "total_s", b"total_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_blocks", b"engine_blocks", "fetch_all_s", b"fetch_all_s", "fetch_end", b"fetch_end", "fetch_s", b"fetch_s", "fetch_start", b"fetch_start", "reason", b"reason", "recompute_all_s", b"recompute_all_s", "recompute_s", b"recompute_s", "run_latency_s", b"run_latency_s", "tiers", b"tiers", "total_s", b"total_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

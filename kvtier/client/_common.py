@@ -190,6 +190,7 @@ def plan_request(
     overlap: str,
     prompt_tokens: int | None,
     kv_bytes_per_token: int | None,
+    family: str = "any",
 ) -> pb.PlanRequest:
     return pb.PlanRequest(
         namespace=namespace,
@@ -199,6 +200,7 @@ def plan_request(
         engine_cached_blocks=engine_cached_blocks,
         overlap=overlap,
         kv_bytes_per_token=kv_bytes_per_token or 0,
+        family=family,
     )
 
 

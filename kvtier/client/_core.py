@@ -322,8 +322,11 @@ def plan(
     overlap: str = "none",
     prompt_tokens: int | None = None,
     kv_bytes_per_token: int | None = None,
+    family: str = "any",
 ) -> Operation[PlanResult]:
-    """Per block of the chain: fetch (from which tier) or recompute, and the estimates."""
+    """Per block of the chain: fetch (from which tier) or recompute, and the estimates.
+    `family="prefix"`: the engine can only load right after its own blocks (vLLM), so the
+    plan fetches [engine_cached_blocks, fetch_end) or nothing, and recomputes the rest."""
     request = plan_request(
         namespace,
         as_keys(keys),
@@ -332,6 +335,7 @@ def plan(
         overlap,
         prompt_tokens,
         kv_bytes_per_token,
+        family,
     )
     return plan_result((yield from planner_call(Op.PLAN, "Plan", request, pb.PlanResponse)))
 

@@ -72,6 +72,9 @@ class PlanResult:
     tiers: list[str | None]
     fetch_s: list[float]
     recompute_s: list[float]
+    # Paid once by the fetched run beyond its blocks' fetch_s: fetching blocks [i, j)
+    # costs run_latency_s + sum(fetch_s[i:j]).
+    run_latency_s: float = 0.0
 
     @property
     def fetch_blocks(self) -> int:
@@ -185,6 +188,7 @@ def plan_result(resp: pb.PlanResponse) -> PlanResult:
         tiers=[PB_TO_TIER[t] for t in resp.tiers],
         fetch_s=list(resp.fetch_s),
         recompute_s=list(resp.recompute_s),
+        run_latency_s=resp.run_latency_s,
     )
 
 

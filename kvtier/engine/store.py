@@ -61,7 +61,7 @@ from kvtier.errors import (
 )
 from kvtier.index.catalog import Entry
 from kvtier.index.estimators import PathEstimator, PrefillEstimator
-from kvtier.index.planner import Plan
+from kvtier.index.planner import Family, Plan
 from kvtier.index.policy import BlockInfo, Policies, ValueModel
 from kvtier.keys import tenant_of
 from kvtier.movers.io import IoPool
@@ -565,6 +565,7 @@ class Store:
         engine_cached_blocks: int,
         overlap: Overlap,
         kv_bytes_per_token: int,
+        family: Family = "any",
     ) -> tuple[Plan, BlockCosts]:
         """The plan for a chain, with its per-block tiers, fetch and recompute seconds."""
         tiers = self.residency.lookup(ns_id, keys).tiers
@@ -586,6 +587,7 @@ class Store:
             overlap,
             kv_bytes_per_token,
             first_size_bytes,
+            family,
         )
 
     async def fetch_remote(self, block_id: BlockId) -> Entry | None:

@@ -65,7 +65,6 @@ from kvtier.integrations.prefix import (
     engine_namespace,
     layer_key,
     loadable_blocks,
-    prefix_load_end,
     request_keys,
 )
 
@@ -258,16 +257,21 @@ class KVTierConnector(KVConnectorBase_V1):
             if self._fetch == "always":  # every cached block, as cache-hit-only connectors do
                 end = client.lookup(self.namespace, keys).prefix_blocks
             else:
-                end = prefix_load_end(
-                    client.plan(
-                        self.namespace,
-                        keys,
-                        self._block_size,
-                        engine_cached_blocks=engine_blocks,
-                        prompt_tokens=len(prompt),
-                        kv_bytes_per_token=self._block_bytes // self._block_size,
-                    )
+                # vLLM can load only right after what it holds: the planner optimises
+                # within that family, so its run is the load (no re-derivation here).
+                planned = client.plan(
+                    self.namespace,
+                    keys,
+                    self._block_size,
+                    engine_cached_blocks=engine_blocks,
+                    prompt_tokens=len(prompt),
+                    kv_bytes_per_token=self._block_bytes // self._block_size,
+                    family="prefix",
                 )
+                # A daemon that predates `family` plans freely: a run that does not start
+                # at the engine's blocks cannot be loaded, so load nothing.
+                fetched = planned.fetch_start == planned.engine_blocks
+                end = planned.fetch_end if fetched else engine_blocks
         except (KVTierError, OSError) as err:
             self._daemon.failed("plan a prefix load", err)
             return 0, False

@@ -111,6 +111,7 @@ def plan_response(plan: Plan, costs: BlockCosts) -> pb.PlanResponse:
         tiers=[TIER_NAME_TO_PB[t] for t in tiers],
         fetch_s=fetch_s,
         recompute_s=recompute_s,
+        run_latency_s=plan.run_latency_s,
     )
 
 

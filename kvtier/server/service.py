@@ -59,7 +59,7 @@ from kvtier.errors import (
     Unimplemented,
 )
 from kvtier.index.catalog import BlockId
-from kvtier.index.planner import OVERLAPS
+from kvtier.index.planner import FAMILIES, OVERLAPS
 from kvtier.keys import (
     DEFAULT_TENANT,
     check_key,
@@ -468,6 +468,9 @@ class KVTierService:
         overlap = request.overlap or "none"
         if overlap not in OVERLAPS:
             raise InvalidArgument(f"overlap must be one of {', '.join(OVERLAPS)}")
+        family = request.family or "any"
+        if family not in FAMILIES:
+            raise InvalidArgument(f"family must be one of {', '.join(FAMILIES)}")
         tpb = request.tokens_per_block
         if tpb <= 0:
             raise InvalidArgument("tokens_per_block must be > 0")
@@ -490,6 +493,7 @@ class KVTierService:
             request.engine_cached_blocks,
             overlap,
             request.kv_bytes_per_token,
+            family,
         )
         logger.debug("plan %s, %d blocks: %s", request.namespace, len(keys), plan.reason)
         return plan_response(plan, costs)
