@@ -57,7 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import kvtier
-from kvtier.errors import KVTierError, Unimplemented
+from kvtier.errors import InvalidArgument, KVTierError, Unimplemented
 from kvtier.integrations.daemon import DaemonLink
 from kvtier.integrations.paged_kv import Blocks, Fence, PagedKV, describe, paged_kv
 from kvtier.integrations.prefix import (
@@ -437,11 +437,18 @@ class KVTierConnector(KVConnectorBase_V1):
         if meta.prefill is not None and not self._prefilled:
             # The engine's first prefill carries one-time costs (lazy set-up): not reported.
             self._prefilled = True
-        elif meta.prefill is not None and (client := self._daemon.client()) is not None:
+        elif (
+            meta.prefill is not None
+            and forward_s > 0  # a step spent waiting on its loads measured nothing to report
+            and (client := self._daemon.client()) is not None
+        ):
             try:
                 client.report_prefill(
                     self.namespace, meta.prefill.start_token, meta.prefill.end_token, forward_s
                 )
+            except InvalidArgument as err:
+                # The daemon refused this figure, not the connection: keep loading from it.
+                logger.debug("kvtier: prefill time not taken (%s)", err)
             except (KVTierError, OSError) as err:
                 self._daemon.failed("report a prefill time", err)
 
