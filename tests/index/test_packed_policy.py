@@ -476,7 +476,7 @@ def _packed(kind: str) -> SlotPolicy:
     return PackedValue("dram", "nvme", MODEL, lambda slot: 1)
 
 
-@pytest.mark.parametrize(("kind", "bytes_per_block"), [("lru", 10), ("s3fifo", 18), ("kvtier", 60)])
+@pytest.mark.parametrize(("kind", "bytes_per_block"), [("lru", 10), ("s3fifo", 18), ("kvtier", 68)])
 def test_a_block_costs_a_few_bytes_and_no_object(kind: str, bytes_per_block: int) -> None:
     gc.collect()
     tracemalloc.start()
