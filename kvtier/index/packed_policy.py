@@ -14,11 +14,13 @@ Layout, per slot of one tier's order (bytes per block in brackets):
   pair of int32 link arrays (sentinels 0 and 1, slot s at s + 2), which queue in a byte,
   the 0..3 use count in a byte, the size in a uint32; its ghost FIFO a `DigestTable` of
   key digests (≈ 26 bytes a ghost, as many ghosts as main holds).
-* `PackedValue` [48] — per slot: priority (float64), seq (int64), position, size, parent
-  slot, and the children cached in this tier as an intrusive sibling list (`_first`
-  child, `_next_sib`, `_prev_sib`: int32s) in place of child sets; an indexed binary
-  min-heap (`_heap`, `_where`) of the blocks that may be chosen — those with no cached
-  child — ordered by (priority, −position, seq). Raising a chain is array writes: its
+* `PackedValue` [56, + ≈ 26 in DRAM] — per slot: priority (float64), seq (int64),
+  position, size, parent slot, and the children cached in this tier as an intrusive
+  sibling list (`_first` child, `_next_sib`, `_prev_sib`: int32s) in place of child
+  sets; an indexed binary min-heap (`_heap`, `_where`) of the blocks that may be chosen
+  — those with no cached child — ordered by (priority, −position, seq); the safety
+  net's recency list (`_rprev`, `_rnext`) and, in DRAM, its shadow LRU (a DigestTable
+  of as many key digests as the tier holds). Raising a chain is array writes: its
   ancestors have children, so they are not in the heap; a block enters it when its last
   cached child leaves.
 * `DigestSketch` [fixed, 256 KiB] — the count-min sketch in four bytearrays, row r

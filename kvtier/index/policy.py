@@ -21,7 +21,9 @@ blocks the caller cannot evict now (leased, being written). Three are selectable
   across evictions by a count-min sketch, and `L` rises to each evicted priority, so blocks
   not used for a long time age out. A block is worth at least what the blocks extending
   its chain are worth (without it they are useless), so its priority is raised to theirs:
-  leaves are evicted before their parents.
+  leaves are evicted before their parents. In DRAM a safety net (ValuePolicy's
+  docstring) shifts victims towards the least recently used leaf while a shadow LRU
+  would be hitting more.
 
 `Admission` decides whether a block evicted from DRAM is written to NVMe:
 `write_back` always, `selective` only blocks used at least twice (a block seen once is

@@ -4,8 +4,7 @@ A policy tuned on one trace can be fitted to it; a transformed trace is traffic 
 not tuned on, with the same kind of structure (multi-turn conversations whose next turn
 re-sends the previous prompt and extends it). Each transform is a pure function of the
 requests and a seed, named on the command line as `NAME[:ARG[:ARG]]` and chained with
-commas (`kvtier replay T.jsonl --transform interleave:7,gaps:2`; `kvtier trace
-transform IN OUT SPEC` writes the result as a trace):
+commas (`kvtier replay T.jsonl --transform interleave:7,gaps:2`):
 
 * `interleave:SEED` — each conversation starts at a new random time within the trace's
   span, its turns keeping their gaps: other neighbours, other reuse distances.
