@@ -1501,3 +1501,171 @@ class CudaGetResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CudaGetResponse: _TypeAlias = CudaGetResponse  # noqa: Y015
+
+@_typing.final
+class PrefetchChain(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """one waiting request's chain, block 0 first"""
+
+    def __init__(
+        self,
+        *,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefetchChain: _TypeAlias = PrefetchChain  # noqa: Y015
+
+@_typing.final
+class PrefetchRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    CHAINS_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    ttl_s: _builtins.float
+    """0: limits.prefetch_ttl_s"""
+    @_builtins.property
+    def chains(self) -> _containers.RepeatedCompositeFieldContainer[Global___PrefetchChain]:
+        """nearest deadline (next to be scheduled) first"""
+
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        chains: _abc.Iterable[Global___PrefetchChain] | None = ...,
+        ttl_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chains", b"chains", "namespace", b"namespace", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefetchRequest: _TypeAlias = PrefetchRequest  # noqa: Y015
+
+@_typing.final
+class PrefetchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCEPTED_BLOCKS_FIELD_NUMBER: _builtins.int
+    IN_DRAM_FIELD_NUMBER: _builtins.int
+    TO_PROMOTE_FIELD_NUMBER: _builtins.int
+    NOT_STORED_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    accepted_blocks: _builtins.int
+    """blocks now announced (a chain past the tenant's limit is cut)"""
+    in_dram: _builtins.int
+    """of those, in DRAM already: kept there"""
+    to_promote: _builtins.int
+    """on NVMe: being promoted into DRAM"""
+    not_stored: _builtins.int
+    """on no local tier (fetched from the remote tier if it holds them)"""
+    ttl_s: _builtins.float
+    """the TTL applied"""
+    def __init__(
+        self,
+        *,
+        accepted_blocks: _builtins.int = ...,
+        in_dram: _builtins.int = ...,
+        to_promote: _builtins.int = ...,
+        not_stored: _builtins.int = ...,
+        ttl_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_blocks", b"accepted_blocks", "in_dram", b"in_dram", "not_stored", b"not_stored", "to_promote", b"to_promote", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefetchResponse: _TypeAlias = PrefetchResponse  # noqa: Y015
+
+@_typing.final
+class PutBlockRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """exactly header.size_bytes bytes"""
+    @_builtins.property
+    def header(self) -> Global___PutHeader: ...
+    def __init__(
+        self,
+        *,
+        header: Global___PutHeader | None = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutBlockRequest: _TypeAlias = PutBlockRequest  # noqa: Y015
+
+@_typing.final
+class GetBlockRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    MAX_INLINE_BYTES_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    key: _builtins.bytes
+    max_inline_bytes: _builtins.int
+    """The largest block to send inline (the caller's receive limit, less room for the
+    header). 0: 4 MiB - 64 KiB, which fits gRPC's default 4 MiB message limit. The
+    daemon caps it at 8 MiB.
+    """
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        key: _builtins.bytes = ...,
+        max_inline_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "max_inline_bytes", b"max_inline_bytes", "namespace", b"namespace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetBlockRequest: _TypeAlias = GetBlockRequest  # noqa: Y015
+
+@_typing.final
+class GetBlockResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    USE_STREAM_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """the block; empty when use_stream is set"""
+    use_stream: _builtins.bool
+    """larger than max_inline_bytes: read it with Get"""
+    @_builtins.property
+    def header(self) -> Global___GetHeader: ...
+    def __init__(
+        self,
+        *,
+        header: Global___GetHeader | None = ...,
+        data: _builtins.bytes = ...,
+        use_stream: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header", "use_stream", b"use_stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetBlockResponse: _TypeAlias = GetBlockResponse  # noqa: Y015

@@ -262,3 +262,22 @@ def stats_of(resp: pb.StatsResponse) -> Stats:
         event_loop_stall_max_s=resp.event_loop_stall_max_s,
         event_loop_stall_recent_max_s=resp.event_loop_stall_recent_max_s,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchResult:
+    """What a `prefetch` announced: blocks accepted (a chain past the tenant's limits is
+    cut), of which in DRAM already (now kept there), on NVMe (being promoted), on no local
+    tier; and the TTL the daemon applied."""
+
+    accepted_blocks: int
+    in_dram: int
+    to_promote: int
+    not_stored: int
+    ttl_s: float
+
+
+def prefetch_result(resp: pb.PrefetchResponse) -> PrefetchResult:
+    return PrefetchResult(
+        resp.accepted_blocks, resp.in_dram, resp.to_promote, resp.not_stored, resp.ttl_s
+    )

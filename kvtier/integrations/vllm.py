@@ -31,7 +31,9 @@ from the model, dtype, block size and KV layout), `load` / `save` (true), `fetch
 block, as cache-hit-only connectors do: a baseline to compare with), `device_path`
 (default $KVTIER_VLLM_DEVICE_PATH, else "auto": the KV tensors' device decides) or
 "emulate": CPU KV takes the GPU path, CUDA IPC, against a daemon running `gpu.emulate`
-(tests and demos on machines without a GPU: the KV tensors move into shared memory).
+(tests and demos on machines without a GPU: the KV tensors move into shared memory),
+`prefetch` (true: announce each waiting request's chain, see `_announce`) and
+`prefetch_ttl_s` (0: the daemon's limits.prefetch_ttl_s).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import kvtier
-from kvtier.errors import KVTierError
+from kvtier.errors import KVTierError, Unimplemented
 from kvtier.integrations.daemon import DaemonLink
 from kvtier.integrations.paged_kv import Blocks, Fence, PagedKV, describe, paged_kv
 from kvtier.integrations.prefix import (
@@ -205,6 +207,8 @@ class KVTierConnector(KVConnectorBase_V1):
             parallel.tensor_parallel_size,
         )
         self._extra = extra
+        self._prefetch = _truthy(extra.get("prefetch", True))
+        self._prefetch_ttl_s = float(extra.get("prefetch_ttl_s", 0.0))  # 0: the daemon's
         self._daemon = DaemonLink(extra, logger=logger)
         if getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "") == "fail":
             logger.warning(
@@ -241,6 +245,7 @@ class KVTierConnector(KVConnectorBase_V1):
             )
             state = RequestState(keys, len(prompt), self._block_size)
             self._requests[request.request_id] = state
+            self._announce(keys[: loadable_blocks(len(prompt), self._block_size)])
         engine_blocks = num_computed_tokens // self._block_size
         usable = loadable_blocks(len(prompt), self._block_size)
         if not self._load or usable <= engine_blocks:
@@ -271,6 +276,29 @@ class KVTierConnector(KVConnectorBase_V1):
             return 0, False
         state.load_from, state.load_to = engine_blocks, end
         return (end - engine_blocks) * self._block_size, False
+
+    def _announce(self, keys: list[bytes]) -> None:
+        """Queue prefetch: vLLM asks about a waiting request before it schedules it, and
+        may ask again steps later (no KV room, no token budget yet). Announce its chain
+        once, at the first ask: the daemon promotes its NVMe blocks into DRAM meanwhile and
+        keeps them there until they are loaded. One fast unary call, never a wait for a
+        move; off with extra config `prefetch: false`, or by itself against a daemon that
+        has no Prefetch RPC."""
+        if not self._prefetch or not keys or not self._load:
+            return
+        client = self._daemon.client()
+        if client is None:
+            return
+        if self._per_layer:  # a record per block and layer: the block's front layer first
+            layers = range(len(self._layer_names))
+            keys = [layer_key(k, layer) for k in keys for layer in layers]
+        try:
+            client.prefetch(self.namespace, [keys], ttl_s=self._prefetch_ttl_s)
+        except Unimplemented:
+            self._prefetch = False
+            logger.info("kvtier: this daemon has no queue prefetch; not announcing requests")
+        except (KVTierError, OSError) as err:
+            self._daemon.failed("announce a waiting request", err)
 
     def _planned(self, keys: list[bytes]) -> list[bytes]:
         """The keys to plan a chain of blocks by: the blocks' own, or with a record per
