@@ -44,6 +44,8 @@ class Op(IntEnum):
     CUDA_PUT = 8
     CUDA_GET = 9
     CUDA_WAIT = 10
+    STAGE = 11  # the session's staging range for one-exchange puts
+    PUT_STAGED = 12  # a put in one exchange: the blocks are in the staging range already
 
 
 REQUEST_TYPES: dict[Op, type[Message]] = {
@@ -57,6 +59,8 @@ REQUEST_TYPES: dict[Op, type[Message]] = {
     Op.CUDA_PUT: pb.CudaPutRequest,
     Op.CUDA_GET: pb.CudaGetRequest,
     Op.CUDA_WAIT: pb.CudaWaitRequest,
+    Op.STAGE: pb.StageRequest,
+    Op.PUT_STAGED: pb.StagedPutRequest,
 }
 
 
@@ -102,6 +106,8 @@ def request_caps(
         Op.CUDA_PUT: batch,
         Op.CUDA_GET: batch,
         Op.CUDA_WAIT: fixed,
+        Op.STAGE: fixed,
+        Op.PUT_STAGED: batch + max_items * 2 * _SCALAR_BYTES,  # + offset and checksum
     }
     return {op: min(cap, buffer_bytes) for op, cap in caps.items()}
 

@@ -74,6 +74,7 @@ from kvtier.client.cuda import (
     wait_request,
 )
 from kvtier.client.zerocopy import (
+    WriteArea,
     block_parts,
     commit_results,
     copy_bytes,
@@ -82,6 +83,8 @@ from kvtier.client.zerocopy import (
     joined,
     release_request,
     reserve_request,
+    staged_put_request,
+    staging_bytes,
     write_area_of,
 )
 from kvtier.errors import InvalidArgument, KVTierError, NotFound, Unavailable, Unimplemented
@@ -342,7 +345,7 @@ def get_into(
 def put_many(
     namespace: str, items: Sequence[tuple[bytes | str, Any]], overwrite: bool = False
 ) -> Operation[list[bool]]:
-    """Store many blocks with one reserve and one commit round trip. A block's buffer
+    """Store many blocks in one exchange with the daemon (two with an older one). A block's buffer
     may be a list of buffers holding it back to back (one per layer, say): each is
     copied into place, never joined first."""
     blocks = [block_parts(buf, writable=False) for _, buf in items]
@@ -354,6 +357,24 @@ def put_many(
             stored.append((yield from put(namespace, key, joined(parts), overwrite)))
         return stored
     keys = [as_key(k) for k, _ in items]
+    if isinstance(area, WriteArea) and area.hold_staging():
+        try:
+            # One exchange: the blocks go to the session's staging range (Stage grows it).
+            need = staging_bytes(blocks)
+            if area.staging is None or area.staging[1] < need:
+                try:
+                    staged = yield from session_call(
+                        Op.STAGE, pb.StageRequest(size_bytes=need), pb.StageResponse
+                    )
+                    area.staging = (staged.offset, staged.size_bytes)
+                except (InvalidArgument, Unimplemented):
+                    area.staging = None  # too large, or an older daemon: two exchanges
+            if area.staging is not None and area.staging[1] >= need:
+                staged_put = staged_put_request(area, namespace, keys, blocks, overwrite)
+                done = yield from session_call(Op.PUT_STAGED, staged_put, pb.CommitResponse)
+                return commit_results(done)
+        finally:
+            area.drop_staging()
     request = reserve_request(namespace, keys, blocks, overwrite)
     reserved = yield from session_call(Op.RESERVE, request, pb.ReserveResponse)
     try:

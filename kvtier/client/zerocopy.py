@@ -6,6 +6,11 @@ sealed so that it can only be mapped read-only (gets copy straight out of it; no
 client does can change a committed block), and the session's write area, where a put's
 reserved slots are (the daemon copies them into the arena at commit and hashes its copy).
 The side connection stays open: the daemon releases the session's leases when it closes.
+
+A put takes one exchange where the daemon offers it (issue 25): the client keeps a
+*staging range* of its write area (Stage), lays the put's blocks out there, hashing each
+piece as it copies it, and sends StagedPut; else it reserves slots and commits them (two
+exchanges).
 """
 
 from __future__ import annotations
@@ -31,6 +36,12 @@ from kvtier.errors import InvalidArgument, Unavailable, from_status_value
 M = TypeVar("M", bound=Message)
 
 _REPLY = struct.Struct("<QQ")
+# Copy and hash in cache-sized pieces: each piece is hashed while it is still in cache.
+COPY_PIECE_BYTES = 256 << 10
+STAGE_ALIGN_BYTES = 4096
+# At most one fetch timing per this long goes to the daemon (release_request).
+FETCH_REPORT_EVERY_S = 0.01
+_next_report_s = 0.0
 
 
 class WriteArea:
@@ -42,6 +53,17 @@ class WriteArea:
         self._fd = fd
         self._lock = threading.Lock()
         self._mapping: mmap.mmap | None = None
+        self.staging: tuple[int, int] | None = None  # (offset, size): Stage's reply
+        self.one_exchange = True  # False: every put reserves and commits (tests run both)
+        self._staging_held = threading.Lock()
+
+    def hold_staging(self) -> bool:
+        """Take the staging range for one put; False when another put has it (that put
+        then takes the two-exchange path: never wait, an event loop may be running us)."""
+        return self.one_exchange and self._staging_held.acquire(blocking=False)
+
+    def drop_staging(self) -> None:
+        self._staging_held.release()
 
     def slot(self, offset: int, size_bytes: int) -> memoryview:
         """A writable view of the slot at `offset` (from a Reserve reply)."""
@@ -256,12 +278,51 @@ def fill_slots(
     checksums = []
     for slot, parts in zip(slots, blocks, strict=True):
         with area.slot(slot.offset, slot.size_bytes) as place:
-            offset = 0
-            for part in parts:
-                place[offset : offset + part.nbytes] = part
-                offset += part.nbytes
-        checksums.append(checksum(parts))
+            checksums.append(copy_hashed(place, parts))
     return checksums
+
+
+def staging_bytes(blocks: list[Parts]) -> int:
+    """The staging range a put of `blocks` needs (each block page-aligned)."""
+    return sum(-(-max(parts_bytes(p), 1) // STAGE_ALIGN_BYTES) for p in blocks) * STAGE_ALIGN_BYTES
+
+
+def staged_put_request(
+    area: WriteArea, namespace: str, keys: list[bytes], blocks: list[Parts], overwrite: bool
+) -> pb.StagedPutRequest:
+    """Copy the blocks back to back into the staging range (held, and large enough) and
+    name them: one pass over each byte, hashed piece by piece right after its copy."""
+    assert area.staging is not None
+    offset = area.staging[0]
+    items = []
+    for key, parts in zip(keys, blocks, strict=True):
+        block_bytes = parts_bytes(parts)
+        with area.slot(offset, block_bytes) as place:
+            items.append(
+                pb.StagedPutItem(
+                    key=key,
+                    size_bytes=block_bytes,
+                    offset=offset,
+                    xxh3_64=copy_hashed(place, parts),
+                )
+            )
+        offset += -(-max(block_bytes, 1) // STAGE_ALIGN_BYTES) * STAGE_ALIGN_BYTES
+    return pb.StagedPutRequest(namespace=namespace, items=items, overwrite=overwrite)
+
+
+def copy_hashed(place: memoryview, parts: Parts) -> int:
+    """Copy the parts back to back into `place`; the xxh3-64 of what was written, each
+    piece hashed from `place` right after it was copied (still in cache)."""
+    hasher = xxhash.xxh3_64()
+    offset = 0
+    for part in parts:
+        for start in range(0, part.nbytes, COPY_PIECE_BYTES):
+            end = min(start + COPY_PIECE_BYTES, part.nbytes)
+            piece = place[offset : offset + end - start]
+            piece[:] = part[start:end]
+            hasher.update(piece)
+            offset += end - start
+    return hasher.intdigest()
 
 
 def commit_results(done: pb.CommitResponse | pb.CudaPutResponse) -> list[bool]:
@@ -297,13 +358,19 @@ def copy_out(
 def release_request(lease_id: int, started_s: float, copied: list[int | None]) -> pb.ReleaseRequest:
     """Release a lease, reporting how long the fetch took as the caller saw it (from
     sending Acquire to the last byte copied): the daemon's DRAM path estimate learns from it.
-    Nothing is reported when the copy did not finish."""
+    Nothing is reported when the copy did not finish, nor more often than every
+    FETCH_REPORT_EVERY_S."""
+    global _next_report_s
     fetch_bytes = sum(size for size in copied if size)
-    if not fetch_bytes:
+    now_s = time.perf_counter()
+    if not fetch_bytes or now_s < _next_report_s:
+        # The daemon refits its estimate per report (a third of a small get's daemon
+        # time): a few reports a second say as much as one per get.
         return pb.ReleaseRequest(lease_ids=[lease_id])
+    _next_report_s = now_s + FETCH_REPORT_EVERY_S
     return pb.ReleaseRequest(
         lease_ids=[lease_id],
-        fetch_seconds=time.perf_counter() - started_s,
+        fetch_seconds=now_s - started_s,
         fetch_bytes=fetch_bytes,
     )
 
