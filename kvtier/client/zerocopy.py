@@ -39,6 +39,14 @@ _REPLY = struct.Struct("<QQ")
 # Copy and hash in cache-sized pieces: each piece is hashed while it is still in cache.
 COPY_PIECE_BYTES = 256 << 10
 STAGE_ALIGN_BYTES = 4096
+# A client's first read of each arena page faults its mapping in (~0.4 µs a page here:
+# 40 % of a 4 MiB get's time, in the first pass over the arena). A background thread
+# populates the mapping's page tables at attach instead (MADV_POPULATE_READ, Linux 5.14;
+# ~0.3 s of that thread's CPU per GiB, 2 MiB of page tables per GiB), for arenas up to
+# PREFAULT_MAX_BYTES; larger ones fault in as they are read.
+MADV_POPULATE_READ = 22
+PREFAULT_MAX_BYTES = 16 << 30
+PREFAULT_CHUNK_BYTES = 2 << 20  # mmap.madvise holds the GIL: ~1 ms at most per chunk
 # At most one fetch timing per this long goes to the daemon (release_request).
 FETCH_REPORT_EVERY_S = 0.01
 _next_report_s = 0.0
@@ -176,6 +184,10 @@ class SharedArena:
             conn.close()
             raise
         conn.settimeout(None)
+        if size <= PREFAULT_MAX_BYTES:
+            threading.Thread(
+                target=_prefault, args=(mapping,), name="kvtier-arena-prefault", daemon=True
+            ).start()
         return cls(session_id, mapping, conn, write_area)
 
     def close(self) -> None:
@@ -184,6 +196,18 @@ class SharedArena:
         if self.write_area is not None:
             self.write_area.close()
         self._conn.close()
+
+
+def _prefault(mapping: mmap.mmap) -> None:
+    """Populate the read-only arena mapping's page tables, a chunk at a time; stops at
+    the first refusal (an older kernel) or once the mapping is closed."""
+    try:
+        for start in range(0, len(mapping), PREFAULT_CHUNK_BYTES):
+            length = min(PREFAULT_CHUNK_BYTES, len(mapping) - start)
+            mapping.madvise(MADV_POPULATE_READ, start, length)
+            time.sleep(0)  # let the caller's threads have the GIL between chunks
+    except (OSError, ValueError):
+        return
 
 
 class AsyncSharedArena:
