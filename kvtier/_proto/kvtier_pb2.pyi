@@ -1593,9 +1593,18 @@ class StagedPutRequest(_message.Message):
     NAMESPACE_FIELD_NUMBER: _builtins.int
     ITEMS_FIELD_NUMBER: _builtins.int
     OVERWRITE_FIELD_NUMBER: _builtins.int
+    TICKET_FIELD_NUMBER: _builtins.int
     session_id: _builtins.int
     namespace: _builtins.str
     overwrite: _builtins.bool
+    ticket: _builtins.int
+    """0: the bytes (and item checksums) are all written already. Else the put is
+    streamed: the client sends this request first and writes while the daemon copies
+    behind it. The staging range's first bytes are then its progress words (u64 LE):
+    [ticket, bytes written so far over the items in order (2^64-1: abandoned),
+    checksum of item 0, of item 1, ...]; a checksum is written before the byte count
+    that covers its item's last byte. Item checksums in the request are ignored.
+    """
     @_builtins.property
     def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___StagedPutItem]: ...
     def __init__(
@@ -1605,10 +1614,11 @@ class StagedPutRequest(_message.Message):
         namespace: _builtins.str = ...,
         items: _abc.Iterable[Global___StagedPutItem] | None = ...,
         overwrite: _builtins.bool = ...,
+        ticket: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "namespace", b"namespace", "overwrite", b"overwrite", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "namespace", b"namespace", "overwrite", b"overwrite", "session_id", b"session_id", "ticket", b"ticket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

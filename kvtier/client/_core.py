@@ -74,6 +74,7 @@ from kvtier.client.cuda import (
     wait_request,
 )
 from kvtier.client.zerocopy import (
+    StreamedPut,
     WriteArea,
     block_parts,
     commit_results,
@@ -85,6 +86,7 @@ from kvtier.client.zerocopy import (
     reserve_request,
     staged_put_request,
     staging_bytes,
+    streams,
     write_area_of,
 )
 from kvtier.errors import InvalidArgument, KVTierError, NotFound, Unavailable, Unimplemented
@@ -142,6 +144,7 @@ class SessionCall:
     op: Op
     request: Message
     response_type: type[Message]
+    while_waiting: Callable[[], object] | None = None  # run once sent (a streamed put)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,8 +204,13 @@ def session() -> Operation[memoryview | None]:
     return arena if isinstance(arena, memoryview) else None
 
 
-def session_call(op: Op, request: Message, response_type: type[M]) -> Operation[M]:
-    return _expect((yield SessionCall(op, request, response_type)), response_type)
+def session_call(
+    op: Op,
+    request: Message,
+    response_type: type[M],
+    while_waiting: Callable[[], object] | None = None,
+) -> Operation[M]:
+    return _expect((yield SessionCall(op, request, response_type, while_waiting)), response_type)
 
 
 def planner_call(op: Op, method: str, request: Message, response_type: type[M]) -> Operation[M]:
@@ -360,7 +368,8 @@ def put_many(
     if isinstance(area, WriteArea) and area.hold_staging():
         try:
             # One exchange: the blocks go to the session's staging range (Stage grows it).
-            need = staging_bytes(blocks)
+            streamed = streams(area, blocks)
+            need = staging_bytes(blocks, streamed)
             if area.staging is None or area.staging[1] < need:
                 try:
                     staged = yield from session_call(
@@ -369,6 +378,13 @@ def put_many(
                     area.staging = (staged.offset, staged.size_bytes)
                 except (InvalidArgument, Unimplemented):
                     area.staging = None  # too large, or an older daemon: two exchanges
+            if area.staging is not None and area.staging[1] >= need and streamed:
+                # The daemon copies behind this client's copy, which runs once it is sent.
+                stream = StreamedPut(area, namespace, keys, blocks, overwrite)
+                done = yield from session_call(
+                    Op.PUT_STAGED, stream.request, pb.CommitResponse, stream.write
+                )
+                return commit_results(done)
             if area.staging is not None and area.staging[1] >= need:
                 staged_put = staged_put_request(area, namespace, keys, blocks, overwrite)
                 done = yield from session_call(Op.PUT_STAGED, staged_put, pb.CommitResponse)

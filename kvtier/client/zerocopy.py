@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import platform
 import socket
 import struct
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import xxhash
@@ -39,6 +40,16 @@ _REPLY = struct.Struct("<QQ")
 # Copy and hash in cache-sized pieces: each piece is hashed while it is still in cache.
 COPY_PIECE_BYTES = 256 << 10
 STAGE_ALIGN_BYTES = 4096
+# Puts of at least this many bytes stream: the daemon copies behind the client's copy
+# (kvtier.proto, StagedPutRequest.ticket), so the two copies overlap instead of adding
+# up. Only where stores become visible to another core in program order (x86-64's TSO):
+# elsewhere the daemon could see the byte count before the bytes; its hash would then
+# refuse the put (never wrong bytes), so the plain one-exchange put is used there.
+STREAM_MIN_BYTES = 1 << 20
+STREAMS = platform.machine() in {"x86_64", "AMD64"}
+_WORD = struct.Struct("<Q")
+_TICKET = struct.Struct("<QQ")
+STREAM_ABANDONED = (1 << 64) - 1
 # A client's first read of each arena page faults its mapping in (~0.4 µs a page here:
 # 40 % of a 4 MiB get's time, in the first pass over the arena). A background thread
 # populates the mapping's page tables at attach instead (MADV_POPULATE_READ, Linux 5.14;
@@ -63,6 +74,8 @@ class WriteArea:
         self._mapping: mmap.mmap | None = None
         self.staging: tuple[int, int] | None = None  # (offset, size): Stage's reply
         self.one_exchange = True  # False: every put reserves and commits (tests run both)
+        self.streams = STREAMS  # False: puts are written whole before they are sent
+        self._ticket = 0
         self._staging_held = threading.Lock()
 
     def hold_staging(self) -> bool:
@@ -72,6 +85,10 @@ class WriteArea:
 
     def drop_staging(self) -> None:
         self._staging_held.release()
+
+    def next_ticket(self) -> int:
+        self._ticket += 1
+        return self._ticket
 
     def slot(self, offset: int, size_bytes: int) -> memoryview:
         """A writable view of the slot at `offset` (from a Reserve reply)."""
@@ -124,11 +141,25 @@ class SharedArena:
             raise Unavailable("the daemon gave this session no write area")
         return self.write_area.slot(slot.offset, slot.size_bytes)
 
-    def call(self, op: Op, request: Message, response_type: type[M]) -> M:
-        """One request on the session socket, waiting for its response."""
+    def call(
+        self,
+        op: Op,
+        request: Message,
+        response_type: type[M],
+        while_waiting: Callable[[], object] | None = None,
+    ) -> M:
+        """One request on the session socket, waiting for its response; `while_waiting`
+        runs once the request is sent (a streamed put's copy), its failure raised after
+        the reply is read (the stream stays in step)."""
         payload = request.SerializeToString()
+        failure: BaseException | None = None
         with self._lock:
             self._conn.sendall(frame(op, payload))
+            if while_waiting is not None:
+                try:
+                    while_waiting()
+                except BaseException as err:
+                    failure = err
             # One recv usually brings the whole reply; read more only for a long one.
             got = self._conn.recv_into(self._inbox)
             while got < HEADER.size:
@@ -140,6 +171,8 @@ class SharedArena:
             while got < end:
                 got += self._recv_more(got)
             reply = bytes(memoryview(self._inbox)[HEADER.size : end])
+        if failure is not None:
+            raise failure
         if code:
             raise from_status_value(code, reply.decode(errors="replace"))
         return response_type.FromString(reply)
@@ -226,13 +259,27 @@ class AsyncSharedArena:
     async def attach(cls, resp: pb.AttachResponse) -> AsyncSharedArena:
         return cls(await asyncio.to_thread(SharedArena.attach, resp))
 
-    async def call(self, op: Op, request: Message, response_type: type[M]) -> M:
+    async def call(
+        self,
+        op: Op,
+        request: Message,
+        response_type: type[M],
+        while_waiting: Callable[[], object] | None = None,
+    ) -> M:
         loop = asyncio.get_running_loop()
+        failure: BaseException | None = None
         async with self._lock:
             await loop.sock_sendall(self._conn, frame(op, request.SerializeToString()))
+            if while_waiting is not None:
+                try:
+                    while_waiting()  # a memory copy: what a put does on the loop anyway
+                except BaseException as err:
+                    failure = err
             header = await self._recv_exact(HEADER.size)
             length, code = HEADER.unpack(header)
             reply = await self._recv_exact(length)
+        if failure is not None:
+            raise failure
         if code:
             raise from_status_value(code, reply.decode(errors="replace"))
         return response_type.FromString(reply)
@@ -306,9 +353,86 @@ def fill_slots(
     return checksums
 
 
-def staging_bytes(blocks: list[Parts]) -> int:
-    """The staging range a put of `blocks` needs (each block page-aligned)."""
-    return sum(-(-max(parts_bytes(p), 1) // STAGE_ALIGN_BYTES) for p in blocks) * STAGE_ALIGN_BYTES
+def _aligned(size_bytes: int) -> int:
+    return -(-max(size_bytes, 1) // STAGE_ALIGN_BYTES) * STAGE_ALIGN_BYTES
+
+
+def streams(area: WriteArea, blocks: list[Parts]) -> bool:
+    """Whether a put of `blocks` is streamed (see STREAM_MIN_BYTES)."""
+    return area.streams and sum(parts_bytes(p) for p in blocks) >= STREAM_MIN_BYTES
+
+
+def staging_bytes(blocks: list[Parts], streamed: bool = False) -> int:
+    """The staging range a put of `blocks` needs (each block page-aligned, after the
+    progress words when streamed)."""
+    header = _aligned(8 * (2 + len(blocks))) if streamed else 0
+    return header + sum(_aligned(parts_bytes(p)) for p in blocks)
+
+
+class StreamedPut:
+    """A put whose request goes first: `request` names where each block will be, and
+    `write()`, run once it is sent, copies the blocks there piece by piece, publishing
+    each block's checksum and then the byte count after each piece (the daemon copies
+    behind it). Needs the staging range held, and `staging_bytes(blocks, True)` of it."""
+
+    def __init__(
+        self,
+        area: WriteArea,
+        namespace: str,
+        keys: list[bytes],
+        blocks: list[Parts],
+        overwrite: bool,
+    ) -> None:
+        assert area.staging is not None
+        self._area = area
+        self._blocks = blocks
+        self._header = area.staging[0]
+        self._ticket = area.next_ticket()
+        offset = self._header + _aligned(8 * (2 + len(blocks)))
+        items = []
+        for key, parts in zip(keys, blocks, strict=True):
+            size = parts_bytes(parts)
+            items.append(pb.StagedPutItem(key=key, size_bytes=size, offset=offset))
+            offset += _aligned(size)
+        self.request = pb.StagedPutRequest(
+            namespace=namespace, items=items, overwrite=overwrite, ticket=self._ticket
+        )
+        with area.slot(self._header, 8 * (2 + len(blocks))) as words:
+            words[16:] = bytes(8 * len(blocks))  # no checksum left from an earlier put
+            _TICKET.pack_into(words, 0, self._ticket, 0)  # before the request is sent
+
+    def write(self) -> None:
+        area = self._area
+        with area.slot(self._header, 8 * (2 + len(self._blocks))) as words:
+            try:
+                written = 0
+                for i, (item, parts) in enumerate(
+                    zip(self.request.items, self._blocks, strict=True)
+                ):
+                    with area.slot(item.offset, item.size_bytes) as place:
+                        hasher = xxhash.xxh3_64()
+                        for start, end, piece in _pieces(place, parts):
+                            hasher.update(piece)
+                            if end == item.size_bytes:  # its checksum before its last bytes
+                                _WORD.pack_into(words, 16 + 8 * i, hasher.intdigest())
+                            written += end - start
+                            _WORD.pack_into(words, 8, written)
+            except BaseException:
+                _WORD.pack_into(words, 8, STREAM_ABANDONED)  # the daemon stops waiting
+                raise
+
+
+def _pieces(place: memoryview, parts: Parts) -> Iterable[tuple[int, int, memoryview]]:
+    """Copy the parts back to back into `place` a piece at a time, yielding each piece
+    once copied: (start, end) in the block, and the copy."""
+    offset = 0
+    for part in parts:
+        for start in range(0, part.nbytes, COPY_PIECE_BYTES):
+            end = min(start + COPY_PIECE_BYTES, part.nbytes)
+            piece = place[offset : offset + end - start]
+            piece[:] = part[start:end]
+            yield offset, offset + end - start, piece
+            offset += end - start
 
 
 def staged_put_request(
@@ -330,7 +454,7 @@ def staged_put_request(
                     xxh3_64=copy_hashed(place, parts),
                 )
             )
-        offset += -(-max(block_bytes, 1) // STAGE_ALIGN_BYTES) * STAGE_ALIGN_BYTES
+        offset += _aligned(block_bytes)
     return pb.StagedPutRequest(namespace=namespace, items=items, overwrite=overwrite)
 
 
@@ -338,14 +462,8 @@ def copy_hashed(place: memoryview, parts: Parts) -> int:
     """Copy the parts back to back into `place`; the xxh3-64 of what was written, each
     piece hashed from `place` right after it was copied (still in cache)."""
     hasher = xxhash.xxh3_64()
-    offset = 0
-    for part in parts:
-        for start in range(0, part.nbytes, COPY_PIECE_BYTES):
-            end = min(start + COPY_PIECE_BYTES, part.nbytes)
-            piece = place[offset : offset + end - start]
-            piece[:] = part[start:end]
-            hasher.update(piece)
-            offset += end - start
+    for _, _, piece in _pieces(place, parts):
+        hasher.update(piece)
     return hasher.intdigest()
 
 

@@ -26,7 +26,9 @@ import contextlib
 import fcntl
 import mmap
 import os
+import struct
 
+from kvtier.errors import InvalidArgument
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.dram import ALIGN_BYTES
 
@@ -88,6 +90,17 @@ class WriteArea:
         if offset < start or offset + size_bytes > start + length:
             return None
         return self.view(offset, size_bytes)
+
+    def words(self, offset: int, count: int) -> tuple[int, ...]:
+        """`count` little-endian u64s at `offset` inside the staging range (a streamed
+        put's progress words), as the client last wrote them."""
+        staging, mapping = self.staging, self._map
+        if staging is None or mapping is None:
+            raise InvalidArgument("the session ended during its streamed put")
+        start, length = staging
+        if offset < start or offset + 8 * count > start + length:
+            raise InvalidArgument("a streamed put's header lies outside its staging range")
+        return struct.unpack_from(f"<{count}Q", mapping, offset)
 
     def view(self, offset: int, size_bytes: int) -> memoryview:
         """The slot's bytes as the client left them (release the view after use)."""

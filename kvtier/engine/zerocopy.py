@@ -23,7 +23,7 @@ from kvtier.engine.core import StoreCore
 from kvtier.engine.leases import Lease, LeaseTable
 from kvtier.engine.results import CommitOutcome, LeasedSlot
 from kvtier.engine.write_area import WriteArea
-from kvtier.errors import InvalidArgument, KVTierError, NotFound
+from kvtier.errors import DeadlineExceeded, InvalidArgument, KVTierError, NotFound
 from kvtier.index.catalog import Entry
 from kvtier.types import BlockId, TierName
 
@@ -31,6 +31,15 @@ if TYPE_CHECKING:
     from kvtier.engine.blocks import PutWriter
 
 logger = logging.getLogger(__name__)
+
+# A streamed put (`put_staged` with a ticket): the daemon copies each piece as soon as
+# the client's progress word says it is written, polling busily for up to STREAM_SPIN_S
+# per piece (the client is copying at memory speed on another core), then once a
+# millisecond, yielding the loop, until STREAM_WAIT_S has passed for the whole request.
+STREAM_PIECE_BYTES = 256 << 10
+STREAM_SPIN_S = 0.002
+STREAM_WAIT_S = 2.0
+STREAM_ABANDONED = (1 << 64) - 1
 
 
 class ZeroCopy:
@@ -129,11 +138,14 @@ class ZeroCopy:
         session_id: int,
         items: list[tuple[BlockId, int, int, int]],
         overwrite: bool,
+        ticket: int = 0,
     ) -> list[CommitOutcome]:
         """Store blocks the client wrote to its staging range: (block, size, offset,
         checksum) each, one outcome each. Each is copied into a fresh extent and hashed
         from that copy (`PutWriter.copy_in`) as a commit does, so what becomes visible is
         what the checksum covers whatever the client writes meanwhile."""
+        if ticket:
+            return await self._put_streamed(session_id, items, overwrite, ticket)
         outcomes: list[CommitOutcome] = []
         for block_id, size_bytes, offset, checksum in items:
             writer: PutWriter | None = None
@@ -151,6 +163,73 @@ class ZeroCopy:
                 if writer is not None:
                     self._store.put_abort(writer)
         return outcomes
+
+    async def _put_streamed(
+        self,
+        session_id: int,
+        items: list[tuple[BlockId, int, int, int]],
+        overwrite: bool,
+        ticket: int,
+    ) -> list[CommitOutcome]:
+        """`put_staged` while the client is still writing (kvtier.proto, StagedPutRequest
+        .ticket): each block's extent is reserved while the client copies, each piece
+        copied and hashed as soon as it is written. Whatever the progress words say, only
+        bytes inside the staging range are read, and what is stored is what was hashed."""
+        area = self._areas.get(session_id)
+        staging = area.staging if area is not None else None
+        words = 2 + len(items)
+        if area is None or staging is None or 8 * words > staging[1]:
+            raise InvalidArgument("a streamed put needs a staging range with room for its header")
+        header = staging[0]
+        deadline_s = time.monotonic() + STREAM_WAIT_S
+        outcomes: list[CommitOutcome] = []
+        before = 0  # the bytes of the items before this one
+        for i, (block_id, size_bytes, offset, _) in enumerate(items):
+            writer: PutWriter | None = None
+            try:
+                if offset < header + 8 * words:
+                    raise InvalidArgument("a streamed put's blocks start after its header")
+                self._staged_source(session_id, offset, size_bytes).release()
+                writer = await self._store.put_begin(block_id, size_bytes, overwrite)
+                done = 0
+                while done < size_bytes:
+                    want = before + min(done + STREAM_PIECE_BYTES, size_bytes)
+                    written = await self._written(area, header, ticket, want, deadline_s)
+                    upto = min(written - before, size_bytes, done + STREAM_PIECE_BYTES)
+                    with self._staged_source(session_id, offset + done, upto - done) as piece:
+                        writer.copy_in_piece(piece)
+                    done = upto
+                (checksum,) = area.words(header + 16 + 8 * i, 1)
+                result = await self._store.put_commit(writer, checksum)
+                outcomes.append(CommitOutcome(stored=not result.already_present))
+            except KVTierError as err:
+                outcomes.append(CommitOutcome(stored=False, error=err))
+            finally:
+                if writer is not None:
+                    self._store.put_abort(writer)
+            before += size_bytes
+        return outcomes
+
+    @staticmethod
+    async def _written(
+        area: WriteArea, header: int, ticket: int, want: int, deadline_s: float
+    ) -> int:
+        """The client's byte count once it reaches `want` for this ticket."""
+        spin_until_s = time.monotonic() + STREAM_SPIN_S
+        while True:
+            seen, written = area.words(header, 2)
+            if seen == ticket:
+                if written == STREAM_ABANDONED:
+                    raise InvalidArgument("the client abandoned this streamed put")
+                if written >= want:
+                    return int(written)
+            now_s = time.monotonic()
+            if now_s > deadline_s:
+                raise DeadlineExceeded(
+                    f"a streamed put's bytes did not arrive within {STREAM_WAIT_S} s"
+                )
+            if now_s > spin_until_s:
+                await asyncio.sleep(0.001)
 
     def _staged_source(self, session_id: int, offset: int, size_bytes: int) -> memoryview:
         area = self._areas.get(session_id)

@@ -565,7 +565,9 @@ class KVTierService:
             for item in request.items
         ]
         self._admit_bytes(tenant, sum(item[1] for item in items))
-        outcomes = await self._store.zero_copy.put_staged(session_id, items, request.overwrite)
+        outcomes = await self._store.zero_copy.put_staged(
+            session_id, items, request.overwrite, request.ticket
+        )
         return pb.CommitResponse(results=commit_results(outcomes))
 
     async def _acquire(

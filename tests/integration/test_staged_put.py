@@ -4,6 +4,8 @@ staging range, or with a wrong checksum, stores nothing."""
 
 from __future__ import annotations
 
+import struct
+import time
 from collections.abc import Callable
 
 import grpc
@@ -36,13 +38,15 @@ def put_staged(arena: SharedArena, *items: pb.StagedPutItem) -> list[pb.CommitRe
     return list(arena.call(Op.PUT_STAGED, request, pb.CommitResponse).results)
 
 
-@pytest.mark.parametrize("one_exchange", [True, False], ids=["staged", "reserve-commit"])
-def test_puts_are_bit_exact_on_both_paths(start_daemon: StartDaemon, one_exchange: bool) -> None:
+@pytest.mark.parametrize("path", ["streamed", "staged", "reserve-commit"])
+def test_puts_are_bit_exact_on_every_path(start_daemon: StartDaemon, path: str) -> None:
     daemon = start_daemon(dram="64MiB", nvme="256MiB")
     with daemon.client() as client:
         arena = attached(client)
         assert arena.write_area is not None
+        one_exchange = path != "reserve-commit"
         arena.write_area.one_exchange = one_exchange
+        arena.write_area.streams = path == "streamed"
         blocks = {f"b{i}": block_bytes(i, size) for i, size in enumerate([1, 4095, 300_001])}
         big = block_bytes(9, 5 << 20)  # over one copy piece, not a multiple of it
         parts = [
@@ -130,3 +134,70 @@ def test_a_wrong_checksum_or_a_scribble_after_hashing_stores_nothing(
         assert client.get(NS, "good") == data
         assert client.stats()["leases"] == 0
         assert client.stats()["tiers"]["dram"]["used_bytes"] == 1 << 20
+
+
+def streamed_request(offset: int, *sizes: int, ticket: int = 7) -> pb.StagedPutRequest:
+    items = []
+    for i, size in enumerate(sizes):
+        items.append(pb.StagedPutItem(key=f"s{i}".encode(), size_bytes=size, offset=offset))
+        offset += size
+    return pb.StagedPutRequest(namespace=NS, items=items, ticket=ticket)
+
+
+def test_a_streamed_put_whose_bytes_never_come_times_out_and_stores_nothing(
+    start_daemon: StartDaemon,
+) -> None:
+    daemon = start_daemon(dram="16MiB", nvme="64MiB")
+    with daemon.client() as client, daemon.client() as other:
+        arena = attached(client)
+        assert arena.write_area is not None
+        offset, _ = stage(arena, 2 << 20)
+        words = arena.write_area.slot(offset, 32)
+        words[:] = bytes(32)  # ticket 0: never this request's
+        assert other.put_from(NS, "other", b"served meanwhile") is True
+        started = time.monotonic()
+        request = streamed_request(offset + 4096, 1 << 20)
+        (result,) = arena.call(Op.PUT_STAGED, request, pb.CommitResponse).results
+        assert result.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        assert 1.5 < time.monotonic() - started < 10
+        # Abandoned by its client: answered at once.
+        struct.pack_into("<QQ", words, 0, 8, (1 << 64) - 1)
+        started = time.monotonic()
+        request = streamed_request(offset + 4096, 1 << 20, ticket=8)
+        (result,) = arena.call(Op.PUT_STAGED, request, pb.CommitResponse).results
+        assert result.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert time.monotonic() - started < 1.0
+        # Blocks over the progress words, or past the range: refused, nothing read.
+        for bad in [streamed_request(offset + 8, 4096), streamed_request(offset + 4096, 4 << 20)]:
+            (result,) = arena.call(Op.PUT_STAGED, bad, pb.CommitResponse).results
+            assert result.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        words.release()
+        assert client.get(NS, "s0") is None
+        assert other.get(NS, "other") == b"served meanwhile"
+        assert client.stats()["tiers"]["dram"]["used_bytes"] == 4096  # "other" alone
+
+
+def test_a_streamed_put_stores_what_the_daemon_hashed_and_checks_each_checksum(
+    start_daemon: StartDaemon,
+) -> None:
+    daemon = start_daemon(dram="16MiB", nvme="64MiB")
+    with daemon.client() as client:
+        arena = attached(client)
+        assert arena.write_area is not None
+        offset, _ = stage(arena, 3 << 20)
+        first, second = block_bytes(3, 1 << 20), block_bytes(4, 300_000)
+        view = arena.write_area.slot(offset, 3 << 20)
+        view[4096 : 4096 + len(first)] = first
+        view[4096 + len(first) : 4096 + len(first) + len(second)] = second
+        # Written before the request, as a client that lies about nothing: right checksum
+        # for the first, a wrong one for the second.
+        struct.pack_into(
+            "<QQQQ", view, 0, 9, len(first) + len(second), xxhash.xxh3_64_intdigest(first), 1
+        )
+        request = streamed_request(offset + 4096, len(first), len(second), ticket=9)
+        ok, bad = arena.call(Op.PUT_STAGED, request, pb.CommitResponse).results
+        assert ok.code == 0 and ok.stored
+        assert bad.code == grpc.StatusCode.DATA_LOSS.value[0]
+        view.release()
+        assert client.get(NS, "s0") == first and client.get(NS, "s1") is None
+        assert client.stats()["leases"] == 0
