@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 # A streamed put (`put_staged` with a ticket): the daemon copies each piece as soon as
 # the client's progress word says it is written, polling busily for up to STREAM_SPIN_S
 # per piece (the client is copying at memory speed on another core), then once a
-# millisecond, yielding the loop, until STREAM_WAIT_S has passed for the whole request.
+# millisecond, yielding the loop, until STREAM_WAIT_S has passed without that piece.
 STREAM_PIECE_BYTES = 256 << 10
 STREAM_SPIN_S = 0.002
 STREAM_WAIT_S = 2.0
@@ -181,7 +181,6 @@ class ZeroCopy:
         if area is None or staging is None or 8 * words > staging[1]:
             raise InvalidArgument("a streamed put needs a staging range with room for its header")
         header = staging[0]
-        deadline_s = time.monotonic() + STREAM_WAIT_S
         outcomes: list[CommitOutcome] = []
         before = 0  # the bytes of the items before this one
         for i, (block_id, size_bytes, offset, _) in enumerate(items):
@@ -194,7 +193,7 @@ class ZeroCopy:
                 done = 0
                 while done < size_bytes:
                     want = before + min(done + STREAM_PIECE_BYTES, size_bytes)
-                    written = await self._written(area, header, ticket, want, deadline_s)
+                    written = await self._written(area, header, ticket, want)
                     upto = min(written - before, size_bytes, done + STREAM_PIECE_BYTES)
                     with self._staged_source(session_id, offset + done, upto - done) as piece:
                         writer.copy_in_piece(piece)
@@ -211,10 +210,11 @@ class ZeroCopy:
         return outcomes
 
     @staticmethod
-    async def _written(
-        area: WriteArea, header: int, ticket: int, want: int, deadline_s: float
-    ) -> int:
-        """The client's byte count once it reaches `want` for this ticket."""
+    async def _written(area: WriteArea, header: int, ticket: int, want: int) -> int:
+        """The client's byte count once it reaches `want` for this ticket. The time limit
+        runs per piece, from when this waits for it (a wait for DRAM before it is not the
+        client's delay)."""
+        deadline_s = time.monotonic() + STREAM_WAIT_S
         spin_until_s = time.monotonic() + STREAM_SPIN_S
         while True:
             seen, written = area.words(header, 2)
