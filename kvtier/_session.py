@@ -3,9 +3,10 @@
 A same-node client that attached the shared arena already holds a connected UNIX socket
 to the daemon. On this machine a gRPC unary round trip costs ~0.6 ms even for an empty
 message, which would dominate moving a 256 KiB block at memory speed, so the zero-copy
-control messages (the proto's Reserve/Commit/Acquire/Release messages, unchanged) and
-the planner's (Plan, ReportPrefill) travel on
-that socket with a 5-byte frame header. The same calls stay available over gRPC.
+control messages (the proto's Reserve/Commit/Acquire/Release messages, unchanged, and
+Stage/StagedPut: a put in one exchange) and the planner's (Plan, ReportPrefill) travel
+on that socket with a 5-byte frame header. The others stay available over gRPC too;
+Stage and StagedPut exist only here (they name a write area only a session has).
 
     request:  u32 payload length | u8 op     | serialized request message
     response: u32 payload length | u8 status | serialized response (status 0), or a UTF-8
