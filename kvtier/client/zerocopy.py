@@ -44,9 +44,11 @@ STAGE_ALIGN_BYTES = 4096
 # (kvtier.proto, StagedPutRequest.ticket), so the two copies overlap instead of adding
 # up. Only where stores become visible to another core in program order (x86-64's TSO):
 # elsewhere the daemon could see the byte count before the bytes; its hash would then
-# refuse the put (never wrong bytes), so the plain one-exchange put is used there.
+# refuse the put (never wrong bytes), so the plain one-exchange put is used there. And
+# only with cores to spare for both copies at once: on the 2 shared vCPUs measured here
+# (BENCHMARKS.md, issue 25) a streamed 4 MiB put took 1.3-4x as long as an unstreamed one.
 STREAM_MIN_BYTES = 1 << 20
-STREAMS = platform.machine() in {"x86_64", "AMD64"}
+STREAMS = platform.machine() in {"x86_64", "AMD64"} and (os.cpu_count() or 1) >= 4
 _WORD = struct.Struct("<Q")
 _TICKET = struct.Struct("<QQ")
 STREAM_ABANDONED = (1 << 64) - 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -230,6 +231,8 @@ class ZeroCopy:
                 )
             if now_s > spin_until_s:
                 await asyncio.sleep(0.001)
+            else:
+                os.sched_yield()  # the client may be waiting for this CPU
 
     def _staged_source(self, session_id: int, offset: int, size_bytes: int) -> memoryview:
         area = self._areas.get(session_id)
