@@ -46,7 +46,8 @@ STAGE_ALIGN_BYTES = 4096
 # elsewhere the daemon could see the byte count before the bytes; its hash would then
 # refuse the put (never wrong bytes), so the plain one-exchange put is used there. And
 # only with cores to spare for both copies at once: on the 2 shared vCPUs measured here
-# (BENCHMARKS.md, issue 25) a streamed 4 MiB put took 1.3-4x as long as an unstreamed one.
+# (BENCHMARKS.md, issue 25) a streamed 4 MiB put was 12 % faster at load 11 but took 3.9x
+# as long at load 24 (the daemon polls while the client waits for a CPU).
 STREAM_MIN_BYTES = 1 << 20
 STREAMS = platform.machine() in {"x86_64", "AMD64"} and (os.cpu_count() or 1) >= 4
 _WORD = struct.Struct("<Q")
