@@ -61,9 +61,6 @@ STREAM_ABANDONED = (1 << 64) - 1
 MADV_POPULATE_READ = 22
 PREFAULT_MAX_BYTES = 16 << 30
 PREFAULT_CHUNK_BYTES = 2 << 20  # mmap.madvise holds the GIL: ~1 ms at most per chunk
-# At most one fetch timing per this long goes to the daemon (release_request).
-FETCH_REPORT_EVERY_S = 0.01
-_next_report_s = 0.0
 
 
 class WriteArea:
@@ -503,19 +500,13 @@ def copy_out(
 def release_request(lease_id: int, started_s: float, copied: list[int | None]) -> pb.ReleaseRequest:
     """Release a lease, reporting how long the fetch took as the caller saw it (from
     sending Acquire to the last byte copied): the daemon's DRAM path estimate learns from it.
-    Nothing is reported when the copy did not finish, nor more often than every
-    FETCH_REPORT_EVERY_S."""
-    global _next_report_s
+    Nothing is reported when the copy did not finish."""
     fetch_bytes = sum(size for size in copied if size)
-    now_s = time.perf_counter()
-    if not fetch_bytes or now_s < _next_report_s:
-        # The daemon refits its estimate per report (a third of a small get's daemon
-        # time): a few reports a second say as much as one per get.
+    if not fetch_bytes:
         return pb.ReleaseRequest(lease_ids=[lease_id])
-    _next_report_s = now_s + FETCH_REPORT_EVERY_S
     return pb.ReleaseRequest(
         lease_ids=[lease_id],
-        fetch_seconds=now_s - started_s,
+        fetch_seconds=time.perf_counter() - started_s,
         fetch_bytes=fetch_bytes,
     )
 
