@@ -19,6 +19,7 @@ from kvtier.index.planner import OVERLAPS, PrefillCost, TierCost
 from kvtier.index.policy import ADMISSIONS, POLICIES
 from kvtier.profiles import MODELS
 from kvtier.sim import fleet
+from kvtier.sim.queue import QueueConfig, queue_replay, speedup_for_busy
 from kvtier.sim.replay import ORACLE, ReplayConfig, Request, read_trace, replay
 from kvtier.sizes import human_size, parse_size
 
@@ -79,6 +80,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # Mooncake Store's transfer engine is built for), at an effective 10 GB/s.
     fleet.add_argument("--remote-bandwidth", default="10GB/s", help="remote -> engine, bytes/s")
     fleet.add_argument("--remote-latency", type=float, default=50e-6, help="seconds per fetch")
+    queue = p.add_argument_group("queue (one node behind one prefill server: TTFT)")
+    queue.add_argument(
+        "--queue", action="store_true", help="model the engine's queue; report TTFT p50/p99"
+    )
+    queue.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="implies --queue: waiting requests announce their chains, NVMe blocks are "
+        "promoted and protected; reported next to prefetch off, same trace and capacities",
+    )
+    queue.add_argument(
+        "--busy",
+        type=float,
+        default=0.0,
+        help="pick the arrival speedup so the server is this busy with prefetch off "
+        "(0.8: 80 %%); default: use --speedup",
+    )
+    queue.add_argument(
+        "--hint-ttl", type=float, default=300.0, help="seconds an announced chain is protected"
+    )
 
 
 def configs(args: argparse.Namespace) -> Iterator[ReplayConfig]:
@@ -192,6 +213,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if args.nodes > 1 or args.routing or args.remote:
         return fleet_main(args, requests)
+    if args.queue or args.prefetch:
+        return queue_main(args, requests)
     runs = [replay(cfg, requests) for cfg in configs(args)]
     if args.plot:
         plot(args.plot, runs)
@@ -272,5 +295,44 @@ def fleet_main(args: argparse.Namespace, requests: list[Request]) -> int:
             f"{r['ttft_p99_s']:>8.2f}s {r['block_hit_ratio']:>9.1%} "
             f"{r['prefill_seconds_saved']:>10.0f} {r['load_max_over_mean']:>13.2f} "
             f"{r['remote']['hits'] if r['remote'] else '-':>11}"
+        )
+    return 0
+
+
+def queue_main(args: argparse.Namespace, requests: list[Request]) -> int:
+    """One node behind a FIFO prefill server: TTFT and prefill saved, prefetch off (and on)."""
+    if args.busy < 0 or args.speedup <= 0 or args.hint_ttl <= 0:
+        print("kvtier replay: --busy must be >= 0, --speedup and --hint-ttl > 0", file=sys.stderr)
+        return 2
+    if args.plot:
+        print("kvtier replay: --plot is not drawn for --queue", file=sys.stderr)
+        return 2
+    args.policy = [p for p in (args.policy or ["kvtier"]) if p != "all"] or ["kvtier"]
+    reports = []
+    for cfg in configs(args):
+        speedup = speedup_for_busy(cfg, requests, args.busy) if args.busy else args.speedup
+        for prefetch in (False, True) if args.prefetch else (False,):
+            queue = QueueConfig(speedup=speedup, prefetch=prefetch, hint_ttl_s=args.hint_ttl)
+            reports.append(queue_replay(cfg, queue, requests))
+    if _printed_json(args, reports):
+        return 0
+    first = reports[0]
+    print(
+        f"{len(requests)} requests, one prefill server; DRAM {first['dram_blocks']} blocks, "
+        f"NVMe {first['nvme_blocks']} blocks of {human_size(first['block_bytes'])}; "
+        f"a promotion {first['promotion_s_per_block'] * 1e3:.1f} ms a block"
+    )
+    print(
+        f"{'policy':<8} {'prefetch':>8} {'speedup':>8} {'busy':>6} {'TTFT p50':>9} "
+        f"{'TTFT p99':>9} {'saved (s)':>10} {'dram hits':>10} {'nvme hits':>10} "
+        f"{'prefetched':>10} {'used':>8}"
+    )
+    for r in reports:
+        print(
+            f"{r['policy']:<8} {'on' if r['prefetch'] else 'off':>8} {r['speedup']:>8.3f} "
+            f"{r['server_busy']:>6.1%} {r['ttft_p50_s']:>8.2f}s {r['ttft_p99_s']:>8.2f}s "
+            f"{r['prefill_seconds_saved']:>10.1f} {r['tiers']['dram']['hits']:>10} "
+            f"{r['tiers']['nvme']['hits']:>10} {r['prefetched_blocks']:>10} "
+            f"{r['prefetched_used']:>8}"
         )
     return 0

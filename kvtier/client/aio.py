@@ -64,6 +64,7 @@ class AsyncClient(ClientBase[AsyncSharedArena, grpc.aio.Channel]):
     stats = awaiting(_core.stats)
     plan = awaiting(_core.plan)
     report_prefill = awaiting(_core.report_prefill)
+    prefetch = awaiting(_core.prefetch)
     # The zero-copy path (same node, UNIX socket)
     put_from = awaiting(_core.put_from)
     get_into = awaiting(_core.get_into)

@@ -68,6 +68,10 @@ class Residency:
         # Records on disk not in the catalog yet (an estimate, while the index fills in the
         # background: engine/recovery.py), counted against the tier's capacity.
         self.nvme_unindexed_bytes = 0
+        # Queue prefetch (engine/prefetch.py): blocks announced for waiting requests are
+        # DRAM's last victims, and a use of a block is reported to it.
+        self.protected: Callable[[BlockId], bool] = _nothing_protected
+        self.on_use: Callable[[BlockId], None] | None = None
 
     # ---- reading --------------------------------------------------------------------------
     def get(self, block_id: BlockId) -> Entry | None:
@@ -135,6 +139,8 @@ class Residency:
 
     def used(self, entry: Entry) -> None:
         """A block was asked for and is here."""
+        if self.on_use is not None:
+            self.on_use(entry.block_id)
         self.policies.accessed(entry.block_id, self.info(entry))
         if entry.dram_extent is not None:
             self.dram_order[tenant_of(entry.block_id[0])].hit(entry.block_id)
@@ -194,7 +200,10 @@ class Residency:
         freed = 0
         order = self.dram_order[tenant]
         while (freed < shortfall_bytes or not victims) and len(victims) < most:
-            block_id = cast(BlockId | None, order.victim(self._evictable_key))
+            block_id = cast(BlockId | None, order.victim(self._unprotected_key))
+            if block_id is None:
+                # Protection is a preference, never why a put or read finds no room.
+                block_id = cast(BlockId | None, order.victim(self._evictable_key))
             if block_id is None:
                 break
             entry = self.catalog.get(block_id)
@@ -369,6 +378,13 @@ class Residency:
 
     def _evictable_key(self, key: object) -> bool:
         return self.evictable(cast(BlockId, key))
+
+    def _unprotected_key(self, key: object) -> bool:
+        return self.evictable(cast(BlockId, key)) and not self.protected(cast(BlockId, key))
+
+
+def _nothing_protected(block_id: BlockId) -> bool:
+    return False
 
 
 READ_ERRORS_BEFORE_DROP = 3

@@ -295,6 +295,8 @@ class ZeroCopy:
                 residency.pin(entry)
                 found[i] = (entry, TierName.REMOTE)
             promote_s = time.perf_counter() - started_s if promote or from_remote else 0.0
+            if promote and not from_remote:  # what this run of NVMe reads cost the caller
+                store.costs.promoted([e.size_bytes for e in promote], promote_s)
         except BaseException:
             for item in found:
                 if item is not None:
