@@ -1513,6 +1513,128 @@ class CudaGetResponse(_message.Message):
 Global___CudaGetResponse: _TypeAlias = CudaGetResponse  # noqa: Y015
 
 @_typing.final
+class StageRequest(_message.Message):
+    """A put in one exchange (session socket only, issue 25): the client keeps one staging
+    range of its session's write area, copies a put's blocks into it back to back (hashing
+    as it copies), and names them in a StagedPutRequest; the daemon copies each into a
+    new arena extent, hashes its own copy and commits it in the same call. Stage grows
+    the range (the old one is freed); one put at a time per range.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.int
+    size_bytes: _builtins.int
+    """at least this much; the daemon may round it up"""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.int = ...,
+        size_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StageRequest: _TypeAlias = StageRequest  # noqa: Y015
+
+@_typing.final
+class StageResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFSET_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    offset: _builtins.int
+    """in the session's write area"""
+    size_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        offset: _builtins.int = ...,
+        size_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offset", b"offset", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StageResponse: _TypeAlias = StageResponse  # noqa: Y015
+
+@_typing.final
+class StagedPutItem(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    XXH3_64_FIELD_NUMBER: _builtins.int
+    key: _builtins.bytes
+    size_bytes: _builtins.int
+    offset: _builtins.int
+    """in the write area, inside the staging range"""
+    xxh3_64: _builtins.int
+    """of the bytes the client wrote there (0: not sent)"""
+    def __init__(
+        self,
+        *,
+        key: _builtins.bytes = ...,
+        size_bytes: _builtins.int = ...,
+        offset: _builtins.int = ...,
+        xxh3_64: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "offset", b"offset", "size_bytes", b"size_bytes", "xxh3_64", b"xxh3_64"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StagedPutItem: _TypeAlias = StagedPutItem  # noqa: Y015
+
+@_typing.final
+class StagedPutRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    ITEMS_FIELD_NUMBER: _builtins.int
+    OVERWRITE_FIELD_NUMBER: _builtins.int
+    TICKET_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.int
+    namespace: _builtins.str
+    overwrite: _builtins.bool
+    ticket: _builtins.int
+    """0: the bytes (and item checksums) are all written already. Else the put is
+    streamed: the client sends this request first and writes while the daemon copies
+    behind it. The staging range's first bytes are then its progress words (u64 LE):
+    [ticket, bytes written so far over the items in order (2^64-1: abandoned),
+    checksum of item 0, of item 1, ...]; a checksum is written before the byte count
+    that covers its item's last byte. Item checksums in the request are ignored.
+    """
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___StagedPutItem]: ...
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.int = ...,
+        namespace: _builtins.str = ...,
+        items: _abc.Iterable[Global___StagedPutItem] | None = ...,
+        overwrite: _builtins.bool = ...,
+        ticket: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "namespace", b"namespace", "overwrite", b"overwrite", "session_id", b"session_id", "ticket", b"ticket"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StagedPutRequest: _TypeAlias = StagedPutRequest  # noqa: Y015
+
+@_typing.final
 class PrefetchChain(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -81,6 +81,8 @@ from kvtier.client.cuda import (
     wait_request,
 )
 from kvtier.client.zerocopy import (
+    StreamedPut,
+    WriteArea,
     block_parts,
     commit_results,
     copy_bytes,
@@ -89,6 +91,9 @@ from kvtier.client.zerocopy import (
     joined,
     release_request,
     reserve_request,
+    staged_put_request,
+    staging_bytes,
+    streams,
     write_area_of,
 )
 from kvtier.errors import InvalidArgument, KVTierError, NotFound, Unavailable, Unimplemented
@@ -147,6 +152,7 @@ class SessionCall:
     op: Op
     request: Message
     response_type: type[Message]
+    while_waiting: Callable[[], object] | None = None  # run once sent (a streamed put)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,8 +212,13 @@ def session() -> Operation[memoryview | None]:
     return arena if isinstance(arena, memoryview) else None
 
 
-def session_call(op: Op, request: Message, response_type: type[M]) -> Operation[M]:
-    return _expect((yield SessionCall(op, request, response_type)), response_type)
+def session_call(
+    op: Op,
+    request: Message,
+    response_type: type[M],
+    while_waiting: Callable[[], object] | None = None,
+) -> Operation[M]:
+    return _expect((yield SessionCall(op, request, response_type, while_waiting)), response_type)
 
 
 def planner_call(op: Op, method: str, request: Message, response_type: type[M]) -> Operation[M]:
@@ -386,7 +397,7 @@ def get_into(
 def put_many(
     namespace: str, items: Sequence[tuple[bytes | str, Any]], overwrite: bool = False
 ) -> Operation[list[bool]]:
-    """Store many blocks with one reserve and one commit round trip. A block's buffer
+    """Store many blocks in one exchange with the daemon (two with an older one). A block's buffer
     may be a list of buffers holding it back to back (one per layer, say): each is
     copied into place, never joined first."""
     blocks = [block_parts(buf, writable=False) for _, buf in items]
@@ -398,6 +409,32 @@ def put_many(
             stored.append((yield from put(namespace, key, joined(parts), overwrite)))
         return stored
     keys = [as_key(k) for k, _ in items]
+    if isinstance(area, WriteArea) and area.hold_staging():
+        try:
+            # One exchange: the blocks go to the session's staging range (Stage grows it).
+            streamed = streams(area, blocks)
+            need = staging_bytes(blocks, streamed)
+            if area.staging is None or area.staging[1] < need:
+                try:
+                    staged = yield from session_call(
+                        Op.STAGE, pb.StageRequest(size_bytes=need), pb.StageResponse
+                    )
+                    area.staging = (staged.offset, staged.size_bytes)
+                except (InvalidArgument, Unimplemented):
+                    area.staging = None  # too large, or an older daemon: two exchanges
+            if area.staging is not None and area.staging[1] >= need and streamed:
+                # The daemon copies behind this client's copy, which runs once it is sent.
+                stream = StreamedPut(area, namespace, keys, blocks, overwrite)
+                done = yield from session_call(
+                    Op.PUT_STAGED, stream.request, pb.CommitResponse, stream.write
+                )
+                return commit_results(done)
+            if area.staging is not None and area.staging[1] >= need:
+                staged_put = staged_put_request(area, namespace, keys, blocks, overwrite)
+                done = yield from session_call(Op.PUT_STAGED, staged_put, pb.CommitResponse)
+                return commit_results(done)
+        finally:
+            area.drop_staging()
     request = reserve_request(namespace, keys, blocks, overwrite)
     reserved = yield from session_call(Op.RESERVE, request, pb.ReserveResponse)
     try:

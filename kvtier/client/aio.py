@@ -126,7 +126,9 @@ class AsyncClient(ClientBase[AsyncSharedArena, grpc.aio.Channel]):
 
     async def _perform(self, step: Step) -> Any:
         if isinstance(step, _core.SessionCall):
-            return await self._attached().call(step.op, step.request, step.response_type)
+            return await self._attached().call(
+                step.op, step.request, step.response_type, step.while_waiting
+            )
         if isinstance(step, _core.Rpc):
             return await self._grpc(step.method, step.request)
         if isinstance(step, _core.Stream):

@@ -139,7 +139,9 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
 
     def _perform(self, step: Step) -> Any:
         if isinstance(step, _core.SessionCall):
-            return self._attached().call(step.op, step.request, step.response_type)
+            return self._attached().call(
+                step.op, step.request, step.response_type, step.while_waiting
+            )
         if isinstance(step, _core.Rpc):
             return self._grpc(step.method, step.request)
         if isinstance(step, _core.Stream):

@@ -49,6 +49,7 @@ class PrefetchStore(StoreCore, Protocol):
     @property
     def arenas(self) -> dict[str, DramTier]: ...
 
+
 logger = logging.getLogger(__name__)
 IDLE_WAKE_S = 1.0  # the worker looks for expired hints at least this often
 

@@ -133,6 +133,8 @@ class KVTierService:
                 Op.CUDA_PUT: self._cuda_put,
                 Op.CUDA_GET: self._cuda_get,
                 Op.CUDA_WAIT: self._cuda_wait,
+                Op.STAGE: self._stage,
+                Op.PUT_STAGED: self._put_staged,
             },
             self._session_tenant,
             self._admit,
@@ -618,6 +620,34 @@ class KVTierService:
     ) -> pb.CommitResponse:
         outcomes = await self._store.commit(
             session_id, request.lease_id, list(request.xxh3_64), request.abort
+        )
+        return pb.CommitResponse(results=commit_results(outcomes))
+
+    async def _stage(
+        self, session_id: int, tenant: str, request: pb.StageRequest
+    ) -> pb.StageResponse:
+        arena_bytes = self._store.arena(tenant).capacity_bytes
+        offset, size_bytes = self._store.zero_copy.stage(
+            session_id, request.size_bytes, arena_bytes
+        )
+        return pb.StageResponse(offset=offset, size_bytes=size_bytes)
+
+    async def _put_staged(
+        self, session_id: int, tenant: str, request: pb.StagedPutRequest
+    ) -> pb.CommitResponse:
+        ns_id = self._ns_id(tenant, request.namespace)
+        items = [
+            (
+                (ns_id, check_key(item.key, self._limits.max_key_bytes)),
+                item.size_bytes,
+                item.offset,
+                item.xxh3_64,
+            )
+            for item in request.items
+        ]
+        self._admit_bytes(tenant, sum(item[1] for item in items))
+        outcomes = await self._store.zero_copy.put_staged(
+            session_id, items, request.overwrite, request.ticket
         )
         return pb.CommitResponse(results=commit_results(outcomes))
 
