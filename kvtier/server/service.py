@@ -24,7 +24,7 @@ import asyncio
 import functools
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -45,7 +45,7 @@ from kvtier._wire import (
     tolerant,
 )
 from kvtier.config import Config
-from kvtier.engine.cuda_path import CudaBlock, CudaPath
+from kvtier.engine.cuda_path import CudaPath
 from kvtier.engine.events import Resync
 from kvtier.engine.store import Store
 from kvtier.errors import (
@@ -71,13 +71,13 @@ from kvtier.keys import (
 from kvtier.server import looplag, rpc
 from kvtier.server.admission import CallCaps, CallSlots, Slot, node_cap_warning
 from kvtier.server.arena_socket import ArenaSocket
+from kvtier.server.cuda_ops import CudaOps
 from kvtier.server.messages import (
     TIER_NAME_TO_PB,
     TIER_TO_PB,
     block_event,
     block_info,
     commit_results,
-    cuda_got,
     leased,
     plan_response,
     prefill_response,
@@ -114,7 +114,10 @@ class KVTierService:
         self._arena = arena
         if arena is not None:
             arena.set_write_areas(lambda session_id: store.zero_copy.write_area(session_id).fd)
-        self._cuda = cuda  # the GPU path (gpu.device); None: CUDA calls are UNIMPLEMENTED
+        # The GPU path (gpu.device); without one, CUDA calls are UNIMPLEMENTED.
+        self._cuda = CudaOps(
+            cuda, lambda: self._limits, self._ns_id, self._admit_bytes, self._drop_if_session_ended
+        )
         self._mtls = mtls
         self._tokens = dict(config.auth.tokens)
         self._certificates = dict(config.auth.certificates)
@@ -129,10 +132,10 @@ class KVTierService:
                 Op.RELEASE: self._release,
                 Op.PLAN: self._plan,
                 Op.REPORT_PREFILL: self._report_prefill,
-                Op.REGISTER_CUDA: self._register_cuda,
-                Op.CUDA_PUT: self._cuda_put,
-                Op.CUDA_GET: self._cuda_get,
-                Op.CUDA_WAIT: self._cuda_wait,
+                Op.REGISTER_CUDA: self._cuda.register,
+                Op.CUDA_PUT: self._cuda.put,
+                Op.CUDA_GET: self._cuda.get,
+                Op.CUDA_WAIT: self._cuda.wait,
                 Op.STAGE: self._stage,
                 Op.PUT_STAGED: self._put_staged,
             },
@@ -671,84 +674,23 @@ class KVTierService:
         )
         return pb.ReleaseResponse(released=released)
 
-    # ---- the GPU path: engine memory by CUDA IPC (kvtier/engine/cuda_path.py) --------------
-    def _cuda_path(self) -> CudaPath:
-        if self._cuda is None:
-            raise Unimplemented(
-                "this daemon serves no GPU (gpu.device = -1): start it with gpu.device set "
-                "on the GPU node, or use put_many/get_many (the shared arena)"
-            )
-        return self._cuda
-
-    def _cuda_blocks(self, tenant: str, blocks: Iterable[pb.CudaBlock]) -> list[CudaBlock]:
-        out = [
-            CudaBlock(check_key(b.key, self._limits.max_key_bytes), b.offset_bytes, b.size_bytes)
-            for b in blocks
-        ]
-        self._admit_bytes(tenant, sum(b.size_bytes for b in out))
-        return out
-
-    async def _register_cuda(
-        self, session_id: int, tenant: str, request: pb.RegisterCudaRequest
-    ) -> pb.RegisterCudaResponse:
-        buffer_id = self._cuda_path().register(
-            session_id,
-            tenant,
-            request.device,
-            request.ipc_handle,
-            request.offset_bytes,
-            request.size_bytes,
-        )
-        return pb.RegisterCudaResponse(buffer_id=buffer_id)
-
-    async def _cuda_put(
-        self, session_id: int, tenant: str, request: pb.CudaPutRequest
-    ) -> pb.CudaPutResponse:
-        cuda = self._cuda_path()
-        ns_id = self._ns_id(tenant, request.namespace)
-        blocks = self._cuda_blocks(tenant, request.blocks)
-        outcomes = await cuda.put(session_id, ns_id, request.buffer_id, blocks, request.overwrite)
-        return pb.CudaPutResponse(results=commit_results(outcomes))
-
-    async def _cuda_get(
-        self, session_id: int, tenant: str, request: pb.CudaGetRequest
-    ) -> pb.CudaGetResponse:
-        cuda = self._cuda_path()
-        ns_id = self._ns_id(tenant, request.namespace)
-        blocks = self._cuda_blocks(tenant, request.blocks)
-        if request.group_sizes:
-            request_id = cuda.start_get(
-                session_id, ns_id, request.buffer_id, blocks, list(request.group_sizes)
-            )
-            return pb.CudaGetResponse(request_id=request_id)
-        tiers = await cuda.get(session_id, ns_id, request.buffer_id, blocks)
-        self._drop_if_session_ended(session_id)
-        return cuda_got(tiers)
-
-    async def _cuda_wait(
-        self, session_id: int, tenant: str, request: pb.CudaWaitRequest
-    ) -> pb.CudaGetResponse:
-        tiers = await self._cuda_path().wait(session_id, request.request_id, request.group)
-        self._drop_if_session_ended(session_id)
-        return cuda_got(tiers)
-
     async def RegisterCuda(
         self, request: pb.RegisterCudaRequest, context: Ctx
     ) -> pb.RegisterCudaResponse:
         session = self._session(request.session_id, context, Op.REGISTER_CUDA)
-        return await self._register_cuda(*session, request)
+        return await self._cuda.register(*session, request)
 
     async def CudaPut(self, request: pb.CudaPutRequest, context: Ctx) -> pb.CudaPutResponse:
         session = self._session(request.session_id, context, Op.CUDA_PUT)
-        return await self._cuda_put(*session, request)
+        return await self._cuda.put(*session, request)
 
     async def CudaGet(self, request: pb.CudaGetRequest, context: Ctx) -> pb.CudaGetResponse:
         session = self._session(request.session_id, context, Op.CUDA_GET)
-        return await self._cuda_get(*session, request)
+        return await self._cuda.get(*session, request)
 
     async def CudaWait(self, request: pb.CudaWaitRequest, context: Ctx) -> pb.CudaGetResponse:
         session = self._session(request.session_id, context, Op.CUDA_WAIT)
-        return await self._cuda_wait(*session, request)
+        return await self._cuda.wait(*session, request)
 
     async def Reserve(self, request: pb.ReserveRequest, context: Ctx) -> pb.ReserveResponse:
         session = self._session(request.session_id, context, Op.RESERVE)
