@@ -31,10 +31,7 @@ spare, temporary file or log is refused, counted (`refused`) and removed.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import errno
-import fcntl
 import functools
 import hashlib
 import logging
@@ -53,6 +50,7 @@ from kvtier import failpoints
 from kvtier.buffers import aligned_buffer
 from kvtier.errors import ConfigError, CorruptRecord, NotRegularFile
 from kvtier.tiers.crypto import RecordCipher
+from kvtier.tiers.posix_io import advance, lock_tier, supports_o_direct, sync_filesystem
 from kvtier.tiers.record import (
     ALIGN_BYTES,
     RecordHeader,
@@ -565,7 +563,7 @@ class NvmeTier:
             done += written
             # A short write: continue after what was written (still aligned under O_DIRECT,
             # or the kernel refuses and we raise, leaving only the temporary file).
-            _advance(views, written)
+            advance(views, written)
 
     def read(self, header: RecordHeader) -> tuple[mmap.mmap, int]:
         """Read and verify the record `header` describes; returns (buffer, payload offset).
@@ -627,20 +625,14 @@ class NvmeTier:
                 if got <= 0:
                     raise CorruptRecord("record ended early")
                 done += got
-                _advance(iov, got)
+                advance(iov, got)
         finally:
             os.close(fd)
 
     def sync(self) -> None:
         """Make every record written so far durable: syncfs(2) on the tier's file system
         (only that one), or sync(2) where libc has no syncfs."""
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            syncfs = getattr(_libc(), "syncfs", None)
-            if syncfs is None or syncfs(fd) != 0:
-                os.sync()
-        finally:
-            os.close(fd)
+        sync_filesystem(self.root)
 
     def remove(self, header: RecordHeader) -> None:
         """Take a record out of the tier: its file becomes a recyclable one (the pool is
@@ -721,31 +713,6 @@ class NvmeTier:
         return True
 
 
-def lock_tier(root: Path) -> int:
-    """flock `<root>/.lock` for this process (BlockingIOError: someone holds it)."""
-    try:
-        opened = open_regular(root / ".lock", os.O_RDWR | os.O_CREAT)
-    except NotRegularFile as err:
-        raise ConfigError(
-            f"nvme.path: {root}/.lock is a {err.kind}, not the tier's lock file; remove it"
-        ) from None
-    fd = opened.fd  # 0600 now, if an older version made it 0640 (O_CREAT: see open_regular)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise
-    return fd
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
-
-
 def _digest(ns_id: str, key: bytes) -> str:
     """A block's file name stem; its first two characters name its fan directory."""
     return hashlib.blake2b(ns_id.encode() + b"\0" + key, digest_size=16).hexdigest()
@@ -773,31 +740,3 @@ def _entry_kind(entry: os.DirEntry[str]) -> str:
 def _unlink(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-
-
-def _advance(iov: list[memoryview], done_bytes: int) -> None:
-    """Drop the first `done_bytes` of an iovec list in place (after a partial transfer)."""
-    while iov and done_bytes >= len(iov[0]):
-        done_bytes -= len(iov[0])
-        iov.pop(0)
-    if done_bytes:
-        iov[0] = iov[0][done_bytes:]
-
-
-def supports_o_direct(directory: Path) -> bool:
-    """Whether files in `directory` accept an aligned O_DIRECT write (probed, then removed)."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    probe = directory / f".kvtier-probe-{uuid.uuid4().hex}"
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
-    except OSError:
-        return False
-    try:
-        os.pwritev(fd, [aligned_buffer(ALIGN_BYTES)], 0)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        probe.unlink(missing_ok=True)

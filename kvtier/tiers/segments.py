@@ -4,16 +4,9 @@ preallocated files instead of one file per record.
 A million record files cost the kernel ~1.35 GB of inode and dentry cache and 80 s to
 delete, and every record paid a file creation and a rename. Here a record is the same
 checksummed record (kvtier/tiers/record.py: full key, generation, length, xxh3) written
-at the tail of a segment, `segments/<id:016x>.kvs`:
-
-    page 0               segment header: magic "KVTSEG01" | version u16 | 6 zero bytes |
-                         segment id u64 | segment bytes u64 | xxh3 of those 32 bytes
-    pages 1..            records, each a whole number of pages, back to back
-    after the records    the footer, once sealed: magic "KVTSEGF1" | count u32 | entries
-                         (offset u64, generation u64, payload u64, xxh3 u64, header u32,
-                         codec u16, ns_len u16, key_len u16, namespace, key) | xxh3 u64
-    last page            the trailer: magic "KVTSEGT1" | segment id u64 | footer offset u64 |
-                         footer bytes u64 | footer xxh3 u64 | xxh3 of those 40 bytes
+at the tail of a segment, `segments/<id:016x>.kvs`: a header page, the records, and once
+sealed a footer listing them and a trailer in the last page pointing at it (the format,
+its encoding and its checks: kvtier/tiers/segment_format.py).
 
 What keeps a torn record invisible. Writers reserve consecutive extents of the active
 segment under a lock and write them concurrently (queue depth > 1), but a record becomes
@@ -59,32 +52,39 @@ import gc
 import logging
 import mmap
 import os
-import re
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-
-import xxhash
 
 from kvtier import failpoints
 from kvtier.buffers import aligned_buffer
 from kvtier.errors import ConfigError, CorruptRecord
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.crypto import RecordCipher
-from kvtier.tiers.nvme import NvmeTier, fan_of, supports_o_direct
+from kvtier.tiers.nvme import NvmeTier, fan_of
+from kvtier.tiers.posix_io import advance, preallocate, supports_o_direct
 from kvtier.tiers.record import (
     ALIGN_BYTES,
     RecordHeader,
-    decode_header,
     encode_header,
     payload_xxh3,
     verify_record,
 )
 from kvtier.tiers.safe_open import open_regular, private_dir, remove_entry
+from kvtier.tiers.segment_file import RecordId, Segment
+from kvtier.tiers.segment_format import (
+    EMPTY_FOOTER_BYTES,
+    check_segment_header,
+    encode_segment_header,
+    entry_bytes,
+    read_footer,
+    scan_records,
+    segment_id_of,
+    segment_name,
+)
 from kvtier.tiers.startup import (
     FanScan,
     RecoveredRecord,
@@ -104,15 +104,6 @@ __all__ = [
 ]
 
 SEGMENTS_DIR = "segments"
-SEGMENT_SUFFIX = ".kvs"
-_NAME = re.compile(r"^([0-9a-f]{16})\.kvs$")
-_SEG_MAGIC, _FOOTER_MAGIC, _TRAILER_MAGIC = b"KVTSEG01", b"KVTSEGF1", b"KVTSEGT1"
-_SEG_VERSION = 1
-_SEG_HEAD = struct.Struct("<8sH6xQQ")
-_TRAILER = struct.Struct("<8sQQQQ")
-_FOOTER_HEAD = struct.Struct("<8sI")
-_ENTRY = struct.Struct("<QQQQIHHH")
-_XXH3 = struct.Struct("<Q")
 _MAX_SEGMENT_BYTES = 256 << 20
 _MIN_SEGMENT_BYTES = 4 << 20
 _LOAD_THREADS = 8  # segments whose footers (or records) are read at once at start
@@ -128,57 +119,11 @@ def segment_bytes_for(capacity_bytes: int) -> int:
     return size & ~(ALIGN_BYTES - 1)
 
 
-def _entry_bytes(header: RecordHeader) -> int:
-    return _ENTRY.size + len(header.ns_id.encode()) + len(header.key)
-
-
-RecordId = tuple[str, bytes, int]  # namespace, key, generation: what a record file named
-
-
-@dataclass(eq=False, slots=True)
-class _Segment:
-    """One segment file. `records`: its live records (offset, header); `log`: every record
-    written to it this run, in order, for its footer. Writers coordinate on `cond`."""
-
-    seg_id: int
-    path: str
-    fd: int
-    size_bytes: int
-    records: dict[RecordId, tuple[int, RecordHeader]] = field(default_factory=dict)
-    live_bytes: int = 0
-    stored_bytes: int = 0  # of every record in it, live or dead
-    loaded: bool = False  # its records are known (recovered, or written by this run)
-    sealed: bool = False  # its footer is written (or it is an earlier run's)
-    pending: int = 0  # reserved records not yet published or failed (under the tier's lock)
-    # ---- while active ----
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    tail: int = ALIGN_BYTES  # next free offset
-    footer_bytes: int = _FOOTER_HEAD.size + _XXH3.size  # its footer, were it sealed now
-    log: list[tuple[int, RecordHeader]] = field(default_factory=list)
-    inflight: int = 0  # reserved extents not yet written (or failed)
-    done: dict[int, int] = field(default_factory=dict)  # finished extents past `done_upto`
-    done_upto: int = ALIGN_BYTES  # every extent before is written
-    synced_upto: int = ALIGN_BYTES
-    syncing: bool = False
-    sealing: bool = False  # a thread is writing its footer
-    full: bool = False  # takes no more reservations
-    broken: bool = False  # a write failed: sealed as soon as the writes in flight end
-    seal_failed: bool = False
-    failed: set[int] = field(default_factory=set)  # offsets whose write failed
-    # ---- lifetime ----
-    readers: int = 0
-    retired: bool = False
-
-    def fits(self, record_bytes: int, entry_bytes: int) -> bool:
-        footer_end = round_up(self.footer_bytes + entry_bytes, ALIGN_BYTES)
-        return self.tail + record_bytes + footer_end + ALIGN_BYTES <= self.size_bytes
-
-
 @dataclass(slots=True)
 class _Loaded:
     """What recovery read from one segment of an earlier run."""
 
-    segment: _Segment
+    segment: Segment
     entries: list[tuple[int, RecordHeader]]
     sealed: bool
     why: str = ""  # why the segment could not be read at all ("" if it could)
@@ -224,14 +169,14 @@ class SegmentTier(NvmeTier):
         self._seg_str = str(self._seg_dir)
         self._mu = threading.Lock()  # the maps below, segment accounting, `_active`
         self._rotate_lock = threading.Lock()  # one thread opens the next segment
-        self._where: dict[RecordId, _Segment] = {}
-        self._segments: dict[int, _Segment] = {}
+        self._where: dict[RecordId, Segment] = {}
+        self._segments: dict[int, Segment] = {}
         # The segment callers append to, and the one reclaim copies into: apart, so that
         # callers at the limit cannot use up the room reclaim needs to free some.
-        self._active: _Segment | None = None
-        self._relocating: _Segment | None = None
+        self._active: Segment | None = None
+        self._relocating: Segment | None = None
         self._next_id = 1
-        self._old: list[_Segment] = []  # earlier runs' segments, for `recover`
+        self._old: list[Segment] = []  # earlier runs' segments, for `recover`
         self.allocated_bytes = 0  # of segment files on disk
         self.written_bytes = 0  # records written by callers
         self.relocated_bytes = 0  # records re-appended by reclaim
@@ -268,19 +213,18 @@ class SegmentTier(NvmeTier):
             )
         self._old = []
         for name in sorted(os.listdir(self._seg_str)):
-            match = _NAME.match(name)
+            seg_id = segment_id_of(name)
             path = f"{self._seg_str}/{name}"
-            if match is None:
+            if seg_id is None:
                 remove_entry(path)  # a stray: nothing this layout wrote
                 continue
-            seg_id = int(match.group(1), 16)
             try:
                 opened = open_regular(path, self._flags(os.O_RDWR))
             except OSError as err:
                 logger.warning("dropping unreadable segment %s: %s", name, err)
                 remove_entry(path)
                 continue
-            seg = _Segment(seg_id, path, opened.fd, opened.info.st_size)
+            seg = Segment(seg_id, path, opened.fd, opened.info.st_size)
             seg.full = seg.sealing = seg.sealed = True  # never appended to again
             self._old.append(seg)
             self._segments[seg_id] = seg
@@ -323,7 +267,7 @@ class SegmentTier(NvmeTier):
         if self._stop_recovery.is_set():
             report.complete = False
             return report
-        newest: dict[tuple[str, bytes], tuple[_Segment, int, RecordHeader]] = {}
+        newest: dict[tuple[str, bytes], tuple[Segment, int, RecordHeader]] = {}
         covered: dict[tuple[str, bytes], int] = {}
         for item in loaded:
             seg = item.segment
@@ -389,7 +333,7 @@ class SegmentTier(NvmeTier):
             remove_entry(self.root / name)
         self._old_tombstone_logs = []
 
-    def _load(self, seg: _Segment) -> _Loaded:
+    def _load(self, seg: Segment) -> _Loaded:
         """One earlier segment's records: from its footer when its trailer is valid, else
         read one by one from the start until the first that fails (then sealed here, so the
         next start reads a footer)."""
@@ -399,63 +343,32 @@ class SegmentTier(NvmeTier):
             failpoints.fire("nvme.recover_fan")
         fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
-            head = os.pread(fd, ALIGN_BYTES, 0)
-            if len(head) < _SEG_HEAD.size + _XXH3.size:
-                return _Loaded(seg, [], False, "shorter than a segment header")
-            magic, version, seg_id, size_bytes = _SEG_HEAD.unpack_from(head)
-            (digest,) = _XXH3.unpack_from(head, _SEG_HEAD.size)
-            if (
-                magic != _SEG_MAGIC
-                or digest != xxhash.xxh3_64_intdigest(head[: _SEG_HEAD.size])
-                or version != _SEG_VERSION
-                or seg_id != seg.seg_id
-            ):
-                return _Loaded(seg, [], False, "bad segment header")
+            try:
+                size_bytes = check_segment_header(os.pread(fd, ALIGN_BYTES, 0), seg.seg_id)
+            except CorruptRecord as err:
+                return _Loaded(seg, [], False, str(err))
             seg.size_bytes = min(seg.size_bytes, size_bytes)
-            entries = _read_footer(fd, seg)
+            entries = read_footer(fd, seg.seg_id, seg.size_bytes)
             if entries is not None:
                 return _Loaded(seg, entries, True)
-            entries, tail = self._scan(fd, seg)
+            scan = scan_records(fd, seg.size_bytes)
         finally:
             os.close(fd)
-        self._seal_scanned(seg, entries, tail)
-        return _Loaded(seg, entries, False)
-
-    def _scan(self, fd: int, seg: _Segment) -> tuple[list[tuple[int, RecordHeader]], int]:
-        """Complete records from page 1 on, up to the first torn or damaged one."""
-        entries: list[tuple[int, RecordHeader]] = []
-        pos = ALIGN_BYTES
-        while pos + ALIGN_BYTES <= seg.size_bytes:
-            try:
-                head = os.pread(fd, ALIGN_BYTES, pos)
-                header = decode_header(head + _rest_of_header(fd, head, pos))
-                if pos + header.record_bytes > seg.size_bytes - ALIGN_BYTES:
-                    break
-                data = os.pread(fd, header.record_bytes, pos)
-                if len(data) != header.record_bytes:
-                    break
-                view = memoryview(data)
-                verify_record(
-                    view[: header.header_bytes], view[header.header_bytes :], header, None
-                )
-            except CorruptRecord:
-                break
-            entries.append((pos, header))
-            pos += header.record_bytes
-        return entries, pos
+        self._seal_scanned(seg, scan.entries, scan.tail)
+        return _Loaded(seg, scan.entries, False)
 
     def _seal_scanned(
-        self, seg: _Segment, entries: list[tuple[int, RecordHeader]], tail: int
+        self, seg: Segment, entries: list[tuple[int, RecordHeader]], tail: int
     ) -> None:
         """Write the footer of a segment recovery had to scan, where the records end."""
         seg.tail = tail
         seg.log = list(entries)
-        seg.footer_bytes = _FOOTER_HEAD.size + _XXH3.size + sum(_entry_bytes(h) for _, h in entries)
+        seg.footer_bytes = EMPTY_FOOTER_BYTES + sum(entry_bytes(h) for _, h in entries)
         if tail + round_up(seg.footer_bytes, ALIGN_BYTES) + ALIGN_BYTES > seg.size_bytes:
             seg.log = []
             return  # no room for one: scanned again at the next start
         try:
-            self._write_footer(seg)
+            seg.write_footer()
         except OSError as err:
             logger.warning("could not seal recovered segment %s: %s", seg.path, err)
         seg.log = []
@@ -477,7 +390,7 @@ class SegmentTier(NvmeTier):
 
     def _append(
         self, header: RecordHeader, iov: list[memoryview | mmap.mmap], relocating: bool
-    ) -> _Segment:
+    ) -> Segment:
         seg, offset = self._reserve(header, relocating)
         total = header.record_bytes
         rid = (header.ns_id, header.key, header.generation)
@@ -510,23 +423,15 @@ class SegmentTier(NvmeTier):
             self._where[rid] = seg
         return seg
 
-    def _reserve(self, header: RecordHeader, relocating: bool) -> tuple[_Segment, int]:
+    def _reserve(self, header: RecordHeader, relocating: bool) -> tuple[Segment, int]:
         """An extent of the active segment for this record (a new segment if it is full)."""
-        size, entry = header.record_bytes, _entry_bytes(header)
+        size, entry = header.record_bytes, entry_bytes(header)
         give_up_s: float | None = None
         while True:
             with self._mu:
                 seg = self._relocating if relocating else self._active
                 if seg is not None and not seg.full and seg.fits(size, entry):
-                    offset = seg.tail
-                    seg.tail += size
-                    seg.footer_bytes += entry
-                    seg.log.append((offset, header))
-                    seg.pending += 1
-                    seg.stored_bytes += size
-                    with seg.cond:
-                        seg.inflight += 1
-                    return seg, offset
+                    return seg, seg.reserve(header, entry)
             if self._rotate(seg, size, entry, relocating):
                 continue
             # At the limit: the store keeps its live bytes below capacity_bytes, so the
@@ -538,7 +443,7 @@ class SegmentTier(NvmeTier):
                 raise OSError(errno.ENOSPC, "NVMe segments full (reclaim has not caught up)")
             time.sleep(_SPACE_POLL_S)
 
-    def _rotate(self, full: _Segment | None, size: int, entry: int, relocating: bool) -> bool:
+    def _rotate(self, full: Segment | None, size: int, entry: int, relocating: bool) -> bool:
         """Seal the full active segment and open the next one (one thread at a time); False
         if the segments are at the limit (the reclaimer is woken)."""
         with self._rotate_lock:
@@ -565,26 +470,23 @@ class SegmentTier(NvmeTier):
                 self._reclaim_wake.set()
             return True
 
-    def _set_active(self, seg: _Segment | None, relocating: bool) -> None:
+    def _set_active(self, seg: Segment | None, relocating: bool) -> None:
         if relocating:
             self._relocating = seg
         else:
             self._active = seg
 
-    def _create_segment(self, size_bytes: int) -> _Segment:
+    def _create_segment(self, size_bytes: int) -> Segment:
         with self._mu:
             seg_id = self._next_id
             self._next_id += 1
-        path = f"{self._seg_str}/{seg_id:016x}{SEGMENT_SUFFIX}"
+        path = f"{self._seg_str}/{segment_name(seg_id)}"
         fd = open_regular(path, self._flags(os.O_RDWR | os.O_CREAT | os.O_EXCL)).fd
         try:
-            _preallocate(fd, size_bytes)
+            preallocate(fd, size_bytes)
             head = aligned_buffer(ALIGN_BYTES)
-            fixed = _SEG_HEAD.pack(_SEG_MAGIC, _SEG_VERSION, seg_id, size_bytes)
-            head[: _SEG_HEAD.size] = fixed
-            head[_SEG_HEAD.size : _SEG_HEAD.size + _XXH3.size] = _XXH3.pack(
-                xxhash.xxh3_64_intdigest(fixed)
-            )
+            fixed = encode_segment_header(seg_id, size_bytes)
+            head[: len(fixed)] = fixed
             if os.pwritev(fd, [head], 0) != ALIGN_BYTES:
                 raise OSError(errno.EIO, "short write of a segment header")
             if self.sync_writes:
@@ -594,32 +496,18 @@ class SegmentTier(NvmeTier):
             os.close(fd)
             remove_entry(path)
             raise
-        seg = _Segment(seg_id, path, fd, size_bytes, loaded=True)
+        seg = Segment(seg_id, path, fd, size_bytes, loaded=True)
         with self._mu:
             self._segments[seg_id] = seg
             self.allocated_bytes += size_bytes
         return seg
 
-    def _finish(self, seg: _Segment, offset: int, size: int, ok: bool) -> None:
+    def _finish(self, seg: Segment, offset: int, size: int, ok: bool) -> None:
         """Mark an extent written (or failed), then wait until the record may be visible:
         every extent before it written (and synced with sync_writes). A failure seals the
         segment with what was written, so records after the hole are found through its
         footer; raises OSError if such a record cannot be made findable."""
-        end = offset + size
-        with seg.cond:
-            seg.inflight -= 1
-            if ok:
-                seg.done[offset] = size
-                while seg.done_upto in seg.done:
-                    seg.done_upto += seg.done.pop(seg.done_upto)
-            else:
-                seg.failed.add(offset)
-                seg.broken = True
-            seg.cond.notify_all()
-            while ok and not seg.broken and seg.done_upto < end:
-                seg.cond.wait()
-            in_prefix = ok and seg.done_upto >= end
-        if not in_prefix:  # this write failed, or one before it did
+        if not seg.mark_written(offset, size, ok):  # this write failed, or one before it did
             with self._mu:
                 if self._active is seg:
                     self._active = None
@@ -635,98 +523,18 @@ class SegmentTier(NvmeTier):
                         errno.EIO, "NVMe segment could not be sealed after a failed write"
                     )
         if self.sync_writes:
-            self._group_commit(seg, end)
+            seg.commit_through(offset + size)
 
-    def _group_commit(self, seg: _Segment, end: int) -> None:
-        """One fdatasync covers every record written before it started: the first writer
-        to need it syncs, the others wait for it."""
-        with seg.cond:
-            while seg.synced_upto < end:
-                if seg.syncing:
-                    seg.cond.wait()
-                    continue
-                seg.syncing = True
-                target = seg.done_upto
-                seg.cond.release()
-                try:
-                    os.fdatasync(seg.fd)
-                except BaseException:
-                    seg.cond.acquire()
-                    seg.syncing = False
-                    seg.cond.notify_all()
-                    raise
-                seg.cond.acquire()
-                seg.syncing = False
-                seg.synced_upto = max(seg.synced_upto, target)
-                seg.cond.notify_all()
-
-    def _seal_when_idle(self, seg: _Segment) -> None:
-        """Once no write to `seg` is in flight, write its footer and trailer (one thread
-        does; the others wait until it is done or has failed)."""
-        with seg.cond:
-            while seg.inflight:
-                seg.cond.wait()
-            if seg.sealing:
-                while not (seg.sealed or seg.seal_failed):
-                    seg.cond.wait()
-                return
-            seg.sealing = True
+    def _seal_when_idle(self, seg: Segment) -> None:
+        """Seal `seg` once no write to it is in flight (see Segment.seal_when_idle); a
+        failure is logged and left in `seg.seal_failed`."""
         try:
-            self._write_footer(seg)
+            seg.seal_when_idle()
         except OSError as err:
             logger.warning("could not seal NVMe segment %s: %s", seg.path, err.strerror or err)
-            with seg.cond:
-                seg.seal_failed = True
-                seg.cond.notify_all()
-            return
-        with seg.cond:
-            seg.sealed = True
-            seg.cond.notify_all()
-
-    def _write_footer(self, seg: _Segment) -> None:
-        """The footer of the records in `seg.log` that were written, at `seg.tail`, then the
-        trailer in the last page, synced: a crash before the trailer leaves a segment that
-        recovery scans."""
-        if failpoints.ACTIVE:
-            failpoints.fire("segment.seal")
-        entries = [(off, h) for off, h in seg.log if off not in seg.failed]
-        parts = [_FOOTER_HEAD.pack(_FOOTER_MAGIC, len(entries))]
-        for off, h in entries:
-            ns = h.ns_id.encode()
-            parts.append(
-                _ENTRY.pack(
-                    off,
-                    h.generation,
-                    h.payload_bytes,
-                    h.xxh3_64,
-                    h.header_bytes,
-                    h.codec,
-                    len(ns),
-                    len(h.key),
-                )
-            )
-            parts.append(ns + h.key)
-        body = b"".join(parts)
-        footer = body + _XXH3.pack(xxhash.xxh3_64_intdigest(body))
-        footer_at = seg.tail
-        buf = aligned_buffer(round_up(len(footer), ALIGN_BYTES))
-        buf[: len(footer)] = footer
-        _pwrite_exact(seg.fd, buf, footer_at)
-        fixed = _TRAILER.pack(
-            _TRAILER_MAGIC, seg.seg_id, footer_at, len(footer), xxhash.xxh3_64_intdigest(footer)
-        )
-        trailer = aligned_buffer(ALIGN_BYTES)
-        trailer[: _TRAILER.size] = fixed
-        trailer[_TRAILER.size : _TRAILER.size + _XXH3.size] = _XXH3.pack(
-            xxhash.xxh3_64_intdigest(fixed)
-        )
-        os.fdatasync(seg.fd)  # the footer before the trailer that points at it
-        _pwrite_exact(seg.fd, trailer, seg.size_bytes - ALIGN_BYTES)
-        os.fdatasync(seg.fd)
-        seg.log = []
 
     # ---- reading ------------------------------------------------------------------------------
-    def _locate(self, header: RecordHeader) -> tuple[_Segment, int]:
+    def _locate(self, header: RecordHeader) -> tuple[Segment, int]:
         rid = (header.ns_id, header.key, header.generation)
         with self._mu:
             seg = self._where.get(rid)
@@ -736,7 +544,7 @@ class SegmentTier(NvmeTier):
             seg.readers += 1
         return seg, offset
 
-    def _release(self, seg: _Segment) -> None:
+    def _release(self, seg: Segment) -> None:
         with self._mu:
             seg.readers -= 1
             close = seg.retired and not seg.readers
@@ -755,7 +563,7 @@ class SegmentTier(NvmeTier):
                 if got <= 0:
                     raise CorruptRecord("record ended early")
                 done += got
-                _advance(iov, got)
+                advance(iov, got)
         finally:
             self._release(seg)
 
@@ -782,7 +590,7 @@ class SegmentTier(NvmeTier):
             if os.write(self._tombstone_fd, entry) != len(entry):
                 raise OSError(errno.EIO, "short write to the tombstone log")
 
-    def _drop_locked(self, rid: RecordId, seg: _Segment) -> None:
+    def _drop_locked(self, rid: RecordId, seg: Segment) -> None:
         offset_header = seg.records.pop(rid, None)
         if offset_header is not None:
             seg.live_bytes -= offset_header[1].record_bytes
@@ -860,7 +668,7 @@ class SegmentTier(NvmeTier):
                 self._retire_locked(seg)
         return len(empty)
 
-    def _emptied(self, seg: _Segment) -> bool:
+    def _emptied(self, seg: Segment) -> bool:
         return (
             seg.sealed
             and seg.loaded
@@ -871,13 +679,13 @@ class SegmentTier(NvmeTier):
             and seg.seg_id in self._segments
         )
 
-    def _relocate(self, victim: _Segment) -> None:
+    def _relocate(self, victim: Segment) -> None:
         """Re-append the live records of `victim` (each checked first: a damaged one is
         dropped, not copied), make the copies durable, then delete it."""
         with self._mu:
             live = list(victim.records.items())
         buf: mmap.mmap | None = None
-        touched: set[_Segment] = set()
+        touched: set[Segment] = set()
         for _rid, (offset, header) in live:
             if failpoints.ACTIVE:
                 failpoints.fire("segment.relocate")
@@ -907,11 +715,11 @@ class SegmentTier(NvmeTier):
             "reclaimed NVMe segment %s: %d live records re-appended", victim.path, len(live)
         )
 
-    def _retire(self, seg: _Segment, delete: bool) -> None:
+    def _retire(self, seg: Segment, delete: bool) -> None:
         with self._mu:
             self._retire_locked(seg, delete)
 
-    def _retire_locked(self, seg: _Segment, delete: bool = True) -> None:
+    def _retire_locked(self, seg: Segment, delete: bool = True) -> None:
         """Forget a segment and delete its file (its fd closed once no read uses it)."""
         if self._segments.pop(seg.seg_id, None) is None:
             return
@@ -957,72 +765,6 @@ class SegmentTier(NvmeTier):
             ]
 
 
-def _read_footer(fd: int, seg: _Segment) -> list[tuple[int, RecordHeader]] | None:
-    """A sealed segment's records from its footer; None if its trailer or footer fails
-    its checksum (the segment is then scanned)."""
-    tail = os.pread(fd, ALIGN_BYTES, seg.size_bytes - ALIGN_BYTES)
-    if len(tail) < _TRAILER.size + _XXH3.size:
-        return None
-    fixed = tail[: _TRAILER.size]
-    (digest,) = _XXH3.unpack_from(tail, _TRAILER.size)
-    magic, seg_id, footer_at, footer_bytes, footer_xxh3 = _TRAILER.unpack(fixed)
-    if magic != _TRAILER_MAGIC or digest != xxhash.xxh3_64_intdigest(fixed):
-        return None
-    if seg_id != seg.seg_id or footer_at + footer_bytes > seg.size_bytes - ALIGN_BYTES:
-        return None
-    footer = os.pread(fd, footer_bytes, footer_at)
-    if len(footer) != footer_bytes or xxhash.xxh3_64_intdigest(footer) != footer_xxh3:
-        return None
-    end = footer_bytes - _XXH3.size
-    (stored,) = _XXH3.unpack_from(footer, end)
-    if stored != xxhash.xxh3_64_intdigest(footer[:end]):
-        return None
-    magic, count = _FOOTER_HEAD.unpack_from(footer, 0)
-    if magic != _FOOTER_MAGIC:
-        return None
-    out: list[tuple[int, RecordHeader]] = []
-    pos = _FOOTER_HEAD.size
-    try:
-        for _ in range(count):
-            off, gen, payload, xxh3_64, header_bytes, codec, ns_len, key_len = _ENTRY.unpack_from(
-                footer, pos
-            )
-            pos += _ENTRY.size
-            ns_id = footer[pos : pos + ns_len].decode()
-            key = footer[pos + ns_len : pos + ns_len + key_len]
-            pos += ns_len + key_len
-            header = RecordHeader(ns_id, key, gen, payload, xxh3_64, header_bytes, codec)
-            # Offsets are checked against the segment only; the record's own header is
-            # checked on every read, so a footer that lies about one is a miss.
-            if off % ALIGN_BYTES or off + header.record_bytes > footer_at:
-                continue
-            out.append((off, header))
-    except (struct.error, UnicodeDecodeError):
-        return None
-    return out
-
-
-def _rest_of_header(fd: int, first_page: bytes, pos: int) -> bytes:
-    """The rest of a header region longer than a page (long keys)."""
-    if len(first_page) < 24:
-        return b""
-    header_bytes = struct.unpack_from("<I", first_page, 12)[0]
-    if ALIGN_BYTES < header_bytes <= 64 << 10:
-        return os.pread(fd, header_bytes - ALIGN_BYTES, pos + ALIGN_BYTES)
-    return b""
-
-
-def _preallocate(fd: int, size_bytes: int) -> None:
-    """Reserve the segment's blocks now (ENOSPC here, not mid-record); where the file
-    system cannot, a sparse file of that size."""
-    try:
-        os.posix_fallocate(fd, 0, size_bytes)
-    except OSError as err:
-        if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-        os.ftruncate(fd, size_bytes)
-
-
 def _pwrite_at(fd: int, iov: list[memoryview | mmap.mmap], total: int, offset: int) -> None:
     """Write `iov` (`total` bytes) at `offset`, continuing after short writes (the
     nvme.pwrite failpoint acts one out, as the file layout's writer does)."""
@@ -1037,17 +779,7 @@ def _pwrite_at(fd: int, iov: list[memoryview | mmap.mmap], total: int, offset: i
         if written <= 0:
             raise OSError(errno.EIO, "write made no progress")
         done += written
-        _advance(views, written)
-
-
-def _pwrite_exact(fd: int, buf: mmap.mmap, offset: int) -> None:
-    view = memoryview(buf)
-    done = 0
-    while done < len(view):
-        written = os.pwritev(fd, [view[done:]], offset + done)
-        if written <= 0:
-            raise OSError(errno.EIO, "write made no progress")
-        done += written
+        advance(views, written)
 
 
 def _pread_exact(fd: int, view: memoryview, offset: int) -> None:
@@ -1057,14 +789,6 @@ def _pread_exact(fd: int, view: memoryview, offset: int) -> None:
         if got <= 0:
             raise CorruptRecord("record ended early")
         done += got
-
-
-def _advance(iov: list[memoryview], done_bytes: int) -> None:
-    while iov and done_bytes >= len(iov[0]):
-        done_bytes -= len(iov[0])
-        iov.pop(0)
-    if done_bytes:
-        iov[0] = iov[0][done_bytes:]
 
 
 def payload_checksum(data: bytes) -> int:

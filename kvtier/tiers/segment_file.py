@@ -1,0 +1,165 @@
+"""One segment file of the NVMe segment layout while the tier holds it: what is in it (its
+live records, their bytes) and the write protocol on it — extents reserved back to back,
+the prefix of them completely written, one fdatasync for many records (group commit), and
+sealing (footer, then trailer, synced in that order). Why visibility is a prefix, and which
+segment is appended to, rotated, reclaimed or recovered, is the tier's
+(kvtier/tiers/segments.py); the bytes of the footer and trailer are
+kvtier/tiers/segment_format.py's.
+
+Locking: the tier's lock guards the accounting (`records`, `live_bytes`, `pending`,
+`readers`, reservations); the writers of one segment coordinate on its `cond`, which is
+taken inside the tier's lock where both are held, never around it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+
+from kvtier import failpoints
+from kvtier.buffers import aligned_buffer
+from kvtier.tiers.allocator import round_up
+from kvtier.tiers.posix_io import pwrite_exact
+from kvtier.tiers.record import ALIGN_BYTES, RecordHeader
+from kvtier.tiers.segment_format import EMPTY_FOOTER_BYTES, encode_footer, encode_trailer
+
+__all__ = ["RecordId", "Segment"]
+
+RecordId = tuple[str, bytes, int]  # namespace, key, generation: what a record file named
+
+
+@dataclass(eq=False, slots=True)
+class Segment:
+    """One segment file. `records`: its live records (offset, header); `log`: every record
+    written to it this run, in order, for its footer. Writers coordinate on `cond`."""
+
+    seg_id: int
+    path: str
+    fd: int
+    size_bytes: int
+    records: dict[RecordId, tuple[int, RecordHeader]] = field(default_factory=dict)
+    live_bytes: int = 0
+    stored_bytes: int = 0  # of every record in it, live or dead
+    loaded: bool = False  # its records are known (recovered, or written by this run)
+    sealed: bool = False  # its footer is written (or it is an earlier run's)
+    pending: int = 0  # reserved records not yet published or failed (under the tier's lock)
+    # ---- while active ----
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    tail: int = ALIGN_BYTES  # next free offset
+    footer_bytes: int = EMPTY_FOOTER_BYTES  # its footer, were it sealed now
+    log: list[tuple[int, RecordHeader]] = field(default_factory=list)
+    inflight: int = 0  # reserved extents not yet written (or failed)
+    done: dict[int, int] = field(default_factory=dict)  # finished extents past `done_upto`
+    done_upto: int = ALIGN_BYTES  # every extent before is written
+    synced_upto: int = ALIGN_BYTES
+    syncing: bool = False
+    sealing: bool = False  # a thread is writing its footer
+    full: bool = False  # takes no more reservations
+    broken: bool = False  # a write failed: sealed as soon as the writes in flight end
+    seal_failed: bool = False
+    failed: set[int] = field(default_factory=set)  # offsets whose write failed
+    # ---- lifetime ----
+    readers: int = 0
+    retired: bool = False
+
+    def fits(self, record_bytes: int, entry_bytes: int) -> bool:
+        footer_end = round_up(self.footer_bytes + entry_bytes, ALIGN_BYTES)
+        return self.tail + record_bytes + footer_end + ALIGN_BYTES <= self.size_bytes
+
+    def reserve(self, header: RecordHeader, entry_bytes: int) -> int:
+        """The offset of the next extent, taken for `header`'s record (whose footer entry is
+        `entry_bytes`); the caller holds the tier's lock and has checked `fits`."""
+        size = header.record_bytes
+        offset = self.tail
+        self.tail += size
+        self.footer_bytes += entry_bytes
+        self.log.append((offset, header))
+        self.pending += 1
+        self.stored_bytes += size
+        with self.cond:
+            self.inflight += 1
+        return offset
+
+    def mark_written(self, offset: int, size: int, ok: bool) -> bool:
+        """Mark the extent at `offset` written (or failed), then wait until every extent
+        before it is written too or one has failed; whether it is in the written prefix."""
+        end = offset + size
+        with self.cond:
+            self.inflight -= 1
+            if ok:
+                self.done[offset] = size
+                while self.done_upto in self.done:
+                    self.done_upto += self.done.pop(self.done_upto)
+            else:
+                self.failed.add(offset)
+                self.broken = True
+            self.cond.notify_all()
+            while ok and not self.broken and self.done_upto < end:
+                self.cond.wait()
+            return ok and self.done_upto >= end
+
+    def commit_through(self, end: int) -> None:
+        """Make every extent before `end` durable. One fdatasync covers every record written
+        before it started: the first writer to need it syncs, the others wait for it."""
+        with self.cond:
+            while self.synced_upto < end:
+                if self.syncing:
+                    self.cond.wait()
+                    continue
+                self.syncing = True
+                target = self.done_upto
+                self.cond.release()
+                try:
+                    os.fdatasync(self.fd)
+                except BaseException:
+                    self.cond.acquire()
+                    self.syncing = False
+                    self.cond.notify_all()
+                    raise
+                self.cond.acquire()
+                self.syncing = False
+                self.synced_upto = max(self.synced_upto, target)
+                self.cond.notify_all()
+
+    def seal_when_idle(self) -> None:
+        """Once no write to it is in flight, write its footer and trailer (one thread does;
+        the others wait until it is done or has failed). An OSError is raised, once, to the
+        thread that tried, after `seal_failed` is set and the waiters are woken."""
+        with self.cond:
+            while self.inflight:
+                self.cond.wait()
+            if self.sealing:
+                while not (self.sealed or self.seal_failed):
+                    self.cond.wait()
+                return
+            self.sealing = True
+        try:
+            self.write_footer()
+        except OSError:
+            with self.cond:
+                self.seal_failed = True
+                self.cond.notify_all()
+            raise
+        with self.cond:
+            self.sealed = True
+            self.cond.notify_all()
+
+    def write_footer(self) -> None:
+        """The footer of the records in `log` that were written, at `tail`, then the
+        trailer in the last page, synced: a crash before the trailer leaves a segment that
+        recovery scans."""
+        if failpoints.ACTIVE:
+            failpoints.fire("segment.seal")
+        footer = encode_footer([(off, h) for off, h in self.log if off not in self.failed])
+        footer_at = self.tail
+        buf = aligned_buffer(round_up(len(footer), ALIGN_BYTES))
+        buf[: len(footer)] = footer
+        pwrite_exact(self.fd, buf, footer_at)
+        fixed = encode_trailer(self.seg_id, footer_at, footer)
+        trailer = aligned_buffer(ALIGN_BYTES)
+        trailer[: len(fixed)] = fixed
+        os.fdatasync(self.fd)  # the footer before the trailer that points at it
+        pwrite_exact(self.fd, trailer, self.size_bytes - ALIGN_BYTES)
+        os.fdatasync(self.fd)
+        self.log = []
