@@ -111,6 +111,13 @@ class _Timeout(Enum):
 
 CLIENT_TIMEOUT = _Timeout.CLIENT
 BYTE_PATH = frozenset({"Put", "Get", "PutBlock", "GetBlock"})
+# Attaching the side socket: a daemon flooded with connections that never present their
+# nonce closes the oldest waiting ones, a real client's among them if it was descheduled
+# between connecting and sending (kvtier/server/arena_socket.py). Such a failure is tried
+# again at once a few times, then again after ATTACH_RETRY_S, never given up for good.
+ATTACH_TRIES = 3
+ATTACH_PAUSE_S = 0.02
+ATTACH_RETRY_S = 30.0
 
 
 # ---- the steps an operation yields ---------------------------------------------------------
@@ -581,6 +588,7 @@ class ClientBase(ABC, Generic[ArenaT, ChannelT]):
         self._put_block, self._get_block = calls.put_block, calls.get_block
         self._arena: ArenaT | None = None
         self._zero_copy_possible = self.target.startswith("unix:")
+        self._attach_again_at_s = 0.0  # after transient failures: not before then
 
     @abstractmethod
     def _open_channel(
@@ -614,12 +622,35 @@ class ClientBase(ABC, Generic[ArenaT, ChannelT]):
             raise Unavailable("the session with the daemon is closed")
         return self._arena
 
-    def _attach_failed(self, err: Exception) -> None:
-        if isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+    def _may_attach(self) -> bool:
+        return (
+            self._arena is None
+            and self._zero_copy_possible
+            and time.monotonic() >= self._attach_again_at_s
+        )
+
+    def _attach_failed(self, err: Exception, tries_left: int) -> bool:
+        """After a failed attach: True to try again now (after ATTACH_PAUSE_S)."""
+        code = err.code() if isinstance(err, grpc.RpcError) else None
+        if isinstance(err, grpc.RpcError) and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             # Over a rate limit for now: not a reason to give up zero-copy.
             raise translate(err) from None
-        self._zero_copy_possible = False
-        logger.info("zero-copy path unavailable (%s); using the gRPC byte path", err)
+        # The side socket shed or reset (OSError, Unavailable): this attach, not the path.
+        transient = isinstance(err, (OSError, Unavailable)) or code == grpc.StatusCode.UNAVAILABLE
+        if transient and tries_left > 0:
+            return True
+        if transient:
+            self._attach_again_at_s = time.monotonic() + ATTACH_RETRY_S
+            logger.info(
+                "zero-copy path unavailable for now (%s); using the gRPC byte path, "
+                "attaching again in %.0f s",
+                err,
+                ATTACH_RETRY_S,
+            )
+        else:
+            self._zero_copy_possible = False
+            logger.info("zero-copy path unavailable (%s); using the gRPC byte path", err)
+        return False
 
     def _close_session(self) -> None:
         if self._arena is not None:

@@ -4,6 +4,7 @@ a grpc.aio channel and the session socket, through the event loop."""
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from types import TracebackType
@@ -149,10 +150,15 @@ class AsyncClient(ClientBase[AsyncSharedArena, grpc.aio.Channel]):
             call.cancel()
 
     async def _shared_arena(self) -> AsyncSharedArena | None:
-        if self._arena is None and self._zero_copy_possible:
+        if not self._may_attach():
+            return self._arena
+        for tries_left in reversed(range(_core.ATTACH_TRIES)):
             try:
                 resp = await self._grpc("Attach", pb.AttachRequest())
                 self._arena = await AsyncSharedArena.attach(resp)
+                break
             except (grpc.RpcError, OSError, KVTierError) as err:
-                self._attach_failed(err)
+                if not self._attach_failed(err, tries_left):
+                    break
+            await asyncio.sleep(_core.ATTACH_PAUSE_S)
         return self._arena

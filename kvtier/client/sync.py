@@ -5,6 +5,7 @@ session socket."""
 from __future__ import annotations
 
 import builtins
+import time
 from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -162,9 +163,14 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
             call.cancel()
 
     def _shared_arena(self) -> SharedArena | None:
-        if self._arena is None and self._zero_copy_possible:
+        if not self._may_attach():
+            return self._arena
+        for tries_left in reversed(range(_core.ATTACH_TRIES)):
             try:
                 self._arena = SharedArena.attach(self._grpc("Attach", pb.AttachRequest()))
+                break
             except (grpc.RpcError, OSError, KVTierError) as err:
-                self._attach_failed(err)
+                if not self._attach_failed(err, tries_left):
+                    break
+            time.sleep(_core.ATTACH_PAUSE_S)
         return self._arena

@@ -323,3 +323,65 @@ async def test_async_client_zero_copy(start_daemon: StartDaemon) -> None:
     assert stats["promotions"] == 0
     with daemon.client() as sync_client:
         wait_for(lambda: sync_client.stats()["leases"] == 0, "async leases must be released")
+
+
+class _FlakyAttach:
+    """SharedArena.attach failing as a shed handshake does (the daemon closes the side
+    socket before its reply) `failures` times, then attaching for real."""
+
+    def __init__(self, real: Callable[..., object], failures: int, error: Exception) -> None:
+        self.real, self.failures, self.error, self.calls = real, failures, error, 0
+
+    def __call__(self, resp: pb.AttachResponse) -> object:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise self.error
+        return self.real(resp)
+
+
+def test_a_shed_attach_is_tried_again(
+    start_daemon: StartDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A side-socket handshake the daemon shed (a flood of connections that never send
+    their nonce) costs that client an attach, not the zero-copy path: it is tried again at
+    once, and after a pause if it keeps failing; a daemon without the path (Unimplemented)
+    is not asked again."""
+    from kvtier.client import _core
+    from kvtier.client import sync as client_sync
+    from kvtier.client.zerocopy import SharedArena
+    from kvtier.errors import Unavailable, Unimplemented
+
+    daemon = start_daemon(dram="64MiB", nvme="256MiB")
+    data = block_bytes(7, 65536)
+    with daemon.client() as writer:
+        writer.put(NS, b"k", data)
+    out = bytearray(len(data))
+
+    # Shed twice, then through: attached within the one call.
+    flaky = _FlakyAttach(SharedArena.attach, 2, Unavailable("the daemon refused to share"))
+    monkeypatch.setattr(client_sync.SharedArena, "attach", flaky)
+    with daemon.client() as client:
+        assert client.get_into(NS, b"k", out) == len(data) and bytes(out) == data
+        assert client._arena is not None and flaky.calls == 3
+
+    # Shed every time: gRPC meanwhile, no attach until the pause is over, then attached.
+    monkeypatch.setattr(_core, "ATTACH_RETRY_S", 0.5)
+    flaky = _FlakyAttach(SharedArena.attach, _core.ATTACH_TRIES, ConnectionResetError())
+    monkeypatch.setattr(client_sync.SharedArena, "attach", flaky)
+    with daemon.client() as client:
+        assert client.get_into(NS, b"k", out) == len(data) and bytes(out) == data
+        assert client._arena is None and flaky.calls == _core.ATTACH_TRIES
+        assert client.get_into(NS, b"k", out) == len(data)
+        assert flaky.calls == _core.ATTACH_TRIES  # within the pause: not asked again
+        time.sleep(0.6)
+        assert client.get_into(NS, b"k", out) == len(data) and bytes(out) == data
+        assert client._arena is not None and flaky.calls == _core.ATTACH_TRIES + 1
+
+    # Not a transient failure: gRPC for good, and a single attach.
+    flaky = _FlakyAttach(SharedArena.attach, 99, Unimplemented("no side socket"))
+    monkeypatch.setattr(client_sync.SharedArena, "attach", flaky)
+    monkeypatch.setattr(_core, "ATTACH_RETRY_S", 0.0)
+    with daemon.client() as client:
+        for _ in range(3):
+            assert client.get_into(NS, b"k", out) == len(data) and bytes(out) == data
+        assert client._arena is None and flaky.calls == 1
