@@ -39,7 +39,7 @@ from kvtier.engine.leases import LeaseTable
 from kvtier.engine.nvme import NvmeDriver, ReadStatus
 from kvtier.engine.recovery import NvmeRecovery
 from kvtier.engine.remote import RemoteLink
-from kvtier.engine.residency import Released, Residency
+from kvtier.engine.residency import Released, new_residency
 from kvtier.engine.results import (
     CommitOutcome,
     Counters,
@@ -60,8 +60,9 @@ from kvtier.errors import (
 )
 from kvtier.index.catalog import Entry
 from kvtier.index.estimators import PathEstimator, PrefillEstimator
+from kvtier.index.packed_policy import PackedPolicies
 from kvtier.index.planner import Plan
-from kvtier.index.policy import BlockInfo, Policies, ValueModel
+from kvtier.index.policy import BlockInfo, ValueModel
 from kvtier.keys import tenant_of
 from kvtier.movers.io import IoPool
 from kvtier.profiles import MODELS
@@ -133,7 +134,7 @@ class Store:
         self.costs = CostModel(seeds, planner.default_model, self._streams, self.counters)
         profile = MODELS[planner.default_model]
         policy = cfg.policy
-        policies = Policies(
+        self.residency = new_residency(
             policy.name,
             policy.admission,
             ValueModel(
@@ -143,15 +144,12 @@ class Store:
                 self.costs.value_costs,
             ),
             policy.ghost_blocks,
-            policy.min_p_reuse,
-        )
-        self.residency = Residency(
-            policies,
             {tenant: arena.capacity_bytes for tenant, arena in self.space.arenas.items()},
             cfg.nvme.capacity_bytes,
             self._nvme_quota,
             self.counters,
             self.events.record,
+            policy.min_p_reuse,
         )
         self._tier_reports: list[Callable[[], TierUsage]] = []  # tiers kept elsewhere (HBM)
 
@@ -161,7 +159,7 @@ class Store:
         return self.space.arenas
 
     @property
-    def policies(self) -> Policies:
+    def policies(self) -> PackedPolicies:
         return self.residency.policies
 
     def arena(self, tenant: str) -> DramTier:
@@ -676,9 +674,7 @@ class Store:
             if self.remote is not None and self.config.remote.admission == "on_evict":
                 await self.shared.put(entry)
             wanted = self.nvme is not None and not entry.nvme_record_bytes
-            if wanted and not self.policies.admission.admit_on_evict(
-                entry.block_id, self.residency.info(entry)
-            ):
+            if wanted and not self.residency.admit_on_evict(entry):
                 wanted = False
                 self.counters.not_admitted += 1
             if wanted and await self._write_nvme(entry, evicting=True):

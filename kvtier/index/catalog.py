@@ -2,7 +2,7 @@
 
 Pure bookkeeping, driven by the store's Residency (kvtier/engine/residency.py) and by the
 replay simulator, on one thread (so no locks). What to evict is the policy's business
-(kvtier/index/policy.py), not the catalog's.
+(kvtier/index/policy.py, kvtier/index/packed_policy.py), not the catalog's.
 
 Lifecycle of an entry:
     add(entry with a DRAM extent)          -> visible to lookup/get
@@ -13,35 +13,220 @@ Lifecycle of an entry:
     remove                                 -> gone from lookups at once; the caller frees its
                                               resources now, or when the last pin is released
                                               (entry.doomed tells it which)
+
+**Packed** (issue 22): a block is an integer *slot*, each of its fields one element of a
+typed array (kvtier/index/slots.py), so a catalog of millions of blocks is a few dozen
+arrays and nothing per block that the garbage collector walks. Per slot:
+
+    digest (uint64)  chain (int32: next slot in its hash bucket, or in the free list)
+    ns (uint32: interned namespace)  key_off (int64), key_len (uint16): the key in one
+    byte heap (a reused slot reuses its key's room when the new key is as long)
+    size, xxh3, generation, record bytes (uint64)  pins (uint32)  flags, read errors, era
+    (uint8)
+
+DRAM copies are few (an arena holds thousands of blocks, the NVMe tier millions), so
+their extents are a dict by slot rather than two more arrays for every block.
+
+The index is digest -> slot by linear hashing (Litwin): buckets are chains through
+`chain`, one bucket split per insert as the table grows, so no insert ever rehashes the
+whole table (a rehash of 10 M slots would stop the event loop for seconds). A bucket is
+walked comparing the digest, then the full id (namespace and key bytes): two blocks whose
+digests collide are two slots of one bucket, never one block.
+
+`Entry` is a handle (catalog, slot, block id) whose attributes read and write the arrays.
+The catalog hands out at most one live handle per slot (a weak-reference map), so `is`
+identity and `is_live` mean what they meant when entries were objects; a removed block's
+slot is reused only once its last handle is gone and no tier still names it as a parent
+(`holds`). An `Entry` built by its constructor holds its fields itself until `add`
+moves them into a slot (the simulator and the tests build entries that way).
 """
 
 from __future__ import annotations
 
+import weakref
+from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from typing import Any
 
+from kvtier.index.slots import NO_SLOT, extend, headroom, key_digest
 from kvtier.keys import tenant_of
 from kvtier.types import BlockId, Extent, LookupResult, TierName
 
-__all__ = ["BlockId", "Catalog", "Entry", "LookupResult", "TierName"]
+__all__ = ["NO_SLOT", "BlockId", "Catalog", "Entry", "LookupResult", "TierName"]
+
+# flags
+_LIVE = 1  # in the index: lookups find it
+_DOOMED = 4
+_DEMOTING = 8
+_IN_REMOTE = 16
+_FREE = 32  # in the free list
+_MIN_BUCKETS = 16
+_RETRY_HELD = 16  # removed slots a tier still names, looked at again per add
 
 
-@dataclass(slots=True, eq=False)
 class Entry:
-    """Mutable catalog state of one block (identity matters: compare with `is`)."""
+    """Catalog state of one block (identity matters: compare with `is`).
 
-    block_id: BlockId
-    size_bytes: int
-    xxh3_64: int
-    generation: int
-    dram_extent: Extent | None = None
-    nvme_record_bytes: int = 0
-    pins: int = 0
-    doomed: bool = False
-    demoting: bool = False
-    read_errors: int = 0  # I/O errors reading its NVMe record (not checksum failures)
-    in_remote: bool = False  # this node put it in, or fetched it from, the remote tier
+    A handle over a catalog slot once added (`Catalog.add`, or handed out by the
+    catalog); before that, its own fields."""
+
+    __slots__ = ("__weakref__", "_catalog", "_own", "_slot", "block_id")
+
+    def __init__(
+        self,
+        block_id: BlockId,
+        size_bytes: int,
+        xxh3_64: int,
+        generation: int,
+        dram_extent: Extent | None = None,
+        nvme_record_bytes: int = 0,
+        pins: int = 0,
+        doomed: bool = False,
+        demoting: bool = False,
+        read_errors: int = 0,
+        in_remote: bool = False,
+    ) -> None:
+        self.block_id = block_id
+        self._catalog: Catalog | None = None
+        self._slot = NO_SLOT
+        self._own: list[Any] | None = [
+            size_bytes,
+            xxh3_64,
+            generation,
+            dram_extent,
+            nvme_record_bytes,
+            pins,
+            doomed,
+            demoting,
+            read_errors,
+            in_remote,
+        ]
+
+    @property
+    def slot(self) -> int:
+        """The entry's catalog slot (NO_SLOT before it is added)."""
+        return self._slot
+
+    def __repr__(self) -> str:
+        return f"Entry({self.block_id!r}, slot={self._slot})"
+
+    # ---- the fields: the slot's array elements, or the entry's own until it is added ----
+    def _get(self, i: int) -> Any:
+        assert self._own is not None
+        return self._own[i]
+
+    def _set(self, i: int, value: Any) -> None:
+        assert self._own is not None
+        self._own[i] = value
+
+    @property
+    def size_bytes(self) -> int:
+        c = self._catalog
+        return self._get(0) if c is None else c._size[self._slot]
+
+    @property
+    def xxh3_64(self) -> int:
+        c = self._catalog
+        return self._get(1) if c is None else c._xxh3[self._slot]
+
+    @property
+    def generation(self) -> int:
+        c = self._catalog
+        return self._get(2) if c is None else c._gen[self._slot]
+
+    @property
+    def dram_extent(self) -> Extent | None:
+        c = self._catalog
+        if c is None:
+            return self._get(3)  # type: ignore[no-any-return]
+        return c._dram.get(self._slot)
+
+    @dram_extent.setter
+    def dram_extent(self, extent: Extent | None) -> None:
+        c = self._catalog
+        if c is None:
+            self._set(3, extent)
+        else:
+            c._put_extent(self._slot, extent)
+
+    @property
+    def nvme_record_bytes(self) -> int:
+        c = self._catalog
+        return self._get(4) if c is None else c._record[self._slot]
+
+    @nvme_record_bytes.setter
+    def nvme_record_bytes(self, value: int) -> None:
+        c = self._catalog
+        if c is None:
+            self._set(4, value)
+        else:
+            c._record[self._slot] = value
+
+    @property
+    def pins(self) -> int:
+        c = self._catalog
+        return self._get(5) if c is None else c._pins[self._slot]
+
+    @pins.setter
+    def pins(self, value: int) -> None:
+        c = self._catalog
+        if c is None:
+            self._set(5, value)
+        else:
+            c._pins[self._slot] = value
+
+    def _flag(self, i: int, bit: int) -> bool:
+        c = self._catalog
+        return bool(self._get(i)) if c is None else bool(c._flags[self._slot] & bit)
+
+    def _set_flag(self, i: int, bit: int, on: bool) -> None:
+        c = self._catalog
+        if c is None:
+            self._set(i, on)
+        elif on:
+            c._flags[self._slot] |= bit
+        else:
+            c._flags[self._slot] &= ~bit & 0xFF
+
+    @property
+    def doomed(self) -> bool:
+        return self._flag(6, _DOOMED)
+
+    @doomed.setter
+    def doomed(self, on: bool) -> None:
+        self._set_flag(6, _DOOMED, on)
+
+    @property
+    def demoting(self) -> bool:
+        return self._flag(7, _DEMOTING)
+
+    @demoting.setter
+    def demoting(self, on: bool) -> None:
+        self._set_flag(7, _DEMOTING, on)
+
+    @property
+    def read_errors(self) -> int:
+        """I/O errors reading its NVMe record (not checksum failures); saturates at 255."""
+        c = self._catalog
+        return self._get(8) if c is None else c._errors[self._slot]
+
+    @read_errors.setter
+    def read_errors(self, value: int) -> None:
+        c = self._catalog
+        if c is None:
+            self._set(8, value)
+        else:
+            c._errors[self._slot] = min(value, 255)
+
+    @property
+    def in_remote(self) -> bool:
+        """This node put it in, or fetched it from, the remote tier."""
+        return self._flag(9, _IN_REMOTE)
+
+    @in_remote.setter
+    def in_remote(self, on: bool) -> None:
+        self._set_flag(9, _IN_REMOTE, on)
 
     @property
     def tiers(self) -> list[TierName]:
@@ -70,62 +255,410 @@ def tier_of(entry: Entry | None) -> TierName | None:
     return _NVME if entry.nvme_record_bytes else None
 
 
+def _never(slot: int) -> bool:
+    return False
+
+
 class Catalog:
     """key -> residency: copies, pins and byte accounting, reported as residency events."""
 
-    def __init__(self, on_change: Callable[[BlockId, list[TierName]], None] | None = None) -> None:
+    def __init__(
+        self,
+        on_change: Callable[[BlockId, list[TierName]], None] | None = None,
+        digest: Callable[[BlockId], int] = key_digest,
+    ) -> None:
         # Told each time a block's set of tiers changes (added, copied, dropped, removed:
         # then []), for the residency events routers index.
         self._on_change = on_change
-        self._entries: dict[BlockId, Entry] = {}
-        # Which blocks have a copy in each tier (for counts); the eviction order is the
-        # policy's (kvtier/index/policy.py), kept by the store's Residency.
-        self._in_dram: set[BlockId] = set()
-        self._in_nvme: set[BlockId] = set()
+        self._digest_fn = digest  # tests force collisions with a tiny one
+        # Whether a tier still names a removed slot (as a parent): then it is not reused.
+        self.holds: Callable[[int], bool] = _never
+        # Told (slot) when a slot is handed to a new block, for per-slot state kept
+        # elsewhere (the residency's chain positions).
+        self.on_reuse: Callable[[int], None] | None = None
+        self._digest = array("Q")
+        self._chain = array("i")
+        self._ns = array("I")
+        self._key_off = array("q")
+        self._key_len = array("H")
+        self._size = array("Q")
+        self._xxh3 = array("Q")
+        self._gen = array("Q")
+        self._record = array("Q")
+        self._pins = array("I")
+        self._flags = bytearray()
+        self._errors = bytearray()
+        self._era = bytearray()  # bumped when a slot is freed: stale slot references tell
+        self._keys = bytearray()  # the key heap
+        self._slots = 0  # slots ever made (the arrays' used length)
+        self._free = NO_SLOT  # free slots, chained through _chain
+        self._to_free: list[int] = []  # removed slots to look at (handle gone, or none)
+        self._held: list[int] = []  # removed slots a tier still named when looked at
+        self._handles: dict[int, weakref.KeyedRef[int, Entry]] = {}
+        # Linear hashing: buckets [0, split) and [base, base + split) are split to the
+        # mask 2*base - 1, the others still at base - 1.
+        self._heads = array("i", [NO_SLOT]) * _MIN_BUCKETS
+        self._base = _MIN_BUCKETS
+        self._split = 0
+        self._len = 0
+        self._ns_ids: dict[str, int] = {}
+        self._ns_names: list[str] = []
+        self._ns_tenants: list[str] = []
+        self._dram: dict[int, Extent] = {}  # slot -> its DRAM copy (kept after a remove)
+        self._dram_slots: set[int] = set()  # the live ones
+        self._nvme_count = 0
         self.dram_used_bytes = 0
         self.nvme_used_bytes = 0
         self.nvme_used_by_tenant: Counter[str] = Counter()  # the shared tier's quota basis
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return self._len
 
-    def get(self, block_id: BlockId) -> Entry | None:
-        return self._entries.get(block_id)
+    # ---- slots -----------------------------------------------------------------------------
+    def _ns_id(self, ns_id: str) -> int:
+        n = self._ns_ids.get(ns_id)
+        if n is None:
+            n = len(self._ns_names)
+            if n > 0xFFFF_FFFF:
+                raise OverflowError("more than 2^32 namespaces")
+            self._ns_ids[ns_id] = n
+            self._ns_names.append(ns_id)
+            self._ns_tenants.append(tenant_of(ns_id))
+        return n
 
+    def _grow(self) -> None:
+        size = len(self._flags)
+        count = headroom(size, self._slots + 1) - size
+        for values in (
+            self._digest,
+            self._ns,
+            self._key_off,
+            self._key_len,
+            self._size,
+            self._xxh3,
+            self._gen,
+            self._record,
+            self._pins,
+        ):
+            extend(values, count, 0)
+        extend(self._chain, count, NO_SLOT)
+        zeros = bytes(count)
+        self._flags.extend(zeros)
+        self._errors.extend(zeros)
+        self._era.extend(zeros)
+
+    def _new_slot(self) -> int:
+        if self._free == NO_SLOT:
+            self._reclaim()
+        slot = self._free
+        if slot != NO_SLOT:
+            self._free = self._chain[slot]
+            if self.on_reuse is not None:
+                self.on_reuse(slot)
+            return slot
+        if self._slots >= len(self._flags):
+            self._grow()
+        slot = self._slots
+        self._slots += 1
+        return slot
+
+    def _reclaim(self) -> None:
+        """Free the removed slots nothing refers to any more."""
+        candidates, self._to_free = self._to_free, []
+        if self._held:
+            candidates += self._held[:_RETRY_HELD]
+            del self._held[:_RETRY_HELD]
+        flags, handles = self._flags, self._handles
+        for slot in candidates:
+            if flags[slot] & (_LIVE | _FREE):
+                continue
+            ref = handles.get(slot)
+            if ref is not None and ref() is not None:
+                continue  # its handle's death puts it back on _to_free
+            if self.holds(slot):
+                self._held.append(slot)
+                continue
+            handles.pop(slot, None)
+            self._dram.pop(slot, None)
+            flags[slot] = _FREE
+            self._era[slot] = (self._era[slot] + 1) & 0xFF
+            self._pins[slot] = 0
+            self._record[slot] = 0
+            self._errors[slot] = 0
+            self._chain[slot] = self._free
+            self._free = slot
+
+    def _handle_gone(self, ref: weakref.KeyedRef[int, Entry]) -> None:
+        # Called from wherever the last reference dropped: only note it (freeing now could
+        # run inside another catalog call); _new_slot frees it.
+        slot = ref.key
+        if self._handles.get(slot) is ref:
+            del self._handles[slot]
+            self._to_free.append(slot)
+
+    def handle(self, slot: int) -> Entry:
+        """The entry of a slot (the same object while any reference to it lives)."""
+        ref = self._handles.get(slot)
+        if ref is not None:
+            entry = ref()
+            if entry is not None:
+                return entry
+        entry = Entry.__new__(Entry)
+        entry.block_id = self.block_id_of(slot)
+        entry._catalog = self
+        entry._slot = slot
+        entry._own = None
+        self._handles[slot] = weakref.KeyedRef(entry, self._handle_gone, slot)
+        return entry
+
+    def block_id_of(self, slot: int) -> BlockId:
+        off = self._key_off[slot]
+        key = bytes(self._keys[off : off + self._key_len[slot]])
+        return self._ns_names[self._ns[slot]], key
+
+    def digest(self, block_id: BlockId) -> int:
+        """The key digest of `block_id` (slot or not)."""
+        return self._digest_fn(block_id)
+
+    def digest_of(self, slot: int) -> int:
+        """The key digest of the block in `slot` (what the packed policies key by)."""
+        return int(self._digest[slot])
+
+    def era_of(self, slot: int) -> int:
+        """Changes each time `slot` is freed: (slot, era) names one block for good."""
+        return self._era[slot]
+
+    def tenant_of_slot(self, slot: int) -> str:
+        return self._ns_tenants[self._ns[slot]]
+
+    def is_live_slot(self, slot: int) -> bool:
+        return bool(self._flags[slot] & _LIVE)
+
+    def has_dram(self, slot: int) -> bool:
+        return slot in self._dram
+
+    def record_bytes_of(self, slot: int) -> int:
+        return self._record[slot]
+
+    def size_of(self, slot: int) -> int:
+        return self._size[slot]
+
+    def evictable_slot(self, slot: int) -> bool:
+        """Live, unpinned and not being moved."""
+        return self._flags[slot] & (_LIVE | _DEMOTING) == _LIVE and not self._pins[slot]
+
+    # ---- the index -------------------------------------------------------------------------
+    def _bucket(self, digest: int) -> int:
+        b = digest & (self._base - 1)
+        if b < self._split:
+            b = digest & (2 * self._base - 1)
+        return b
+
+    def _find(self, ns: int, key: bytes, digest: int) -> int:
+        s = self._heads[self._bucket(digest)]
+        digests, nss, chain = self._digest, self._ns, self._chain
+        while s >= 0:
+            if digests[s] == digest and nss[s] == ns and self._key_is(s, key):
+                return s
+            s = chain[s]
+        return NO_SLOT
+
+    def _key_is(self, slot: int, key: bytes) -> bool:
+        n = self._key_len[slot]
+        if n != len(key):
+            return False
+        off = self._key_off[slot]
+        return self._keys[off : off + n] == key
+
+    def slot_of(self, block_id: BlockId) -> int:
+        """The live slot of `block_id`, or NO_SLOT."""
+        ns = self._ns_ids.get(block_id[0])
+        if ns is None:
+            return NO_SLOT
+        return self._find(ns, block_id[1], self._digest_fn(block_id))
+
+    def slots_of(self, ns_id: str, keys: list[bytes]) -> list[int]:
+        """The slot of each key (NO_SLOT: not cached), making no handle."""
+        ns = self._ns_ids.get(ns_id)
+        if ns is None:
+            return [NO_SLOT] * len(keys)
+        find, digest = self._find, self._digest_fn
+        return [find(ns, key, digest((ns_id, key))) for key in keys]
+
+    def _link(self, slot: int) -> None:
+        b = self._bucket(self._digest[slot])
+        self._chain[slot] = self._heads[b]
+        self._heads[b] = slot
+        self._len += 1
+        if self._len > self._base + self._split:
+            self._split_one()
+
+    def _split_one(self) -> None:
+        """Grow the table by one bucket: bucket `split`'s chain is shared out between it
+        and its new image `split + base` by one more bit of the digest."""
+        heads, chain, digests = self._heads, self._chain, self._digest
+        base, split = self._base, self._split
+        s = heads[split]
+        stay, move = NO_SLOT, NO_SLOT
+        while s >= 0:
+            after = chain[s]
+            if digests[s] & base:
+                chain[s], move = move, s
+            else:
+                chain[s], stay = stay, s
+            s = after
+        heads[split] = stay
+        heads.append(move)
+        self._split += 1
+        if self._split == base:
+            self._base, self._split = 2 * base, 0
+
+    def _unlink(self, slot: int) -> None:
+        b = self._bucket(self._digest[slot])
+        heads, chain = self._heads, self._chain
+        s = heads[b]
+        if s == slot:
+            heads[b] = chain[slot]
+        else:
+            while chain[s] != slot:
+                s = chain[s]
+            chain[s] = chain[slot]
+        chain[slot] = NO_SLOT
+        self._len -= 1
+
+    def _store_key(self, slot: int, key: bytes) -> None:
+        n = len(key)
+        if n > 0xFFFF:
+            raise ValueError("keys are at most 65535 bytes")
+        if n and n == self._key_len[slot]:
+            off = self._key_off[slot]  # a reused slot: its last key's room, no heap growth
+            self._keys[off : off + n] = key
+        else:
+            self._key_off[slot] = len(self._keys)
+            self._keys += key
+            self._key_len[slot] = n
+
+    # ---- adding ----------------------------------------------------------------------------
     def add(self, entry: Entry) -> None:
-        if entry.block_id in self._entries:
+        if entry._catalog is self:
+            self._add_again(entry)
+            return
+        if entry._catalog is not None or entry._own is None:
+            raise ValueError("the entry belongs to another catalog")
+        block_id = entry.block_id
+        if self.slot_of(block_id) != NO_SLOT:
             raise KeyError("block already catalogued; remove the old entry first")
-        self._entries[entry.block_id] = entry
-        if entry.dram_extent is not None:
-            self._in_dram.add(entry.block_id)
-            self.dram_used_bytes += entry.dram_extent.size_bytes
-        if entry.nvme_record_bytes:
-            self._in_nvme.add(entry.block_id)
-            self._nvme_add(entry.block_id, entry.nvme_record_bytes)
-        self._changed(entry)
+        own = entry._own
+        size, xxh3, gen, extent, record, pins, doomed, demoting, errors, in_remote = own
+        slot = self._put(block_id, size, xxh3, gen, extent, record)
+        self._pins[slot] = pins
+        self._errors[slot] = min(errors, 255)
+        flags = self._flags[slot]
+        flags |= (_DOOMED if doomed else 0) | (_DEMOTING if demoting else 0)
+        flags |= _IN_REMOTE if in_remote else 0
+        self._flags[slot] = flags
+        entry._catalog, entry._slot, entry._own = self, slot, None
+        self._handles[slot] = weakref.KeyedRef(entry, self._handle_gone, slot)
+        self._changed_slot(slot)
 
-    def _changed(self, entry: Entry, gone: bool = False) -> None:
+    def add_record(
+        self, block_id: BlockId, size_bytes: int, xxh3_64: int, generation: int, record_bytes: int
+    ) -> int:
+        """Add an NVMe-only block without making an `Entry` (recovery: millions of them);
+        returns its slot. The block must not be catalogued already."""
+        slot = self._put(block_id, size_bytes, xxh3_64, generation, None, record_bytes)
+        self._changed_slot(slot)
+        return slot
+
+    def _put(
+        self,
+        block_id: BlockId,
+        size: int,
+        xxh3: int,
+        gen: int,
+        extent: Extent | None,
+        record: int,
+    ) -> int:
+        ns = self._ns_id(block_id[0])
+        digest = self._digest_fn(block_id)
+        slot = self._new_slot()
+        self._digest[slot] = digest
+        self._ns[slot] = ns
+        self._store_key(slot, block_id[1])
+        self._size[slot] = size
+        self._xxh3[slot] = xxh3
+        self._gen[slot] = gen
+        self._record[slot] = record
+        self._pins[slot] = 0
+        self._errors[slot] = 0
+        self._flags[slot] = _LIVE
+        if extent is not None:
+            self._put_extent(slot, extent)
+            self._dram_slots.add(slot)
+            self.dram_used_bytes += extent.size_bytes
+        if record:
+            self._nvme_count += 1
+            self._nvme_add(slot, record)
+        self._link(slot)
+        return slot
+
+    def _add_again(self, entry: Entry) -> None:
+        """An entry of this catalog that was removed, added back as it is."""
+        slot = entry._slot
+        if self._flags[slot] & _LIVE or self.slot_of(entry.block_id) != NO_SLOT:
+            raise KeyError("block already catalogued; remove the old entry first")
+        self._flags[slot] |= _LIVE
+        extent = entry.dram_extent
+        if extent is not None:
+            self._dram_slots.add(slot)
+            self.dram_used_bytes += extent.size_bytes
+        if self._record[slot]:
+            self._nvme_count += 1
+            self._nvme_add(slot, self._record[slot])
+        self._link(slot)
+        self._changed_slot(slot)
+
+    def _put_extent(self, slot: int, extent: Extent | None) -> None:
+        if extent is None:
+            self._dram.pop(slot, None)
+        else:
+            self._dram[slot] = extent
+
+    def _tiers(self, slot: int) -> list[TierName]:
+        out = []
+        if slot in self._dram:
+            out.append(_DRAM)
+        if self._record[slot]:
+            out.append(_NVME)
+        return out
+
+    def _changed_slot(self, slot: int, gone: bool = False) -> None:
         if self._on_change is not None:
-            self._on_change(entry.block_id, [] if gone else entry.tiers)
+            self._on_change(self.block_id_of(slot), [] if gone else self._tiers(slot))
 
+    def _mine(self, entry: Entry) -> bool:
+        """Whether `entry` is this catalog's and still in its index."""
+        return entry._catalog is self and bool(self._flags[entry._slot] & _LIVE)
+
+    # ---- copies ----------------------------------------------------------------------------
     def set_nvme(self, entry: Entry, record_bytes: int) -> None:
         if entry.nvme_record_bytes:
             raise ValueError("entry already has an NVMe record")
         entry.nvme_record_bytes = record_bytes
-        if self._entries.get(entry.block_id) is entry:
-            self._in_nvme.add(entry.block_id)
-            self._nvme_add(entry.block_id, record_bytes)
-            self._changed(entry)
+        if self._mine(entry):
+            self._nvme_count += 1
+            self._nvme_add(entry._slot, record_bytes)
+            self._changed_slot(entry._slot)
 
     def set_dram(self, entry: Entry, extent: Extent) -> None:
         """A copy was promoted into DRAM (the entry keeps its NVMe record too)."""
         if entry.dram_extent is not None:
             raise ValueError("entry already has a DRAM copy")
         entry.dram_extent = extent
-        if self._entries.get(entry.block_id) is entry:
-            self._in_dram.add(entry.block_id)
+        if self._mine(entry):
+            self._dram_slots.add(entry._slot)
             self.dram_used_bytes += extent.size_bytes
-            self._changed(entry)
+            self._changed_slot(entry._slot)
 
     def drop_dram(self, entry: Entry) -> Extent | None:
         """Forget the DRAM copy; returns its extent for the caller to free."""
@@ -133,12 +666,13 @@ class Catalog:
         if extent is None:
             return None
         entry.dram_extent = None
-        if self._entries.get(entry.block_id) is entry:
-            self._in_dram.discard(entry.block_id)
+        if self._mine(entry):
+            slot = entry._slot
+            self._dram_slots.discard(slot)
             self.dram_used_bytes -= extent.size_bytes
-            if not entry.nvme_record_bytes:
-                self._forget(entry)
-            self._changed(entry)
+            if not self._record[slot]:
+                self._forget(slot)
+            self._changed_slot(slot)
         return extent
 
     def drop_nvme(self, entry: Entry) -> int:
@@ -147,12 +681,13 @@ class Catalog:
         if not record_bytes:
             return 0
         entry.nvme_record_bytes = 0
-        if self._entries.get(entry.block_id) is entry:
-            self._in_nvme.discard(entry.block_id)
-            self._nvme_add(entry.block_id, -record_bytes)
-            if entry.dram_extent is None:
-                self._forget(entry)
-            self._changed(entry)
+        if self._mine(entry):
+            slot = entry._slot
+            self._nvme_count -= 1
+            self._nvme_add(slot, -record_bytes)
+            if slot not in self._dram:
+                self._forget(slot)
+            self._changed_slot(slot)
         return record_bytes
 
     def remove(self, entry: Entry) -> None:
@@ -160,27 +695,34 @@ class Catalog:
 
         Sets `doomed` when it is pinned: the last unpin must free its resources.
         """
-        if self._entries.get(entry.block_id) is not entry:
+        if not self._mine(entry):
             return
-        self._forget(entry)
-        if entry.dram_extent is not None:
-            self.dram_used_bytes -= entry.dram_extent.size_bytes
-        if entry.nvme_record_bytes:
-            self._nvme_add(entry.block_id, -entry.nvme_record_bytes)
-        entry.doomed = True
-        self._changed(entry, gone=True)
+        slot = entry._slot
+        extent = self._dram.get(slot)
+        if extent is not None:
+            self.dram_used_bytes -= extent.size_bytes
+        if self._record[slot]:
+            self._nvme_count -= 1
+            self._nvme_add(slot, -self._record[slot])
+        self._forget(slot)
+        self._flags[slot] |= _DOOMED
+        self._changed_slot(slot, gone=True)
 
-    def _nvme_add(self, block_id: BlockId, delta_bytes: int) -> None:
+    def _nvme_add(self, slot: int, delta_bytes: int) -> None:
         self.nvme_used_bytes += delta_bytes
-        self.nvme_used_by_tenant[tenant_of(block_id[0])] += delta_bytes
+        self.nvme_used_by_tenant[self._ns_tenants[self._ns[slot]]] += delta_bytes
 
     def is_live(self, entry: Entry) -> bool:
-        return self._entries.get(entry.block_id) is entry
+        return self._mine(entry)
 
-    def _forget(self, entry: Entry) -> None:
-        del self._entries[entry.block_id]
-        self._in_dram.discard(entry.block_id)
-        self._in_nvme.discard(entry.block_id)
+    def _forget(self, slot: int) -> None:
+        """Out of the index; the slot's fields stay for its handle, if any."""
+        self._unlink(slot)
+        self._flags[slot] &= ~_LIVE & 0xFF
+        self._dram_slots.discard(slot)
+        ref = self._handles.get(slot)
+        if ref is None or ref() is None:
+            self._to_free.append(slot)
 
     @staticmethod
     def pin(entry: Entry) -> None:
@@ -192,18 +734,42 @@ class Catalog:
             raise ValueError("unpin without pin")
         entry.pins -= 1
 
+    # ---- reading ---------------------------------------------------------------------------
+    def get(self, block_id: BlockId) -> Entry | None:
+        slot = self.slot_of(block_id)
+        return None if slot == NO_SLOT else self.handle(slot)
+
+    def __contains__(self, block_id: object) -> bool:
+        return isinstance(block_id, tuple) and self.slot_of(block_id) != NO_SLOT
+
+    def tier_of_slot(self, slot: int) -> TierName | None:
+        if slot == NO_SLOT:
+            return None
+        if slot in self._dram:
+            return _DRAM
+        return _NVME if self._record[slot] else None
+
     def lookup(self, ns_id: str, keys: list[bytes]) -> LookupResult:
-        return LookupResult.of([tier_of(e) for e in self.find(ns_id, keys)])
+        tier = self.tier_of_slot
+        return LookupResult.of([tier(s) for s in self.slots_of(ns_id, keys)])
 
     def find(self, ns_id: str, keys: list[bytes]) -> list[Entry | None]:
-        """The entry of each key (None: not cached). On the Plan path for every prompt
-        (hundreds of keys): one probe per key, nothing else."""
-        get = self._entries.get
-        return [get((ns_id, key)) for key in keys]
+        """The entry of each key (None: not cached)."""
+        handle = self.handle
+        return [None if s == NO_SLOT else handle(s) for s in self.slots_of(ns_id, keys)]
 
     def entries(self) -> Iterator[Entry]:
-        """Every live entry (a copy of the list: callers may await between items)."""
-        yield from list(self._entries.values())
+        """Every live entry (from a snapshot of the slots: callers may await between
+        items; a block removed meanwhile is skipped)."""
+        flags, era = self._flags, self._era
+        snapshot = [(s, era[s]) for s in range(self._slots) if flags[s] & _LIVE]
+        for slot, was in snapshot:
+            if flags[slot] & _LIVE and era[slot] == was:
+                yield self.handle(slot)
+
+    def dram_slots(self) -> list[int]:
+        """The slots with a DRAM copy now (a copy of the set)."""
+        return list(self._dram_slots)
 
     def count(self, tier: TierName) -> int:
-        return len(self._in_dram) if tier is TierName.DRAM else len(self._in_nvme)
+        return len(self._dram_slots) if tier is TierName.DRAM else self._nvme_count
