@@ -43,13 +43,14 @@ moves them into a slot (the simulator and the tests build entries that way).
 
 from __future__ import annotations
 
+import mmap
 import weakref
 from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
-from kvtier.index.slots import NO_SLOT, extend, headroom, key_digest
+from kvtier.index.slots import NO_SLOT, key_digest, mapping, remap
 from kvtier.keys import tenant_of
 from kvtier.types import BlockId, Extent, LookupResult, TierName
 
@@ -62,6 +63,20 @@ _DEMOTING = 8
 _IN_REMOTE = 16
 _FREE = 32  # in the free list
 _MIN_BUCKETS = 16
+# The per-slot columns held as typed memoryviews: (attribute, typecode).
+_Code = Literal["Q", "i", "I", "H"]
+_COLUMNS: tuple[tuple[str, _Code], ...] = (
+    ("_digest", "Q"),
+    ("_chain", "i"),
+    ("_ns", "I"),
+    ("_key_off", "Q"),
+    ("_key_len", "H"),
+    ("_size", "Q"),
+    ("_xxh3", "Q"),
+    ("_gen", "Q"),
+    ("_record", "Q"),
+    ("_pins", "I"),
+)
 _RETRY_HELD = 16  # removed slots a tier still names, looked at again per add
 
 
@@ -262,6 +277,18 @@ def _never(slot: int) -> bool:
 class Catalog:
     """key -> residency: copies, pins and byte accounting, reported as residency events."""
 
+    # The columns (_COLUMNS), set in __init__ and _grow.
+    _digest: memoryview[int]
+    _chain: memoryview[int]
+    _ns: memoryview[int]
+    _key_off: memoryview[int]
+    _key_len: memoryview[int]
+    _size: memoryview[int]
+    _xxh3: memoryview[int]
+    _gen: memoryview[int]
+    _record: memoryview[int]
+    _pins: memoryview[int]
+
     def __init__(
         self,
         on_change: Callable[[BlockId, list[TierName]], None] | None = None,
@@ -276,20 +303,18 @@ class Catalog:
         # Told (slot) when a slot is handed to a new block, for per-slot state kept
         # elsewhere (the residency's chain positions).
         self.on_reuse: Callable[[int], None] | None = None
-        self._digest = array("Q")
-        self._chain = array("i")
-        self._ns = array("I")
-        self._key_off = array("q")
-        self._key_len = array("H")
-        self._size = array("Q")
-        self._xxh3 = array("Q")
-        self._gen = array("Q")
-        self._record = array("Q")
-        self._pins = array("I")
-        self._flags = bytearray()
-        self._errors = bytearray()
-        self._era = bytearray()  # bumped when a slot is freed: stale slot references tell
-        self._keys = bytearray()  # the key heap
+        # The columns: typed views of anonymous mappings (slots.mapping), grown by remap.
+        self._maps: dict[str, mmap.mmap] = {}
+        for name, code in _COLUMNS:
+            self._maps[name] = mapping(0)
+            setattr(self, name, memoryview(self._maps[name]).cast(code))
+        self._flags = mapping(0)  # one byte a slot: an mmap indexes as a bytearray does
+        self._errors = mapping(0)
+        self._era = mapping(0)  # bumped when a slot is freed: stale slot references tell
+        self._keys = mapping(0)  # the key heap
+        self._keys_used = 0
+        self._capacity = 0
+        self._grow()
         self._slots = 0  # slots ever made (the arrays' used length)
         self._free = NO_SLOT  # free slots, chained through _chain
         self._to_free: list[int] = []  # removed slots to look at (handle gone, or none)
@@ -327,25 +352,19 @@ class Catalog:
         return n
 
     def _grow(self) -> None:
-        size = len(self._flags)
-        count = headroom(size, self._slots + 1) - size
-        for values in (
-            self._digest,
-            self._ns,
-            self._key_off,
-            self._key_len,
-            self._size,
-            self._xxh3,
-            self._gen,
-            self._record,
-            self._pins,
-        ):
-            extend(values, count, 0)
-        extend(self._chain, count, NO_SLOT)
-        zeros = bytes(count)
-        self._flags.extend(zeros)
-        self._errors.extend(zeros)
-        self._era.extend(zeros)
+        """Double every column. Untouched pages cost nothing, so doubling wastes no RAM,
+        and remap moves pages rather than bytes: no copy, no stall at any size."""
+        capacity = max(2 * self._capacity, 4096)
+        for name, code in _COLUMNS:
+            view: memoryview[int] = getattr(self, name)
+            itemsize = view.itemsize
+            view.release()
+            self._maps[name] = remap(self._maps[name], capacity * itemsize)
+            setattr(self, name, memoryview(self._maps[name]).cast(code))
+        self._flags = remap(self._flags, capacity)
+        self._errors = remap(self._errors, capacity)
+        self._era = remap(self._era, capacity)
+        self._capacity = capacity
 
     def _new_slot(self) -> int:
         if self._free == NO_SLOT:
@@ -356,7 +375,7 @@ class Catalog:
             if self.on_reuse is not None:
                 self.on_reuse(slot)
             return slot
-        if self._slots >= len(self._flags):
+        if self._slots >= self._capacity:
             self._grow()
         slot = self._slots
         self._slots += 1
@@ -413,7 +432,7 @@ class Catalog:
 
     def block_id_of(self, slot: int) -> BlockId:
         off = self._key_off[slot]
-        key = bytes(self._keys[off : off + self._key_len[slot]])
+        key = self._keys[off : off + self._key_len[slot]]  # an mmap slice is bytes
         return self._ns_names[self._ns[slot]], key
 
     def digest(self, block_id: BlockId) -> int:
@@ -534,8 +553,12 @@ class Catalog:
             off = self._key_off[slot]  # a reused slot: its last key's room, no heap growth
             self._keys[off : off + n] = key
         else:
-            self._key_off[slot] = len(self._keys)
-            self._keys += key
+            off = self._keys_used
+            if off + n > len(self._keys):
+                self._keys = remap(self._keys, max(2 * len(self._keys), off + n))
+            self._keys[off : off + n] = key
+            self._keys_used = off + n
+            self._key_off[slot] = off
             self._key_len[slot] = n
 
     # ---- adding ----------------------------------------------------------------------------

@@ -285,3 +285,26 @@ def test_colliding_digests_are_told_apart_by_the_full_id() -> None:
         entry = catalog.get((NAMESPACES[i % 2], bytes([i])))
         assert entry is not None and entry.size_bytes == i + 1
         assert catalog.get((NAMESPACES[1 - i % 2], bytes([i]))) is None
+
+
+def test_columns_and_the_index_grow_without_losing_a_block() -> None:
+    """Past several doublings of the columns and splits of the index, with removals and
+    reused slots in between, every block reads back as it went in."""
+    catalog = Catalog()
+    kept: dict[bytes, int] = {}
+    for i in range(20_000):
+        key = i.to_bytes(4, "little") * (1 + i % 3)
+        catalog.add_record((NAMESPACES[i % 2], key), i + 1, i, i, 600 + i)
+        kept[key] = i
+        if i % 7 == 0:
+            gone = (i // 2).to_bytes(4, "little") * (1 + (i // 2) % 3)
+            entry = catalog.get((NAMESPACES[(i // 2) % 2], gone))
+            if entry is not None:
+                catalog.remove(entry)
+                del kept[gone]
+    assert len(catalog) == len(kept)
+    for key, i in kept.items():
+        entry = catalog.get((NAMESPACES[i % 2], key))
+        assert entry is not None
+        assert (entry.size_bytes, entry.xxh3_64, entry.nvme_record_bytes) == (i + 1, i, 600 + i)
+    assert catalog.nvme_used_bytes == sum(600 + i for i in kept.values())
