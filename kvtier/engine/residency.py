@@ -271,6 +271,18 @@ class Residency:
             if catalog.has_dram(slot) and catalog.tenant_of_slot(slot) == tenant:
                 yield catalog.handle(slot)
 
+    def dram_only_entries(self) -> list[Entry]:
+        """The live blocks with a DRAM copy and no record, oldest put first (from the DRAM
+        slots: no handle made for the millions of blocks on NVMe)."""
+        catalog = self.catalog
+        found = [
+            catalog.handle(slot)
+            for slot in catalog.dram_slots()
+            if catalog.is_live_slot(slot) and not catalog.record_bytes_of(slot)
+        ]
+        found.sort(key=lambda entry: entry.generation)
+        return found
+
     def dram_busy(self, tenant: str, arena_used_bytes: int) -> bool:
         """Whether some of `tenant`'s arena will free up by itself: bytes reserved for
         puts in flight (used beyond what the catalog holds), or blocks in use."""

@@ -296,7 +296,7 @@ class Store:
                 except Exception:  # one block must not cost the others their flush
                     logger.exception("could not flush a block to NVMe")
 
-        dram_only = [e for e in self.residency.entries() if not e.nvme_record_bytes]
+        dram_only = self.residency.dram_only_entries()
         await self.tasks.run_to_end(*(one(e) for e in reversed(dram_only)))
         return written
 
