@@ -48,22 +48,18 @@ import weakref
 from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Literal
 
 import xxhash
 
+from kvtier.index.entry import DEMOTING, DOOMED, FREE, IN_REMOTE, LIVE, Entry
 from kvtier.index.slots import NO_SLOT, mapping, remap
 from kvtier.keys import tenant_of
 from kvtier.types import BlockId, Extent, LookupResult, TierName
 
 __all__ = ["NO_SLOT", "BlockId", "Catalog", "Entry", "LookupResult", "TierName"]
 
-# flags
-_LIVE = 1  # in the index: lookups find it
-_DOOMED = 4
-_DEMOTING = 8
-_IN_REMOTE = 16
-_FREE = 32  # in the free list
+_LIVE, _DOOMED, _DEMOTING, _IN_REMOTE, _FREE = LIVE, DOOMED, DEMOTING, IN_REMOTE, FREE
 _MIN_BUCKETS = 16
 # The per-slot columns held as typed memoryviews: (attribute, typecode).
 _Code = Literal["Q", "i", "I", "H"]
@@ -80,184 +76,6 @@ _COLUMNS: tuple[tuple[str, _Code], ...] = (
     ("_pins", "I"),
 )
 _RETRY_HELD = 16  # removed slots a tier still names, looked at again per add
-
-
-class Entry:
-    """Catalog state of one block (identity matters: compare with `is`).
-
-    A handle over a catalog slot once added (`Catalog.add`, or handed out by the
-    catalog); before that, its own fields."""
-
-    __slots__ = ("__weakref__", "_catalog", "_own", "_slot", "block_id")
-
-    def __init__(
-        self,
-        block_id: BlockId,
-        size_bytes: int,
-        xxh3_64: int,
-        generation: int,
-        dram_extent: Extent | None = None,
-        nvme_record_bytes: int = 0,
-        pins: int = 0,
-        doomed: bool = False,
-        demoting: bool = False,
-        read_errors: int = 0,
-        in_remote: bool = False,
-    ) -> None:
-        self.block_id = block_id
-        self._catalog: Catalog | None = None
-        self._slot = NO_SLOT
-        self._own: list[Any] | None = [
-            size_bytes,
-            xxh3_64,
-            generation,
-            dram_extent,
-            nvme_record_bytes,
-            pins,
-            doomed,
-            demoting,
-            read_errors,
-            in_remote,
-        ]
-
-    @property
-    def slot(self) -> int:
-        """The entry's catalog slot (NO_SLOT before it is added)."""
-        return self._slot
-
-    def __repr__(self) -> str:
-        return f"Entry({self.block_id!r}, slot={self._slot})"
-
-    # ---- the fields: the slot's array elements, or the entry's own until it is added ----
-    def _get(self, i: int) -> Any:
-        assert self._own is not None
-        return self._own[i]
-
-    def _set(self, i: int, value: Any) -> None:
-        assert self._own is not None
-        self._own[i] = value
-
-    @property
-    def size_bytes(self) -> int:
-        c = self._catalog
-        return self._get(0) if c is None else c._size[self._slot]
-
-    @property
-    def xxh3_64(self) -> int:
-        c = self._catalog
-        return self._get(1) if c is None else c._xxh3[self._slot]
-
-    @property
-    def generation(self) -> int:
-        c = self._catalog
-        return self._get(2) if c is None else c._gen[self._slot]
-
-    @property
-    def dram_extent(self) -> Extent | None:
-        c = self._catalog
-        if c is None:
-            return self._get(3)  # type: ignore[no-any-return]
-        return c._dram.get(self._slot)
-
-    @dram_extent.setter
-    def dram_extent(self, extent: Extent | None) -> None:
-        c = self._catalog
-        if c is None:
-            self._set(3, extent)
-        else:
-            c._put_extent(self._slot, extent)
-
-    @property
-    def nvme_record_bytes(self) -> int:
-        c = self._catalog
-        return self._get(4) if c is None else c._record[self._slot]
-
-    @nvme_record_bytes.setter
-    def nvme_record_bytes(self, value: int) -> None:
-        c = self._catalog
-        if c is None:
-            self._set(4, value)
-        else:
-            c._record[self._slot] = value
-
-    @property
-    def pins(self) -> int:
-        c = self._catalog
-        return self._get(5) if c is None else c._pins[self._slot]
-
-    @pins.setter
-    def pins(self, value: int) -> None:
-        c = self._catalog
-        if c is None:
-            self._set(5, value)
-        else:
-            c._pins[self._slot] = value
-
-    def _flag(self, i: int, bit: int) -> bool:
-        c = self._catalog
-        return bool(self._get(i)) if c is None else bool(c._flags[self._slot] & bit)
-
-    def _set_flag(self, i: int, bit: int, on: bool) -> None:
-        c = self._catalog
-        if c is None:
-            self._set(i, on)
-        elif on:
-            c._flags[self._slot] |= bit
-        else:
-            c._flags[self._slot] &= ~bit & 0xFF
-
-    @property
-    def doomed(self) -> bool:
-        return self._flag(6, _DOOMED)
-
-    @doomed.setter
-    def doomed(self, on: bool) -> None:
-        self._set_flag(6, _DOOMED, on)
-
-    @property
-    def demoting(self) -> bool:
-        return self._flag(7, _DEMOTING)
-
-    @demoting.setter
-    def demoting(self, on: bool) -> None:
-        self._set_flag(7, _DEMOTING, on)
-
-    @property
-    def read_errors(self) -> int:
-        """I/O errors reading its NVMe record (not checksum failures); saturates at 255."""
-        c = self._catalog
-        return self._get(8) if c is None else c._errors[self._slot]
-
-    @read_errors.setter
-    def read_errors(self, value: int) -> None:
-        c = self._catalog
-        if c is None:
-            self._set(8, value)
-        else:
-            c._errors[self._slot] = min(value, 255)
-
-    @property
-    def in_remote(self) -> bool:
-        """This node put it in, or fetched it from, the remote tier."""
-        return self._flag(9, _IN_REMOTE)
-
-    @in_remote.setter
-    def in_remote(self, on: bool) -> None:
-        self._set_flag(9, _IN_REMOTE, on)
-
-    @property
-    def tiers(self) -> list[TierName]:
-        out = []
-        if self.dram_extent is not None:
-            out.append(TierName.DRAM)
-        if self.nvme_record_bytes:
-            out.append(TierName.NVME)
-        return out
-
-    @property
-    def fastest_tier(self) -> TierName | None:
-        tiers = self.tiers
-        return tiers[0] if tiers else None
 
 
 _DRAM, _NVME = TierName.DRAM, TierName.NVME
