@@ -7,8 +7,9 @@ revision, each with its own real daemon, taking turns round by round.
 The chain is the one an engine re-plans every scheduler step while a prompt waits: 256
 blocks of 16 tokens, the first 192 cached in DRAM, the model's prefill estimate warmed by
 20 ReportPrefill calls, planned through the attached session (the zero-copy socket) as
-`Client.plan` does. Per overlap mode it reports the wall-clock p50 of a plan and the CPU
-time per plan of the client and of the daemon (from the daemon process's own counters):
+`Client.plan` does. Per overlap mode it reports the wall-clock p50 and p99 of a plan (each
+over a round) and the CPU time per plan of the client and of the daemon (from the daemon
+process's own counters):
 on a loaded machine the wall clock mostly measures the scheduler, the CPU times do not.
 Each figure is the median over rounds; the ratio is this checkout / baseline.
 """
@@ -28,7 +29,7 @@ from typing import Any
 from _daemon import baseline_tree
 
 ROOT = Path(__file__).resolve().parent.parent
-FIELDS = ("wall_p50_s", "client_cpu_s", "daemon_cpu_s")
+FIELDS = ("wall_p50_s", "client_cpu_s", "daemon_cpu_s", "wall_p99_s")
 
 # Runs in a subprocess with PYTHONPATH set to one tree: its client and (through
 # kvtier.bench.daemon) its daemon. One line per round on stdin -> one line of figures.
@@ -65,7 +66,8 @@ with (
             walls.append(time.perf_counter() - started)
         cpu1, d1 = time.process_time(), served_by.cpu_times()
         daemon_cpu = (d1.user + d1.system - d0.user - d0.system) / plans
-        print(statistics.median(walls), (cpu1 - cpu0) / plans, daemon_cpu, flush=True)
+        p99 = sorted(walls)[int(0.99 * (len(walls) - 1))]
+        print(statistics.median(walls), (cpu1 - cpu0) / plans, daemon_cpu, p99, flush=True)
 """
 
 

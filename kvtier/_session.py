@@ -3,9 +3,10 @@
 A same-node client that attached the shared arena already holds a connected UNIX socket
 to the daemon. On this machine a gRPC unary round trip costs ~0.6 ms even for an empty
 message, which would dominate moving a 256 KiB block at memory speed, so the zero-copy
-control messages (the proto's Reserve/Commit/Acquire/Release messages, unchanged) and
-the planner's (Plan, ReportPrefill) travel on
-that socket with a 5-byte frame header. The same calls stay available over gRPC.
+control messages (the proto's Reserve/Commit/Acquire/Release messages, unchanged, and
+Stage/StagedPut: a put in one exchange) and the planner's (Plan, ReportPrefill) travel
+on that socket with a 5-byte frame header. The others stay available over gRPC too;
+Stage and StagedPut exist only here (they name a write area only a session has).
 
     request:  u32 payload length | u8 op     | serialized request message
     response: u32 payload length | u8 status | serialized response (status 0), or a UTF-8
@@ -44,6 +45,8 @@ class Op(IntEnum):
     CUDA_PUT = 8
     CUDA_GET = 9
     CUDA_WAIT = 10
+    STAGE = 11  # the session's staging range for one-exchange puts
+    PUT_STAGED = 12  # a put in one exchange: the blocks are in the staging range already
 
 
 REQUEST_TYPES: dict[Op, type[Message]] = {
@@ -57,6 +60,8 @@ REQUEST_TYPES: dict[Op, type[Message]] = {
     Op.CUDA_PUT: pb.CudaPutRequest,
     Op.CUDA_GET: pb.CudaGetRequest,
     Op.CUDA_WAIT: pb.CudaWaitRequest,
+    Op.STAGE: pb.StageRequest,
+    Op.PUT_STAGED: pb.StagedPutRequest,
 }
 
 
@@ -102,6 +107,8 @@ def request_caps(
         Op.CUDA_PUT: batch,
         Op.CUDA_GET: batch,
         Op.CUDA_WAIT: fixed,
+        Op.STAGE: fixed,
+        Op.PUT_STAGED: batch + max_items * 2 * _SCALAR_BYTES,  # + offset and checksum
     }
     return {op: min(cap, buffer_bytes) for op, cap in caps.items()}
 

@@ -179,6 +179,34 @@ class LimitsConfig(_Section):
         description="requests and unsent replies one zero-copy session may have buffered; "
         "past it the daemon stops reading that session until its client catches up",
     )
+    # Queue prefetch (the Prefetch RPC, kvtier/engine/prefetch.py): what one tenant's
+    # announced chains may hold, so a client that announces and never loads cannot keep
+    # the arena for itself or grow the daemon's tables.
+    prefetch_hints_per_tenant: int = Field(
+        1024,
+        gt=0,
+        description="announced requests (chains) one tenant's prefetch hints may cover at "
+        "once; past it the oldest are forgotten",
+    )
+    prefetch_blocks_per_tenant: int = Field(
+        65536,
+        gt=0,
+        description="blocks one tenant's prefetch hints may name at once; past it the "
+        "oldest hints are forgotten",
+    )
+    prefetch_ttl_s: float = Field(
+        30.0, gt=0, description="how long an announced chain is kept, when the call sets none"
+    )
+    max_prefetch_ttl_s: float = Field(
+        600.0, gt=0, description="longest TTL a Prefetch call may ask for"
+    )
+    prefetch_dram_fraction: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="most of a tenant's DRAM arena its prefetch may fill with protected "
+        "blocks; the rest stays for puts and other reads",
+    )
 
 
 class DramConfig(_Section):
@@ -223,6 +251,12 @@ class NvmeConfig(_Section):
         "",
         description="file of a 256-bit key (64 hex digits, mode 0600; make one: kvtier keygen "
         "PATH): records are encrypted and authenticated with AES-256-GCM; empty = plaintext",
+    )
+    layout: Literal["files", "segments"] = Field(
+        "files",
+        description="files: one record file per block; segments: records appended to large "
+        "preallocated segment files (no encryption yet); a tier in the other layout is "
+        "refused at start",
     )
 
 

@@ -16,8 +16,11 @@ Points: nvme.write (before a record's temporary file is opened), nvme.pwrite (ea
 call), nvme.rename (record written, not yet visible), nvme.read, nvme.remove,
 nvme.tombstone, nvme.compact (a complete recovery about to remove the tombstone logs of
 earlier runs), nvme.recover_fan (recovery about to scan one fan directory, on its thread: a
-delay there is a slow scan, a kill a crash mid-recovery), store.evict (a block written
-to NVMe, its DRAM copy not yet freed), store.commit (a put's bytes received, not yet in
+delay there is a slow scan, a kill a crash mid-recovery; in the segment layout: one
+segment loaded), segment.seal (a segment's footer about to be written), segment.relocate
+(reclaim about to copy one live record out of a segment), segment.reclaim (reclaim about
+to delete emptied segments), store.evict (a block written to NVMe, its DRAM copy not yet
+freed), store.commit (a put's bytes received, not yet in
 the catalog), remote.get (a fetch from the remote tier, inside its timed read: a delay
 there is a slow network to the planner).
 """
@@ -49,6 +52,9 @@ POINTS = frozenset(
         "nvme.tombstone",
         "nvme.compact",
         "nvme.recover_fan",
+        "segment.seal",
+        "segment.reclaim",
+        "segment.relocate",
         "store.evict",
         "store.commit",
         "remote.get",

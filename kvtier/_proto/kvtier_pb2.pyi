@@ -968,6 +968,7 @@ class PlanRequest(_message.Message):
     ENGINE_CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
     OVERLAP_FIELD_NUMBER: _builtins.int
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    FAMILY_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     tokens_per_block: _builtins.int
     prompt_tokens: _builtins.int
@@ -978,6 +979,10 @@ class PlanRequest(_message.Message):
     """"none" (default), "layerwise", "bidirectional" """
     kv_bytes_per_token: _builtins.int
     """0: from the stored blocks, else the model profile"""
+    family: _builtins.str
+    """The splits the engine can carry out: "any" (default): recompute a front, fetch a run,
+    recompute the rest; "prefix": fetch only right after engine_cached_blocks (vLLM).
+    """
     @_builtins.property
     def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """the prompt's chain, block 0 first"""
@@ -992,10 +997,11 @@ class PlanRequest(_message.Message):
         engine_cached_blocks: _builtins.int = ...,
         overlap: _builtins.str = ...,
         kv_bytes_per_token: _builtins.int = ...,
+        family: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_cached_blocks", b"engine_cached_blocks", "keys", b"keys", "kv_bytes_per_token", b"kv_bytes_per_token", "namespace", b"namespace", "overlap", b"overlap", "prompt_tokens", b"prompt_tokens", "tokens_per_block", b"tokens_per_block"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_cached_blocks", b"engine_cached_blocks", "family", b"family", "keys", b"keys", "kv_bytes_per_token", b"kv_bytes_per_token", "namespace", b"namespace", "overlap", b"overlap", "prompt_tokens", b"prompt_tokens", "tokens_per_block", b"tokens_per_block"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1020,6 +1026,7 @@ class PlanResponse(_message.Message):
     TIERS_FIELD_NUMBER: _builtins.int
     FETCH_S_FIELD_NUMBER: _builtins.int
     RECOMPUTE_S_FIELD_NUMBER: _builtins.int
+    RUN_LATENCY_S_FIELD_NUMBER: _builtins.int
     total_s: _builtins.float
     recompute_all_s: _builtins.float
     fetch_all_s: _builtins.float
@@ -1027,6 +1034,8 @@ class PlanResponse(_message.Message):
     fetch_start: _builtins.int
     fetch_end: _builtins.int
     reason: _builtins.str
+    run_latency_s: _builtins.float
+    """paid once by the fetched run, beyond its fetch_s"""
     @_builtins.property
     def tiers(self) -> _containers.RepeatedScalarFieldContainer[Global___Tier.ValueType]:
         """where each cached block lives (UNSPECIFIED: not cached)"""
@@ -1052,10 +1061,11 @@ class PlanResponse(_message.Message):
         tiers: _abc.Iterable[Global___Tier.ValueType] | None = ...,
         fetch_s: _abc.Iterable[_builtins.float] | None = ...,
         recompute_s: _abc.Iterable[_builtins.float] | None = ...,
+        run_latency_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_blocks", b"engine_blocks", "fetch_all_s", b"fetch_all_s", "fetch_end", b"fetch_end", "fetch_s", b"fetch_s", "fetch_start", b"fetch_start", "reason", b"reason", "recompute_all_s", b"recompute_all_s", "recompute_s", b"recompute_s", "tiers", b"tiers", "total_s", b"total_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_blocks", b"engine_blocks", "fetch_all_s", b"fetch_all_s", "fetch_end", b"fetch_end", "fetch_s", b"fetch_s", "fetch_start", b"fetch_start", "reason", b"reason", "recompute_all_s", b"recompute_all_s", "recompute_s", b"recompute_s", "run_latency_s", b"run_latency_s", "tiers", b"tiers", "total_s", b"total_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1501,3 +1511,293 @@ class CudaGetResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CudaGetResponse: _TypeAlias = CudaGetResponse  # noqa: Y015
+
+@_typing.final
+class StageRequest(_message.Message):
+    """A put in one exchange (session socket only, issue 25): the client keeps one staging
+    range of its session's write area, copies a put's blocks into it back to back (hashing
+    as it copies), and names them in a StagedPutRequest; the daemon copies each into a
+    new arena extent, hashes its own copy and commits it in the same call. Stage grows
+    the range (the old one is freed); one put at a time per range.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.int
+    size_bytes: _builtins.int
+    """at least this much; the daemon may round it up"""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.int = ...,
+        size_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StageRequest: _TypeAlias = StageRequest  # noqa: Y015
+
+@_typing.final
+class StageResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFSET_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    offset: _builtins.int
+    """in the session's write area"""
+    size_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        offset: _builtins.int = ...,
+        size_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offset", b"offset", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StageResponse: _TypeAlias = StageResponse  # noqa: Y015
+
+@_typing.final
+class StagedPutItem(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    XXH3_64_FIELD_NUMBER: _builtins.int
+    key: _builtins.bytes
+    size_bytes: _builtins.int
+    offset: _builtins.int
+    """in the write area, inside the staging range"""
+    xxh3_64: _builtins.int
+    """of the bytes the client wrote there (0: not sent)"""
+    def __init__(
+        self,
+        *,
+        key: _builtins.bytes = ...,
+        size_bytes: _builtins.int = ...,
+        offset: _builtins.int = ...,
+        xxh3_64: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "offset", b"offset", "size_bytes", b"size_bytes", "xxh3_64", b"xxh3_64"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StagedPutItem: _TypeAlias = StagedPutItem  # noqa: Y015
+
+@_typing.final
+class StagedPutRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    ITEMS_FIELD_NUMBER: _builtins.int
+    OVERWRITE_FIELD_NUMBER: _builtins.int
+    TICKET_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.int
+    namespace: _builtins.str
+    overwrite: _builtins.bool
+    ticket: _builtins.int
+    """0: the bytes (and item checksums) are all written already. Else the put is
+    streamed: the client sends this request first and writes while the daemon copies
+    behind it. The staging range's first bytes are then its progress words (u64 LE):
+    [ticket, bytes written so far over the items in order (2^64-1: abandoned),
+    checksum of item 0, of item 1, ...]; a checksum is written before the byte count
+    that covers its item's last byte. Item checksums in the request are ignored.
+    """
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___StagedPutItem]: ...
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.int = ...,
+        namespace: _builtins.str = ...,
+        items: _abc.Iterable[Global___StagedPutItem] | None = ...,
+        overwrite: _builtins.bool = ...,
+        ticket: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "namespace", b"namespace", "overwrite", b"overwrite", "session_id", b"session_id", "ticket", b"ticket"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StagedPutRequest: _TypeAlias = StagedPutRequest  # noqa: Y015
+
+@_typing.final
+class PrefetchChain(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """one waiting request's chain, block 0 first"""
+
+    def __init__(
+        self,
+        *,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefetchChain: _TypeAlias = PrefetchChain  # noqa: Y015
+
+@_typing.final
+class PrefetchRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    CHAINS_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    ttl_s: _builtins.float
+    """0: limits.prefetch_ttl_s"""
+    @_builtins.property
+    def chains(self) -> _containers.RepeatedCompositeFieldContainer[Global___PrefetchChain]:
+        """nearest deadline (next to be scheduled) first"""
+
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        chains: _abc.Iterable[Global___PrefetchChain] | None = ...,
+        ttl_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chains", b"chains", "namespace", b"namespace", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefetchRequest: _TypeAlias = PrefetchRequest  # noqa: Y015
+
+@_typing.final
+class PrefetchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCEPTED_BLOCKS_FIELD_NUMBER: _builtins.int
+    IN_DRAM_FIELD_NUMBER: _builtins.int
+    TO_PROMOTE_FIELD_NUMBER: _builtins.int
+    NOT_STORED_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    accepted_blocks: _builtins.int
+    """blocks now announced (a chain past the tenant's limit is cut)"""
+    in_dram: _builtins.int
+    """of those, in DRAM already: kept there"""
+    to_promote: _builtins.int
+    """on NVMe: being promoted into DRAM"""
+    not_stored: _builtins.int
+    """on no local tier (fetched from the remote tier if it holds them)"""
+    ttl_s: _builtins.float
+    """the TTL applied"""
+    def __init__(
+        self,
+        *,
+        accepted_blocks: _builtins.int = ...,
+        in_dram: _builtins.int = ...,
+        to_promote: _builtins.int = ...,
+        not_stored: _builtins.int = ...,
+        ttl_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_blocks", b"accepted_blocks", "in_dram", b"in_dram", "not_stored", b"not_stored", "to_promote", b"to_promote", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefetchResponse: _TypeAlias = PrefetchResponse  # noqa: Y015
+
+@_typing.final
+class PutBlockRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """exactly header.size_bytes bytes"""
+    @_builtins.property
+    def header(self) -> Global___PutHeader: ...
+    def __init__(
+        self,
+        *,
+        header: Global___PutHeader | None = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutBlockRequest: _TypeAlias = PutBlockRequest  # noqa: Y015
+
+@_typing.final
+class GetBlockRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    MAX_INLINE_BYTES_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    key: _builtins.bytes
+    max_inline_bytes: _builtins.int
+    """The largest block to send inline (the caller's receive limit, less room for the
+    header). 0: 4 MiB - 64 KiB, which fits gRPC's default 4 MiB message limit. The
+    daemon caps it at 8 MiB.
+    """
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        key: _builtins.bytes = ...,
+        max_inline_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "max_inline_bytes", b"max_inline_bytes", "namespace", b"namespace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetBlockRequest: _TypeAlias = GetBlockRequest  # noqa: Y015
+
+@_typing.final
+class GetBlockResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    USE_STREAM_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """the block; empty when use_stream is set"""
+    use_stream: _builtins.bool
+    """larger than max_inline_bytes: read it with Get"""
+    @_builtins.property
+    def header(self) -> Global___GetHeader: ...
+    def __init__(
+        self,
+        *,
+        header: Global___GetHeader | None = ...,
+        data: _builtins.bytes = ...,
+        use_stream: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header", "use_stream", b"use_stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetBlockResponse: _TypeAlias = GetBlockResponse  # noqa: Y015

@@ -135,6 +135,21 @@ class KVTierStub:
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.CudaWaitRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.CudaGetResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/kvtier.v1.KVTier/Prefetch',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
+        self.PutBlock = channel.unary_unary(
+                '/kvtier.v1.KVTier/PutBlock',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.PutBlockRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.PutResponse.FromString,
+                _registered_method=True)
+        self.GetBlock = channel.unary_unary(
+                '/kvtier.v1.KVTier/GetBlock',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.GetBlockRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.GetBlockResponse.FromString,
+                _registered_method=True)
 
 
 class KVTierServicer:
@@ -287,6 +302,35 @@ class KVTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """Queue prefetch: an engine announces requests waiting in its queue. Their blocks on
+        NVMe (or in the remote tier) are promoted into DRAM in the background and every
+        announced block in DRAM is kept there (never an eviction victim while others are)
+        until it is loaded (Get, Acquire, CudaGet) or ttl_s passes. Answers at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutBlock(self, request, context):
+        """---- one block in one message, for blocks up to a few MiB (the byte path's fast form) ----
+        Put and Get above, without a stream: a stream costs a client about twice a unary
+        call's fixed overhead, which at 1-4 MiB is as much as moving the bytes. The daemon
+        accepts messages of up to 8 MiB + 64 KiB (a larger block: use Put). Same checks,
+        statuses and visibility rules as Put.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBlock(self, request, context):
+        """Read one block in one message if it is at most max_inline_bytes; else the answer is
+        only its header with use_stream set: read it with Get. A miss is NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -389,6 +433,21 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.CudaWait,
                     request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.CudaWaitRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_kvtier__pb2.CudaGetResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.PrefetchRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.PrefetchResponse.SerializeToString,
+            ),
+            'PutBlock': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutBlock,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.PutBlockRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.PutResponse.SerializeToString,
+            ),
+            'GetBlock': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBlock,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.GetBlockRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.GetBlockResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -931,6 +990,87 @@ class KVTier:
             '/kvtier.v1.KVTier/CudaWait',
             kvtier_dot_v1_dot_kvtier__pb2.CudaWaitRequest.SerializeToString,
             kvtier_dot_v1_dot_kvtier__pb2.CudaGetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/Prefetch',
+            kvtier_dot_v1_dot_kvtier__pb2.PrefetchRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.PrefetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutBlock(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/PutBlock',
+            kvtier_dot_v1_dot_kvtier__pb2.PutBlockRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBlock(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/GetBlock',
+            kvtier_dot_v1_dot_kvtier__pb2.GetBlockRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.GetBlockResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -94,6 +94,23 @@ class KVTierStub:
     """One group of a grouped CudaGet (group_sizes): answers once that group's blocks are
     in the engine's memory.
     """
+    Prefetch: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.PrefetchRequest, _kvtier_pb2.PrefetchResponse]
+    """Queue prefetch: an engine announces requests waiting in its queue. Their blocks on
+    NVMe (or in the remote tier) are promoted into DRAM in the background and every
+    announced block in DRAM is kept there (never an eviction victim while others are)
+    until it is loaded (Get, Acquire, CudaGet) or ttl_s passes. Answers at once.
+    """
+    PutBlock: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.PutBlockRequest, _kvtier_pb2.PutResponse]
+    """---- one block in one message, for blocks up to a few MiB (the byte path's fast form) ----
+    Put and Get above, without a stream: a stream costs a client about twice a unary
+    call's fixed overhead, which at 1-4 MiB is as much as moving the bytes. The daemon
+    accepts messages of up to 8 MiB + 64 KiB (a larger block: use Put). Same checks,
+    statuses and visibility rules as Put.
+    """
+    GetBlock: _grpc.UnaryUnaryMultiCallable[_kvtier_pb2.GetBlockRequest, _kvtier_pb2.GetBlockResponse]
+    """Read one block in one message if it is at most max_inline_bytes; else the answer is
+    only its header with use_stream set: read it with Get. A miss is NOT_FOUND.
+    """
 
 @_typing.type_check_only
 class KVTierAsyncStub(KVTierStub):
@@ -152,6 +169,23 @@ class KVTierAsyncStub(KVTierStub):
     CudaWait: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.CudaWaitRequest, _kvtier_pb2.CudaGetResponse]  # type: ignore[assignment]
     """One group of a grouped CudaGet (group_sizes): answers once that group's blocks are
     in the engine's memory.
+    """
+    Prefetch: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.PrefetchRequest, _kvtier_pb2.PrefetchResponse]  # type: ignore[assignment]
+    """Queue prefetch: an engine announces requests waiting in its queue. Their blocks on
+    NVMe (or in the remote tier) are promoted into DRAM in the background and every
+    announced block in DRAM is kept there (never an eviction victim while others are)
+    until it is loaded (Get, Acquire, CudaGet) or ttl_s passes. Answers at once.
+    """
+    PutBlock: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.PutBlockRequest, _kvtier_pb2.PutResponse]  # type: ignore[assignment]
+    """---- one block in one message, for blocks up to a few MiB (the byte path's fast form) ----
+    Put and Get above, without a stream: a stream costs a client about twice a unary
+    call's fixed overhead, which at 1-4 MiB is as much as moving the bytes. The daemon
+    accepts messages of up to 8 MiB + 64 KiB (a larger block: use Put). Same checks,
+    statuses and visibility rules as Put.
+    """
+    GetBlock: _aio.UnaryUnaryMultiCallable[_kvtier_pb2.GetBlockRequest, _kvtier_pb2.GetBlockResponse]  # type: ignore[assignment]
+    """Read one block in one message if it is at most max_inline_bytes; else the answer is
+    only its header with use_stream set: read it with Get. A miss is NOT_FOUND.
     """
 
 class KVTierServicer(metaclass=_abc_1.ABCMeta):
@@ -328,6 +362,41 @@ class KVTierServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_kvtier_pb2.CudaGetResponse, _abc.Awaitable[_kvtier_pb2.CudaGetResponse]]:
         """One group of a grouped CudaGet (group_sizes): answers once that group's blocks are
         in the engine's memory.
+        """
+
+    @_abc_1.abstractmethod
+    def Prefetch(
+        self,
+        request: _kvtier_pb2.PrefetchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvtier_pb2.PrefetchResponse, _abc.Awaitable[_kvtier_pb2.PrefetchResponse]]:
+        """Queue prefetch: an engine announces requests waiting in its queue. Their blocks on
+        NVMe (or in the remote tier) are promoted into DRAM in the background and every
+        announced block in DRAM is kept there (never an eviction victim while others are)
+        until it is loaded (Get, Acquire, CudaGet) or ttl_s passes. Answers at once.
+        """
+
+    @_abc_1.abstractmethod
+    def PutBlock(
+        self,
+        request: _kvtier_pb2.PutBlockRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvtier_pb2.PutResponse, _abc.Awaitable[_kvtier_pb2.PutResponse]]:
+        """---- one block in one message, for blocks up to a few MiB (the byte path's fast form) ----
+        Put and Get above, without a stream: a stream costs a client about twice a unary
+        call's fixed overhead, which at 1-4 MiB is as much as moving the bytes. The daemon
+        accepts messages of up to 8 MiB + 64 KiB (a larger block: use Put). Same checks,
+        statuses and visibility rules as Put.
+        """
+
+    @_abc_1.abstractmethod
+    def GetBlock(
+        self,
+        request: _kvtier_pb2.GetBlockRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvtier_pb2.GetBlockResponse, _abc.Awaitable[_kvtier_pb2.GetBlockResponse]]:
+        """Read one block in one message if it is at most max_inline_bytes; else the answer is
+        only its header with use_stream set: read it with Get. A miss is NOT_FOUND.
         """
 
 def add_KVTierServicer_to_server(servicer: KVTierServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -418,17 +418,26 @@ def main(argv: list[str] | None = None) -> int:
         f"pool {format_size(pool)}, median of {args.rounds} rounds"
     )
     print(
-        f"{'block':>7} {'path':>10} {'put GB/s':>9} {'get GB/s':>9} {'get/memcpy':>10} "
+        f"{'block':>7} {'path':>10} {'put GB/s':>9} {'get GB/s':>9} {'put/memcpy':>10} "
+        f"{'get/memcpy':>10} {'put/redis':>9} {'get/redis':>9} "
         f"{'put p50/p99 us':>16} {'get p50/p99 us':>16}"
     )
+    # The issue's targets are ratios to peers measured in this same run.
+    redis_of = {r["block_bytes"]: r for r in results if r["path"] == "redis"}
+
+    def fmt(x: float | None, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    def vs_redis(r: dict[str, Any], field: str) -> float | None:
+        peer = redis_of.get(r["block_bytes"], {}).get(field)
+        return r[field] / peer if r[field] and peer else None
+
     for r in results:
-
-        def fmt(x: float | None, spec: str) -> str:
-            return "-" if x is None else format(x, spec)
-
         print(
             f"{format_size(r['block_bytes']):>7} {r['path']:>10} {fmt(r['put_gbps'], '.2f'):>9} "
-            f"{fmt(r['get_gbps'], '.2f'):>9} {fmt(r['get_vs_memcpy'], '.3f'):>10} "
+            f"{fmt(r['get_gbps'], '.2f'):>9} {fmt(r['put_vs_memcpy'], '.3f'):>10} "
+            f"{fmt(r['get_vs_memcpy'], '.3f'):>10} {fmt(vs_redis(r, 'put_gbps'), '.2f'):>9} "
+            f"{fmt(vs_redis(r, 'get_gbps'), '.2f'):>9} "
             f"{fmt(r['put_p50_us'], '.0f') + '/' + fmt(r['put_p99_us'], '.0f'):>16} "
             f"{fmt(r['get_p50_us'], '.0f') + '/' + fmt(r['get_p99_us'], '.0f'):>16}"
         )

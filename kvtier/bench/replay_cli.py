@@ -15,11 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.plan_cli import parse_rate
+from kvtier.errors import InvalidArgument
 from kvtier.index.planner import OVERLAPS, PrefillCost, TierCost
 from kvtier.index.policy import ADMISSIONS, POLICIES
 from kvtier.profiles import MODELS
 from kvtier.sim import fleet
+from kvtier.sim.queue import QueueConfig, queue_replay, speedup_for_busy
 from kvtier.sim.replay import ORACLE, ReplayConfig, Request, read_trace, replay
+from kvtier.sim.transform import transform
 from kvtier.sizes import human_size, parse_size
 
 
@@ -34,13 +37,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "trace", type=Path, help="Mooncake-format JSONL (timestamp, input_length, hash_ids)"
     )
-    p.add_argument("--dram-capacity", default="5000", help="blocks (5000) or a size (320GiB)")
+    p.add_argument(
+        "--dram-capacity",
+        default="5000",
+        help="blocks (5000) or a size (320GiB); several, comma-separated (5000,10000,20000), "
+        "print every policy at each size side by side with its ratio to LRU and the oracle",
+    )
     p.add_argument("--nvme-capacity", default="", help="blocks or a size; default 4x DRAM")
     p.add_argument(
         "--policy",
         action="append",
         choices=[*POLICIES, ORACLE, "all"],
         help="repeatable; default all: lru, s3fifo, kvtier and the oracle",
+    )
+    p.add_argument(
+        "--transform",
+        default="",
+        metavar="SPEC",
+        help="replay other traffic made from the trace: NAME:ARG,... (interleave:SEED, "
+        "shift:SEED:SIGMA_S, gaps:FACTOR, speed:FACTOR, scale:FACTOR, sample:FRACTION:SEED, "
+        "head:N; kvtier/sim/transform.py)",
     )
     p.add_argument("--admission", choices=ADMISSIONS, default="selective")
     p.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
@@ -79,13 +95,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # Mooncake Store's transfer engine is built for), at an effective 10 GB/s.
     fleet.add_argument("--remote-bandwidth", default="10GB/s", help="remote -> engine, bytes/s")
     fleet.add_argument("--remote-latency", type=float, default=50e-6, help="seconds per fetch")
+    queue = p.add_argument_group("queue (one node behind one prefill server: TTFT)")
+    queue.add_argument(
+        "--queue", action="store_true", help="model the engine's queue; report TTFT p50/p99"
+    )
+    queue.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="implies --queue: waiting requests announce their chains, NVMe blocks are "
+        "promoted and protected; reported next to prefetch off, same trace and capacities",
+    )
+    queue.add_argument(
+        "--busy",
+        type=float,
+        default=0.0,
+        help="pick the arrival speedup so the server is this busy with prefetch off "
+        "(0.8: 80 %%); default: use --speedup",
+    )
+    queue.add_argument(
+        "--hint-ttl", type=float, default=300.0, help="seconds an announced chain is protected"
+    )
 
 
-def configs(args: argparse.Namespace) -> Iterator[ReplayConfig]:
+def configs(args: argparse.Namespace, dram_capacity: str | None = None) -> Iterator[ReplayConfig]:
     profile = MODELS[args.model]
     kv = args.kv_bytes_per_token or profile.kv_bytes_per_token
     block_bytes = args.tokens_per_block * kv
-    dram = _blocks(args.dram_capacity, block_bytes)
+    dram = _blocks(dram_capacity or args.dram_capacity.split(",")[0], block_bytes)
     nvme = _blocks(args.nvme_capacity, block_bytes) if args.nvme_capacity else 4 * dram
     names: Iterable[str] = args.policy or ["all"]
     if "all" in names:
@@ -187,11 +223,25 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         requests = read_trace(args.trace)
-    except (OSError, ValueError) as err:
+        if args.transform:
+            requests = transform(requests, args.transform)
+        sizes = [c.strip() for c in args.dram_capacity.split(",") if c.strip()]
+        if not sizes:
+            raise ValueError("--dram-capacity: give at least one size")
+        for size in sizes:
+            _blocks(size, 1)
+    except (OSError, ValueError, InvalidArgument) as err:
         print(f"kvtier replay: {err}", file=sys.stderr)
+        return 2
+    if not requests:
+        print("kvtier replay: no requests left to replay", file=sys.stderr)
         return 2
     if args.nodes > 1 or args.routing or args.remote:
         return fleet_main(args, requests)
+    if args.queue or args.prefetch:
+        return queue_main(args, requests)  # at the first --dram-capacity size
+    if len(sizes) > 1:
+        return sizes_main(args, requests, sizes)
     runs = [replay(cfg, requests) for cfg in configs(args)]
     if args.plot:
         plot(args.plot, runs)
@@ -215,6 +265,39 @@ def main(args: argparse.Namespace) -> int:
             f"{r['fetch_regret_seconds']:>10.2f} {r['lost_reuse']:>10} "
             f"{human_size(r['nvme_bytes_written']):>13} {r['usd_saved']:>8.2f}"
         )
+    return 0
+
+
+def sizes_main(args: argparse.Namespace, requests: list[Request], sizes: list[str]) -> int:
+    """Every policy at every DRAM size: prefill seconds saved, × LRU and × the oracle."""
+    if args.plot:
+        print("kvtier replay: --plot takes one --dram-capacity", file=sys.stderr)
+        return 2
+    reports = [replay(cfg, requests)[0] for size in sizes for cfg in configs(args, size)]
+    if _printed_json(args, reports):
+        return 0
+    print(
+        f"{len(requests)} requests, {reports[0]['block_refs']} block references"
+        f"{' (transformed: ' + args.transform + ')' if args.transform else ''}; blocks of "
+        f"{human_size(reports[0]['block_bytes'])}, NVMe "
+        f"{'as given' if args.nvme_capacity else '4x DRAM'}, admission {args.admission}"
+    )
+    print(
+        f"{'DRAM':>8} {'policy':<8} {'hit ratio':>9} {'dram hits':>10} {'nvme hits':>10} "
+        f"{'saved (s)':>10} {'x LRU':>7} {'x oracle':>8}"
+    )
+    for size in dict.fromkeys(r["dram_blocks"] for r in reports):
+        row = [r for r in reports if r["dram_blocks"] == size]
+        base = {r["policy"]: r["prefill_seconds_saved"] for r in row}
+        for r in row:
+            saved = r["prefill_seconds_saved"]
+            vs_lru = f"{saved / base['lru']:.3f}" if base.get("lru") else "-"
+            vs_oracle = f"{saved / base[ORACLE]:.3f}" if base.get(ORACLE) else "-"
+            print(
+                f"{size:>8} {r['policy']:<8} {r['block_hit_ratio']:>9.1%} "
+                f"{r['tiers']['dram']['hits']:>10} {r['tiers']['nvme']['hits']:>10} "
+                f"{saved:>10.1f} {vs_lru:>7} {vs_oracle:>8}"
+            )
     return 0
 
 
@@ -272,5 +355,44 @@ def fleet_main(args: argparse.Namespace, requests: list[Request]) -> int:
             f"{r['ttft_p99_s']:>8.2f}s {r['block_hit_ratio']:>9.1%} "
             f"{r['prefill_seconds_saved']:>10.0f} {r['load_max_over_mean']:>13.2f} "
             f"{r['remote']['hits'] if r['remote'] else '-':>11}"
+        )
+    return 0
+
+
+def queue_main(args: argparse.Namespace, requests: list[Request]) -> int:
+    """One node behind a FIFO prefill server: TTFT and prefill saved, prefetch off (and on)."""
+    if args.busy < 0 or args.speedup <= 0 or args.hint_ttl <= 0:
+        print("kvtier replay: --busy must be >= 0, --speedup and --hint-ttl > 0", file=sys.stderr)
+        return 2
+    if args.plot:
+        print("kvtier replay: --plot is not drawn for --queue", file=sys.stderr)
+        return 2
+    args.policy = [p for p in (args.policy or ["kvtier"]) if p != "all"] or ["kvtier"]
+    reports = []
+    for cfg in configs(args):
+        speedup = speedup_for_busy(cfg, requests, args.busy) if args.busy else args.speedup
+        for prefetch in (False, True) if args.prefetch else (False,):
+            queue = QueueConfig(speedup=speedup, prefetch=prefetch, hint_ttl_s=args.hint_ttl)
+            reports.append(queue_replay(cfg, queue, requests))
+    if _printed_json(args, reports):
+        return 0
+    first = reports[0]
+    print(
+        f"{len(requests)} requests, one prefill server; DRAM {first['dram_blocks']} blocks, "
+        f"NVMe {first['nvme_blocks']} blocks of {human_size(first['block_bytes'])}; "
+        f"a promotion {first['promotion_s_per_block'] * 1e3:.1f} ms a block"
+    )
+    print(
+        f"{'policy':<8} {'prefetch':>8} {'speedup':>8} {'busy':>6} {'TTFT p50':>9} "
+        f"{'TTFT p99':>9} {'saved (s)':>10} {'dram hits':>10} {'nvme hits':>10} "
+        f"{'prefetched':>10} {'used':>8}"
+    )
+    for r in reports:
+        print(
+            f"{r['policy']:<8} {'on' if r['prefetch'] else 'off':>8} {r['speedup']:>8.3f} "
+            f"{r['server_busy']:>6.1%} {r['ttft_p50_s']:>8.2f}s {r['ttft_p99_s']:>8.2f}s "
+            f"{r['prefill_seconds_saved']:>10.1f} {r['tiers']['dram']['hits']:>10} "
+            f"{r['tiers']['nvme']['hits']:>10} {r['prefetched_blocks']:>10} "
+            f"{r['prefetched_used']:>8}"
         )
     return 0

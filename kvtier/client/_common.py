@@ -14,13 +14,21 @@ from urllib.parse import unquote
 import grpc
 import xxhash
 
+from kvtier._malloc import raise_thresholds
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier._wire import (
+    GET_BLOCK_METHOD,
     GET_METHOD,
+    INLINE_MAX_BYTES,
+    PUT_BLOCK_METHOD,
     PUT_METHOD,
+    InlineBlock,
+    InlinePut,
     RawChunk,
+    get_block_response_deserializer,
     get_response_deserializer,
+    put_block_request_serializer,
     put_request_serializer,
 )
 from kvtier.env import (
@@ -67,10 +75,12 @@ class Calls:
     stub: Any  # KVTierStub or its asyncio twin, by channel type
     put: Any
     get: Any
+    put_block: Any
+    get_block: Any
 
 
 def make_calls(channel: Any) -> Calls:
-    """Stubs for `channel`, with the copy-saving chunk codecs on Put and Get."""
+    """Stubs for `channel`, with the copy-saving codecs on Put, Get, PutBlock and GetBlock."""
     return Calls(
         stub=pb_grpc.KVTierStub(channel),
         put=channel.stream_unary(
@@ -82,6 +92,16 @@ def make_calls(channel: Any) -> Calls:
             GET_METHOD,
             request_serializer=pb.GetRequest.SerializeToString,
             response_deserializer=get_response_deserializer,
+        ),
+        put_block=channel.unary_unary(
+            PUT_BLOCK_METHOD,
+            request_serializer=put_block_request_serializer,
+            response_deserializer=pb.PutResponse.FromString,
+        ),
+        get_block=channel.unary_unary(
+            GET_BLOCK_METHOD,
+            request_serializer=pb.GetBlockRequest.SerializeToString,
+            response_deserializer=get_block_response_deserializer,
         ),
     )
 
@@ -170,6 +190,7 @@ def plan_request(
     overlap: str,
     prompt_tokens: int | None,
     kv_bytes_per_token: int | None,
+    family: str = "any",
 ) -> pb.PlanRequest:
     return pb.PlanRequest(
         namespace=namespace,
@@ -179,22 +200,62 @@ def plan_request(
         engine_cached_blocks=engine_cached_blocks,
         overlap=overlap,
         kv_bytes_per_token=kv_bytes_per_token or 0,
+        family=family,
     )
+
+
+# A client process's allocator, tuned once, on its first byte-path call (kvtier._malloc):
+# the thresholds the daemon uses for its own message buffers, with a smaller trim
+# threshold, since this is someone else's process.
+CLIENT_MMAP_THRESHOLD_BYTES = 32 << 20
+CLIENT_TRIM_THRESHOLD_BYTES = 128 << 20
+_malloc_tuned = False
+
+
+def tune_malloc_once() -> None:
+    global _malloc_tuned
+    if not _malloc_tuned:
+        _malloc_tuned = True
+        raise_thresholds(CLIENT_MMAP_THRESHOLD_BYTES, CLIENT_TRIM_THRESHOLD_BYTES)
+
+
+def put_header(namespace: str, key: bytes, view: memoryview, overwrite: bool) -> pb.PutHeader:
+    return pb.PutHeader(
+        namespace=namespace,
+        key=key,
+        size_bytes=view.nbytes,
+        xxh3_64=xxhash.xxh3_64_intdigest(view),
+        overwrite=overwrite,
+    )
+
+
+def put_block(namespace: str, key: bytes, data: Buffer, overwrite: bool) -> InlinePut | None:
+    """The PutBlock request for `data`, or None when it is too large for one message."""
+    view = memoryview(data).cast("B")
+    if view.nbytes > INLINE_MAX_BYTES:
+        return None
+    return InlinePut(put_header(namespace, key, view, overwrite), view)
+
+
+def get_block_request(namespace: str, key: bytes) -> pb.GetBlockRequest:
+    return pb.GetBlockRequest(namespace=namespace, key=key, max_inline_bytes=INLINE_MAX_BYTES)
+
+
+def inline_bytes(reply: InlineBlock) -> bytes:
+    """The block's bytes from a GetBlock answer (not `use_stream`), checked."""
+    data = bytes(reply.data)
+    if len(data) != reply.header.size_bytes or (
+        xxhash.xxh3_64_intdigest(data) != reply.header.xxh3_64
+    ):
+        raise DataLoss("block bytes did not arrive intact; retry the get")
+    return data
 
 
 def put_messages(
     namespace: str, key: bytes, data: Buffer, overwrite: bool, chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[pb.PutRequest | RawChunk]:
     view = memoryview(data).cast("B")
-    yield pb.PutRequest(
-        header=pb.PutHeader(
-            namespace=namespace,
-            key=key,
-            size_bytes=view.nbytes,
-            xxh3_64=xxhash.xxh3_64_intdigest(view),
-            overwrite=overwrite,
-        )
-    )
+    yield pb.PutRequest(header=put_header(namespace, key, view, overwrite))
     for start in range(0, view.nbytes, chunk_bytes):
         yield RawChunk(view[start : start + chunk_bytes])
 

@@ -35,6 +35,7 @@ from google.protobuf.message import Message
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import Op
+from kvtier._wire import InlineBlock
 from kvtier.client._common import (
     CHANNEL_OPTIONS,
     Buffer,
@@ -44,22 +45,28 @@ from kvtier.client._common import (
     as_keys,
     auth_metadata,
     channel_security,
+    get_block_request,
+    inline_bytes,
     make_calls,
     normalize_target,
     plan_request,
+    put_block,
     put_messages,
     translate,
+    tune_malloc_once,
 )
 from kvtier.client._results import (
     BlockStat,
     EventBatch,
     PlanResult,
+    PrefetchResult,
     Snapshot,
     Stats,
     block_stat,
     event_batch,
     lookup_result,
     plan_result,
+    prefetch_result,
     prefill_cost,
     snapshot_of,
     stats_of,
@@ -74,6 +81,8 @@ from kvtier.client.cuda import (
     wait_request,
 )
 from kvtier.client.zerocopy import (
+    StreamedPut,
+    WriteArea,
     block_parts,
     commit_results,
     copy_bytes,
@@ -82,6 +91,9 @@ from kvtier.client.zerocopy import (
     joined,
     release_request,
     reserve_request,
+    staged_put_request,
+    staging_bytes,
+    streams,
     write_area_of,
 )
 from kvtier.errors import InvalidArgument, KVTierError, NotFound, Unavailable, Unimplemented
@@ -98,6 +110,7 @@ class _Timeout(Enum):
 
 
 CLIENT_TIMEOUT = _Timeout.CLIENT
+BYTE_PATH = frozenset({"Put", "Get", "PutBlock", "GetBlock"})
 
 
 # ---- the steps an operation yields ---------------------------------------------------------
@@ -139,6 +152,7 @@ class SessionCall:
     op: Op
     request: Message
     response_type: type[Message]
+    while_waiting: Callable[[], object] | None = None  # run once sent (a streamed put)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,8 +212,13 @@ def session() -> Operation[memoryview | None]:
     return arena if isinstance(arena, memoryview) else None
 
 
-def session_call(op: Op, request: Message, response_type: type[M]) -> Operation[M]:
-    return _expect((yield SessionCall(op, request, response_type)), response_type)
+def session_call(
+    op: Op,
+    request: Message,
+    response_type: type[M],
+    while_waiting: Callable[[], object] | None = None,
+) -> Operation[M]:
+    return _expect((yield SessionCall(op, request, response_type, while_waiting)), response_type)
 
 
 def planner_call(op: Op, method: str, request: Message, response_type: type[M]) -> Operation[M]:
@@ -220,12 +239,30 @@ def gpu_call(op: Op, request: Message, response_type: type[M]) -> Operation[M]:
 # ---- the operations: one per public method of Client and AsyncClient -----------------------
 def put(namespace: str, key: bytes | str, data: Buffer, overwrite: bool = False) -> Operation[bool]:
     """Store `data`; True if stored now, False if these exact bytes were already there."""
+    # Up to INLINE_MAX_BYTES in one message (PutBlock): a client stream costs about twice
+    # a unary call's fixed overhead. Larger blocks, and daemons older than PutBlock, stream.
+    request = put_block(namespace, as_key(key), data, overwrite)
+    if request is not None:
+        try:
+            return not (yield from rpc("PutBlock", request, pb.PutResponse)).already_present
+        except Unimplemented:
+            pass
     messages = put_messages(namespace, as_key(key), data, overwrite)
     return not (yield from rpc("Put", messages, pb.PutResponse)).already_present
 
 
 def get(namespace: str, key: bytes | str) -> Operation[bytes | None]:
     """The block's bytes, exactly as put, or None when it is not cached."""
+    # One message (GetBlock) when the block fits in one; else, or from a daemon older than
+    # GetBlock, the Get stream.
+    try:
+        reply = yield Rpc("GetBlock", get_block_request(namespace, as_key(key)))
+    except NotFound:
+        return None
+    except Unimplemented:
+        reply = None
+    if isinstance(reply, InlineBlock) and not reply.use_stream:
+        return inline_bytes(reply)
     out = GetAssembler()
     try:
         yield Stream("Get", pb.GetRequest(namespace=namespace, key=as_key(key)), out.feed)
@@ -296,8 +333,11 @@ def plan(
     overlap: str = "none",
     prompt_tokens: int | None = None,
     kv_bytes_per_token: int | None = None,
+    family: str = "any",
 ) -> Operation[PlanResult]:
-    """Per block of the chain: fetch (from which tier) or recompute, and the estimates."""
+    """Per block of the chain: fetch (from which tier) or recompute, and the estimates.
+    `family="prefix"`: the engine can only load right after its own blocks (vLLM), so the
+    plan fetches [engine_cached_blocks, fetch_end) or nothing, and recomputes the rest."""
     request = plan_request(
         namespace,
         as_keys(keys),
@@ -306,6 +346,7 @@ def plan(
         overlap,
         prompt_tokens,
         kv_bytes_per_token,
+        family,
     )
     return plan_result((yield from planner_call(Op.PLAN, "Plan", request, pb.PlanResponse)))
 
@@ -321,6 +362,20 @@ def report_prefill(
         Op.REPORT_PREFILL, "ReportPrefill", request, pb.ReportPrefillResponse
     )
     return prefill_cost(resp)
+
+
+def prefetch(
+    namespace: str, chains: Sequence[Sequence[bytes | str]], ttl_s: float = 0.0
+) -> Operation[PrefetchResult]:
+    """Announce the chains of requests waiting in the engine's queue (nearest deadline
+    first): the daemon promotes their NVMe blocks into DRAM in the background and keeps
+    them there until loaded or `ttl_s` (0: the daemon's limits.prefetch_ttl_s) passes."""
+    request = pb.PrefetchRequest(
+        namespace=namespace,
+        chains=[pb.PrefetchChain(keys=as_keys(chain)) for chain in chains],
+        ttl_s=ttl_s,
+    )
+    return prefetch_result((yield from rpc("Prefetch", request, pb.PrefetchResponse)))
 
 
 # The zero-copy path (same node, UNIX socket); elsewhere the same calls go over gRPC.
@@ -342,7 +397,7 @@ def get_into(
 def put_many(
     namespace: str, items: Sequence[tuple[bytes | str, Any]], overwrite: bool = False
 ) -> Operation[list[bool]]:
-    """Store many blocks with one reserve and one commit round trip. A block's buffer
+    """Store many blocks in one exchange with the daemon (two with an older one). A block's buffer
     may be a list of buffers holding it back to back (one per layer, say): each is
     copied into place, never joined first."""
     blocks = [block_parts(buf, writable=False) for _, buf in items]
@@ -354,6 +409,32 @@ def put_many(
             stored.append((yield from put(namespace, key, joined(parts), overwrite)))
         return stored
     keys = [as_key(k) for k, _ in items]
+    if isinstance(area, WriteArea) and area.hold_staging():
+        try:
+            # One exchange: the blocks go to the session's staging range (Stage grows it).
+            streamed = streams(area, blocks)
+            need = staging_bytes(blocks, streamed)
+            if area.staging is None or area.staging[1] < need:
+                try:
+                    staged = yield from session_call(
+                        Op.STAGE, pb.StageRequest(size_bytes=need), pb.StageResponse
+                    )
+                    area.staging = (staged.offset, staged.size_bytes)
+                except (InvalidArgument, Unimplemented):
+                    area.staging = None  # too large, or an older daemon: two exchanges
+            if area.staging is not None and area.staging[1] >= need and streamed:
+                # The daemon copies behind this client's copy, which runs once it is sent.
+                stream = StreamedPut(area, namespace, keys, blocks, overwrite)
+                done = yield from session_call(
+                    Op.PUT_STAGED, stream.request, pb.CommitResponse, stream.write
+                )
+                return commit_results(done)
+            if area.staging is not None and area.staging[1] >= need:
+                staged_put = staged_put_request(area, namespace, keys, blocks, overwrite)
+                done = yield from session_call(Op.PUT_STAGED, staged_put, pb.CommitResponse)
+                return commit_results(done)
+        finally:
+            area.drop_staging()
     request = reserve_request(namespace, keys, blocks, overwrite)
     reserved = yield from session_call(Op.RESERVE, request, pb.ReserveResponse)
     try:
@@ -483,8 +564,12 @@ class ClientBase(ABC, Generic[ArenaT, ChannelT]):
         tls_cert: PemSource | None = None,
         tls_key: PemSource | None = None,
         tls_server_name: str | None = None,
+        tune_malloc: bool = True,
     ) -> None:
         self.target = normalize_target(target)
+        # The byte path's multi-MiB messages: see kvtier/_malloc.py. False leaves this
+        # process's allocator as it is (then a 4 MiB get costs page faults in every copy).
+        self._tune_malloc = tune_malloc
         self.timeout_s = timeout_s
         self._metadata = auth_metadata(token)
         security = channel_security(self.target, tls, tls_ca, tls_cert, tls_key, tls_server_name)
@@ -493,6 +578,7 @@ class ClientBase(ABC, Generic[ArenaT, ChannelT]):
         )
         calls = make_calls(self._channel)
         self._stub, self._put, self._get = calls.stub, calls.put, calls.get
+        self._put_block, self._get_block = calls.put_block, calls.get_block
         self._arena: ArenaT | None = None
         self._zero_copy_possible = self.target.startswith("unix:")
 
@@ -508,13 +594,19 @@ class ClientBase(ABC, Generic[ArenaT, ChannelT]):
         """Start the call: its response (blocking), or what to await or iterate (asyncio,
         and every server stream)."""
         timeout = self.timeout_s if timeout_s is CLIENT_TIMEOUT else timeout_s
-        # Put and Get carry the copy-saving chunk codecs; the others are the stub's own.
+        # The byte path's calls carry the copy-saving codecs; the others are the stub's own.
         if method == "Put":
             call = self._put
         elif method == "Get":
             call = self._get
+        elif method == "PutBlock":
+            call = self._put_block
+        elif method == "GetBlock":
+            call = self._get_block
         else:
             call = getattr(self._stub, method)
+        if self._tune_malloc and method in BYTE_PATH:
+            tune_malloc_once()
         return call(request, timeout=timeout, metadata=self._metadata)
 
     def _attached(self) -> ArenaT:

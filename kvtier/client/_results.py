@@ -72,6 +72,9 @@ class PlanResult:
     tiers: list[str | None]
     fetch_s: list[float]
     recompute_s: list[float]
+    # Paid once by the fetched run beyond its blocks' fetch_s: fetching blocks [i, j)
+    # costs run_latency_s + sum(fetch_s[i:j]).
+    run_latency_s: float = 0.0
 
     @property
     def fetch_blocks(self) -> int:
@@ -185,6 +188,7 @@ def plan_result(resp: pb.PlanResponse) -> PlanResult:
         tiers=[PB_TO_TIER[t] for t in resp.tiers],
         fetch_s=list(resp.fetch_s),
         recompute_s=list(resp.recompute_s),
+        run_latency_s=resp.run_latency_s,
     )
 
 
@@ -261,4 +265,23 @@ def stats_of(resp: pb.StatsResponse) -> Stats:
         },
         event_loop_stall_max_s=resp.event_loop_stall_max_s,
         event_loop_stall_recent_max_s=resp.event_loop_stall_recent_max_s,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchResult:
+    """What a `prefetch` announced: blocks accepted (a chain past the tenant's limits is
+    cut), of which in DRAM already (now kept there), on NVMe (being promoted), on no local
+    tier; and the TTL the daemon applied."""
+
+    accepted_blocks: int
+    in_dram: int
+    to_promote: int
+    not_stored: int
+    ttl_s: float
+
+
+def prefetch_result(resp: pb.PrefetchResponse) -> PrefetchResult:
+    return PrefetchResult(
+        resp.accepted_blocks, resp.in_dram, resp.to_promote, resp.not_stored, resp.ttl_s
     )

@@ -64,6 +64,7 @@ class AsyncClient(ClientBase[AsyncSharedArena, grpc.aio.Channel]):
     stats = awaiting(_core.stats)
     plan = awaiting(_core.plan)
     report_prefill = awaiting(_core.report_prefill)
+    prefetch = awaiting(_core.prefetch)
     # The zero-copy path (same node, UNIX socket)
     put_from = awaiting(_core.put_from)
     get_into = awaiting(_core.get_into)
@@ -125,7 +126,9 @@ class AsyncClient(ClientBase[AsyncSharedArena, grpc.aio.Channel]):
 
     async def _perform(self, step: Step) -> Any:
         if isinstance(step, _core.SessionCall):
-            return await self._attached().call(step.op, step.request, step.response_type)
+            return await self._attached().call(
+                step.op, step.request, step.response_type, step.while_waiting
+            )
         if isinstance(step, _core.Rpc):
             return await self._grpc(step.method, step.request)
         if isinstance(step, _core.Stream):

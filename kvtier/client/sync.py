@@ -53,8 +53,10 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
     system's roots), `tls_cert` and `tls_key` the client certificate for mTLS (default
     $KVTIER_TLS_CERT, $KVTIER_TLS_KEY), `tls_server_name` the name to check the daemon's
     certificate against when it is not the target's host. Any of them turns TLS on;
-    `tls=True` turns it on with none of them, `tls=False` off. All but `target` are
-    keyword-only.
+    `tls=True` turns it on with none of them, `tls=False` off. `tune_malloc=False`
+    leaves this process's malloc thresholds alone (by default the first put or get raises
+    them, kvtier/_malloc.py: multi-MiB blocks otherwise page-fault in every copy). All
+    but `target` are keyword-only.
     """
 
     put = blocking(_core.put)
@@ -68,6 +70,7 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
     stats = blocking(_core.stats)
     plan = blocking(_core.plan)
     report_prefill = blocking(_core.report_prefill)
+    prefetch = blocking(_core.prefetch)
     # The zero-copy path (same node, UNIX socket)
     put_from = blocking(_core.put_from)
     get_into = blocking(_core.get_into)
@@ -136,7 +139,9 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
 
     def _perform(self, step: Step) -> Any:
         if isinstance(step, _core.SessionCall):
-            return self._attached().call(step.op, step.request, step.response_type)
+            return self._attached().call(
+                step.op, step.request, step.response_type, step.while_waiting
+            )
         if isinstance(step, _core.Rpc):
             return self._grpc(step.method, step.request)
         if isinstance(step, _core.Stream):

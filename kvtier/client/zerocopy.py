@@ -6,6 +6,11 @@ sealed so that it can only be mapped read-only (gets copy straight out of it; no
 client does can change a committed block), and the session's write area, where a put's
 reserved slots are (the daemon copies them into the arena at commit and hashes its copy).
 The side connection stays open: the daemon releases the session's leases when it closes.
+
+A put takes one exchange where the daemon offers it (issue 25): the client keeps a
+*staging range* of its write area (Stage), lays the put's blocks out there, hashing each
+piece as it copies it, and sends StagedPut; else it reserves slots and commits them (two
+exchanges).
 """
 
 from __future__ import annotations
@@ -13,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import platform
 import socket
 import struct
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import xxhash
@@ -31,6 +37,30 @@ from kvtier.errors import InvalidArgument, Unavailable, from_status_value
 M = TypeVar("M", bound=Message)
 
 _REPLY = struct.Struct("<QQ")
+# Copy and hash in cache-sized pieces: each piece is hashed while it is still in cache.
+COPY_PIECE_BYTES = 256 << 10
+STAGE_ALIGN_BYTES = 4096
+# Puts of at least this many bytes stream: the daemon copies behind the client's copy
+# (kvtier.proto, StagedPutRequest.ticket), so the two copies overlap instead of adding
+# up. Only where stores become visible to another core in program order (x86-64's TSO):
+# elsewhere the daemon could see the byte count before the bytes; its hash would then
+# refuse the put (never wrong bytes), so the plain one-exchange put is used there. And
+# only with cores to spare for both copies at once: on the 2 shared vCPUs measured here
+# (BENCHMARKS.md, issue 25) a streamed 4 MiB put was 12 % faster at load 11 but took 3.9x
+# as long at load 24 (the daemon polls while the client waits for a CPU).
+STREAM_MIN_BYTES = 1 << 20
+STREAMS = platform.machine() in {"x86_64", "AMD64"} and (os.cpu_count() or 1) >= 4
+_WORD = struct.Struct("<Q")
+_TICKET = struct.Struct("<QQ")
+STREAM_ABANDONED = (1 << 64) - 1
+# A client's first read of each arena page faults its mapping in (~0.4 µs a page here:
+# 40 % of a 4 MiB get's time, in the first pass over the arena). A background thread
+# populates the mapping's page tables at attach instead (MADV_POPULATE_READ, Linux 5.14;
+# ~0.3 s of that thread's CPU per GiB, 2 MiB of page tables per GiB), for arenas up to
+# PREFAULT_MAX_BYTES; larger ones fault in as they are read.
+MADV_POPULATE_READ = 22
+PREFAULT_MAX_BYTES = 16 << 30
+PREFAULT_CHUNK_BYTES = 2 << 20  # mmap.madvise holds the GIL: ~1 ms at most per chunk
 
 
 class WriteArea:
@@ -42,6 +72,23 @@ class WriteArea:
         self._fd = fd
         self._lock = threading.Lock()
         self._mapping: mmap.mmap | None = None
+        self.staging: tuple[int, int] | None = None  # (offset, size): Stage's reply
+        self.one_exchange = True  # False: every put reserves and commits (tests run both)
+        self.streams = STREAMS  # False: puts are written whole before they are sent
+        self._ticket = 0
+        self._staging_held = threading.Lock()
+
+    def hold_staging(self) -> bool:
+        """Take the staging range for one put; False when another put has it (that put
+        then takes the two-exchange path: never wait, an event loop may be running us)."""
+        return self.one_exchange and self._staging_held.acquire(blocking=False)
+
+    def drop_staging(self) -> None:
+        self._staging_held.release()
+
+    def next_ticket(self) -> int:
+        self._ticket += 1
+        return self._ticket
 
     def slot(self, offset: int, size_bytes: int) -> memoryview:
         """A writable view of the slot at `offset` (from a Reserve reply)."""
@@ -94,11 +141,25 @@ class SharedArena:
             raise Unavailable("the daemon gave this session no write area")
         return self.write_area.slot(slot.offset, slot.size_bytes)
 
-    def call(self, op: Op, request: Message, response_type: type[M]) -> M:
-        """One request on the session socket, waiting for its response."""
+    def call(
+        self,
+        op: Op,
+        request: Message,
+        response_type: type[M],
+        while_waiting: Callable[[], object] | None = None,
+    ) -> M:
+        """One request on the session socket, waiting for its response; `while_waiting`
+        runs once the request is sent (a streamed put's copy), its failure raised after
+        the reply is read (the stream stays in step)."""
         payload = request.SerializeToString()
+        failure: BaseException | None = None
         with self._lock:
             self._conn.sendall(frame(op, payload))
+            if while_waiting is not None:
+                try:
+                    while_waiting()
+                except BaseException as err:
+                    failure = err
             # One recv usually brings the whole reply; read more only for a long one.
             got = self._conn.recv_into(self._inbox)
             while got < HEADER.size:
@@ -110,6 +171,8 @@ class SharedArena:
             while got < end:
                 got += self._recv_more(got)
             reply = bytes(memoryview(self._inbox)[HEADER.size : end])
+        if failure is not None:
+            raise failure
         if code:
             raise from_status_value(code, reply.decode(errors="replace"))
         return response_type.FromString(reply)
@@ -154,6 +217,10 @@ class SharedArena:
             conn.close()
             raise
         conn.settimeout(None)
+        if size <= PREFAULT_MAX_BYTES:
+            threading.Thread(
+                target=_prefault, args=(mapping,), name="kvtier-arena-prefault", daemon=True
+            ).start()
         return cls(session_id, mapping, conn, write_area)
 
     def close(self) -> None:
@@ -162,6 +229,18 @@ class SharedArena:
         if self.write_area is not None:
             self.write_area.close()
         self._conn.close()
+
+
+def _prefault(mapping: mmap.mmap) -> None:
+    """Populate the read-only arena mapping's page tables, a chunk at a time; stops at
+    the first refusal (an older kernel) or once the mapping is closed."""
+    try:
+        for start in range(0, len(mapping), PREFAULT_CHUNK_BYTES):
+            length = min(PREFAULT_CHUNK_BYTES, len(mapping) - start)
+            mapping.madvise(MADV_POPULATE_READ, start, length)
+            time.sleep(0)  # let the caller's threads have the GIL between chunks
+    except (OSError, ValueError):
+        return
 
 
 class AsyncSharedArena:
@@ -180,13 +259,27 @@ class AsyncSharedArena:
     async def attach(cls, resp: pb.AttachResponse) -> AsyncSharedArena:
         return cls(await asyncio.to_thread(SharedArena.attach, resp))
 
-    async def call(self, op: Op, request: Message, response_type: type[M]) -> M:
+    async def call(
+        self,
+        op: Op,
+        request: Message,
+        response_type: type[M],
+        while_waiting: Callable[[], object] | None = None,
+    ) -> M:
         loop = asyncio.get_running_loop()
+        failure: BaseException | None = None
         async with self._lock:
             await loop.sock_sendall(self._conn, frame(op, request.SerializeToString()))
+            if while_waiting is not None:
+                try:
+                    while_waiting()  # a memory copy: what a put does on the loop anyway
+                except BaseException as err:
+                    failure = err
             header = await self._recv_exact(HEADER.size)
             length, code = HEADER.unpack(header)
             reply = await self._recv_exact(length)
+        if failure is not None:
+            raise failure
         if code:
             raise from_status_value(code, reply.decode(errors="replace"))
         return response_type.FromString(reply)
@@ -256,12 +349,122 @@ def fill_slots(
     checksums = []
     for slot, parts in zip(slots, blocks, strict=True):
         with area.slot(slot.offset, slot.size_bytes) as place:
-            offset = 0
-            for part in parts:
-                place[offset : offset + part.nbytes] = part
-                offset += part.nbytes
-        checksums.append(checksum(parts))
+            checksums.append(copy_hashed(place, parts))
     return checksums
+
+
+def _aligned(size_bytes: int) -> int:
+    return -(-max(size_bytes, 1) // STAGE_ALIGN_BYTES) * STAGE_ALIGN_BYTES
+
+
+def streams(area: WriteArea, blocks: list[Parts]) -> bool:
+    """Whether a put of `blocks` is streamed (see STREAM_MIN_BYTES)."""
+    return area.streams and sum(parts_bytes(p) for p in blocks) >= STREAM_MIN_BYTES
+
+
+def staging_bytes(blocks: list[Parts], streamed: bool = False) -> int:
+    """The staging range a put of `blocks` needs (each block page-aligned, after the
+    progress words when streamed)."""
+    header = _aligned(8 * (2 + len(blocks))) if streamed else 0
+    return header + sum(_aligned(parts_bytes(p)) for p in blocks)
+
+
+class StreamedPut:
+    """A put whose request goes first: `request` names where each block will be, and
+    `write()`, run once it is sent, copies the blocks there piece by piece, publishing
+    each block's checksum and then the byte count after each piece (the daemon copies
+    behind it). Needs the staging range held, and `staging_bytes(blocks, True)` of it."""
+
+    def __init__(
+        self,
+        area: WriteArea,
+        namespace: str,
+        keys: list[bytes],
+        blocks: list[Parts],
+        overwrite: bool,
+    ) -> None:
+        assert area.staging is not None
+        self._area = area
+        self._blocks = blocks
+        self._header = area.staging[0]
+        self._ticket = area.next_ticket()
+        offset = self._header + _aligned(8 * (2 + len(blocks)))
+        items = []
+        for key, parts in zip(keys, blocks, strict=True):
+            size = parts_bytes(parts)
+            items.append(pb.StagedPutItem(key=key, size_bytes=size, offset=offset))
+            offset += _aligned(size)
+        self.request = pb.StagedPutRequest(
+            namespace=namespace, items=items, overwrite=overwrite, ticket=self._ticket
+        )
+        with area.slot(self._header, 8 * (2 + len(blocks))) as words:
+            words[16:] = bytes(8 * len(blocks))  # no checksum left from an earlier put
+            _TICKET.pack_into(words, 0, self._ticket, 0)  # before the request is sent
+
+    def write(self) -> None:
+        area = self._area
+        with area.slot(self._header, 8 * (2 + len(self._blocks))) as words:
+            try:
+                written = 0
+                for i, (item, parts) in enumerate(
+                    zip(self.request.items, self._blocks, strict=True)
+                ):
+                    with area.slot(item.offset, item.size_bytes) as place:
+                        hasher = xxhash.xxh3_64()
+                        for start, end, piece in _pieces(place, parts):
+                            hasher.update(piece)
+                            if end == item.size_bytes:  # its checksum before its last bytes
+                                _WORD.pack_into(words, 16 + 8 * i, hasher.intdigest())
+                            written += end - start
+                            _WORD.pack_into(words, 8, written)
+            except BaseException:
+                _WORD.pack_into(words, 8, STREAM_ABANDONED)  # the daemon stops waiting
+                raise
+
+
+def _pieces(place: memoryview, parts: Parts) -> Iterable[tuple[int, int, memoryview]]:
+    """Copy the parts back to back into `place` a piece at a time, yielding each piece
+    once copied: (start, end) in the block, and the copy."""
+    offset = 0
+    for part in parts:
+        for start in range(0, part.nbytes, COPY_PIECE_BYTES):
+            end = min(start + COPY_PIECE_BYTES, part.nbytes)
+            piece = place[offset : offset + end - start]
+            piece[:] = part[start:end]
+            yield offset, offset + end - start, piece
+            offset += end - start
+
+
+def staged_put_request(
+    area: WriteArea, namespace: str, keys: list[bytes], blocks: list[Parts], overwrite: bool
+) -> pb.StagedPutRequest:
+    """Copy the blocks back to back into the staging range (held, and large enough) and
+    name them: one pass over each byte, hashed piece by piece right after its copy."""
+    assert area.staging is not None
+    offset = area.staging[0]
+    items = []
+    for key, parts in zip(keys, blocks, strict=True):
+        block_bytes = parts_bytes(parts)
+        with area.slot(offset, block_bytes) as place:
+            items.append(
+                pb.StagedPutItem(
+                    key=key,
+                    size_bytes=block_bytes,
+                    offset=offset,
+                    xxh3_64=copy_hashed(place, parts),
+                )
+            )
+        offset += _aligned(block_bytes)
+    return pb.StagedPutRequest(namespace=namespace, items=items, overwrite=overwrite)
+
+
+def copy_hashed(place: memoryview, parts: Parts) -> int:
+    """Copy the parts back to back into `place`; the xxh3-64 of what was written, each
+    piece hashed from `place` right after it was copied (still in cache)."""
+    hasher = xxhash.xxh3_64()
+    for _, _, piece in _pieces(place, parts):
+        hasher.update(piece)
+    return hasher.intdigest()
 
 
 def commit_results(done: pb.CommitResponse | pb.CudaPutResponse) -> list[bool]:

@@ -89,6 +89,18 @@ class PutWriter:
         self._hasher = hasher
         self.received_bytes = self.size_bytes
 
+    def copy_in_piece(self, source: memoryview) -> None:
+        """`copy_in` a piece at a time, in order (a streamed one-exchange put copies
+        each piece as soon as the client has written it): the copy is hashed, not the
+        source, as there."""
+        end = self.received_bytes + source.nbytes
+        if end > self.size_bytes:
+            raise InvalidArgument(f"more than the block's {self.size_bytes} bytes")
+        place = self._view[self.received_bytes : end]
+        place[:] = source
+        self._hasher.update(place)
+        self.received_bytes = end
+
     def release(self) -> None:
         self._view.release()
 

@@ -11,6 +11,15 @@ An NVMe (remote) block reaches the engine by its path and then "dram", in series
 
 A plan that tells an engine to fetch a block is remembered (bounded) and settled when the
 block is served: the recompute it replaced is saved time, a fetch slower than it regret.
+
+Plans price a fetched run as the engine waits for it (issue 26, estimator honesty): one
+call's round trip once per run, then each block's copy (`dram_runs`, fitted over whole
+leases); NVMe blocks are read s at a time, so a run of m pays ceil(m / s) rounds of one
+read each and the promotion's own start (`nvme_runs`, fitted over whole promotions, s
+among 1, 2, 4, ... io_threads: the overlap the machine really gives). The planner sees
+that as a per-block share of a round plus a run latency of the round trip, the start, and
+the part of the first round the shares do not cover. Until those fits are warm, and for
+the eviction policy's per-block values, the per-block path estimates stand.
 """
 
 from __future__ import annotations
@@ -19,8 +28,13 @@ import itertools
 from collections.abc import Callable
 
 from kvtier.engine.results import Counters
-from kvtier.index.estimators import PathEstimator, PrefillEstimator
-from kvtier.index.planner import Plan, PlanRequest
+from kvtier.index.estimators import (
+    ParallelRunEstimator,
+    PathEstimator,
+    PrefillEstimator,
+    RunEstimator,
+)
+from kvtier.index.planner import Family, Plan, PlanRequest
 from kvtier.index.planner import plan as make_plan
 from kvtier.keys import tenant_of
 from kvtier.profiles import MODELS
@@ -58,6 +72,10 @@ class CostModel:
         # Read by the policy's value model (shared dict: refreshed in place).
         self.value_costs: dict[str, TierCost] = {}
         self.planned: dict[BlockId, float] = {}  # in the order first planned
+        # Whole calls, as the engine waits for them (module docstring): a lease's copies,
+        # a lease's NVMe promotions.
+        self.dram_runs = RunEstimator(min_observations=4)
+        self.nvme_runs = ParallelRunEstimator(max(1, streams(TierName.NVME)))
         self.refresh()
 
     def add_path(self, tier: str, seed: TierCost) -> PathEstimator:
@@ -83,6 +101,36 @@ class CostModel:
         for name in self.paths:
             self.value_costs[name] = self.path_cost(name)
         return dict(self.value_costs)
+
+    def plan_costs(self, block_bytes: int, nvme_in_run: bool) -> tuple[dict[str, TierCost], float]:
+        """Per-block costs and the run latency a plan of `block_bytes` blocks is priced by
+        (module docstring); `nvme_in_run`: the run may hold NVMe blocks."""
+        costs = self.refresh()
+        dram = self.dram_runs.estimate()
+        run_s = 0.0
+        if dram is not None:
+            costs[TierName.DRAM] = to_engine = dram.per_unit(block_bytes)
+            run_s = dram.per_run_s
+        else:
+            to_engine = costs[TierName.DRAM]
+        if TierName.NVME in self.paths:
+            fitted = self.nvme_runs.estimate()
+            if fitted is not None:  # a round: one read of each of up to `streams` blocks
+                nvme, streams = fitted
+                read = nvme.per_unit(block_bytes)
+                start_s = nvme.per_run_s
+            else:
+                streams = max(1, self._streams(TierName.NVME))
+                read, start_s = self.paths[TierName.NVME].estimate(), 0.0
+            costs[TierName.NVME] = read.in_parallel(streams).then(to_engine)
+            if nvme_in_run:
+                run_s += start_s + read.fetch_s(block_bytes) * (1 - 1 / streams)
+        return costs, run_s
+
+    def promoted(self, block_sizes: list[int], promote_s: float) -> None:
+        """A lease's NVMe promotions, timed as its caller waited for them (all at once, on
+        the I/O threads): refines what a run of NVMe blocks costs an engine."""
+        self.nvme_runs.observe(block_sizes, promote_s)
 
     def estimates(self) -> tuple[dict[str, TierCost], dict[str, PrefillCost]]:
         """What the planner believes now: per path, and per "tenant|model" prefill."""
@@ -113,6 +161,7 @@ class CostModel:
         overlap: Overlap,
         kv_bytes_per_token: int,
         first_size_bytes: int | None,
+        family: Family = "any",
     ) -> tuple[Plan, BlockCosts]:
         """The plan for a chain whose blocks sit in `tiers`; remembers what it asks to fetch.
         Without `kv_bytes_per_token`, the first cached block's size (`first_size_bytes`)
@@ -123,15 +172,22 @@ class CostModel:
                 if first_size_bytes
                 else MODELS[model_of(ns_id, self.default_model)].kv_bytes_per_token
             )
+        # The run may hold NVMe blocks if the chain does (a DRAM head planned alone before an
+        # NVMe tail is charged the NVMe start too: a scan of the chain, not of each split).
+        tier_costs, run_s = self.plan_costs(
+            kv_bytes_per_token * tokens_per_block, TierName.NVME in tiers
+        )
         request = PlanRequest(
             prompt_tokens=prompt_tokens or len(keys) * tokens_per_block,
             tokens_per_block=tokens_per_block,
             kv_bytes_per_token=kv_bytes_per_token,
             cached_tiers=tiers,
-            tier_costs=self.refresh(),
+            tier_costs=tier_costs,
             prefill=self.prefill_estimator(ns_id).estimate(),
             engine_cached_blocks=engine_cached_blocks,
             overlap=overlap,
+            family=family,
+            run_latency_s=run_s,
         )
         result = make_plan(request)
         costs = result.block_costs()
@@ -179,4 +235,5 @@ class CostModel:
             return None
         blocks = len(block_sizes)
         self.paths[TierName.DRAM].observe(fetch_bytes // blocks, copy_s / blocks)
+        self.dram_runs.observe(blocks, fetch_bytes, copy_s)
         return copy_s

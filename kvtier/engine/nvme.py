@@ -31,6 +31,7 @@ from kvtier.movers.io import IoPool
 from kvtier.sizes import human_size
 from kvtier.tiers.nvme import NvmeTier
 from kvtier.tiers.record import RecordHeader, header_size_for
+from kvtier.tiers.segments import SegmentTier
 from kvtier.types import BlockId
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,8 @@ class NvmeDriver:
     def __init__(
         self, config: NvmeConfig, io: IoPool, spawn: Spawn, take_generation: Callable[[], int]
     ) -> None:
-        self.tier = NvmeTier.from_config(config)
+        layout = SegmentTier if config.layout == "segments" else NvmeTier
+        self.tier = layout.from_config(config)
         self.io = io
         self.health = TierHealth("nvme", config.offline_after_errors)
         self._offline_retry_s = config.offline_retry_s
@@ -90,6 +92,14 @@ class NvmeDriver:
     @property
     def capacity_bytes(self) -> int:
         return self.tier.capacity_bytes
+
+    @property
+    def write_amplification(self) -> float:
+        """Bytes written to disk per byte of records written (the segment layout's reclaim
+        re-appends live records; 1.0 for the file layout). For `kvtier replay` and the
+        metrics to report."""
+        tier = self.tier
+        return tier.write_amplification if isinstance(tier, SegmentTier) else 1.0
 
     @property
     def refused_files(self) -> int:

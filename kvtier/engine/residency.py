@@ -178,6 +178,10 @@ class Residency:
         # Records on disk not in the catalog yet (an estimate, while the index fills in the
         # background: engine/recovery.py), counted against the tier's capacity.
         self.nvme_unindexed_bytes = 0
+        # Queue prefetch (engine/prefetch.py): blocks announced for waiting requests are
+        # DRAM's last victims, and a use of a block is reported to it.
+        self.protected: Callable[[BlockId], bool] = _nothing_protected
+        self.on_use: Callable[[BlockId], None] | None = None
 
     # ---- chain positions by slot ----------------------------------------------------------
     def _chain_room(self, slot: int) -> None:
@@ -323,6 +327,8 @@ class Residency:
 
     def used(self, entry: Entry) -> None:
         """A block was asked for and is here."""
+        if self.on_use is not None:
+            self.on_use(entry.block_id)
         slot = entry.slot
         self._accessed(slot)
         if entry.dram_extent is not None:
@@ -385,7 +391,10 @@ class Residency:
         order = self.dram_order[tenant]
         catalog = self.catalog
         while (freed < shortfall_bytes or not victims) and len(victims) < most:
-            slot = order.victim(catalog.evictable_slot)
+            slot = order.victim(self._unprotected_slot)
+            if slot is None:
+                # Protection is a preference, never why a put or read finds no room.
+                slot = order.victim(catalog.evictable_slot)
             if slot is None:
                 break
             if not catalog.has_dram(slot):
@@ -576,6 +585,14 @@ class Residency:
             return
         for order in self._orders:
             order.remove(slot)
+
+    def _unprotected_slot(self, slot: int) -> bool:
+        catalog = self.catalog
+        return catalog.evictable_slot(slot) and not self.protected(catalog.block_id_of(slot))
+
+
+def _nothing_protected(block_id: BlockId) -> bool:
+    return False
 
 
 READ_ERRORS_BEFORE_DROP = 3

@@ -37,6 +37,7 @@ from kvtier.engine.dram import DramSpace
 from kvtier.engine.events import EventLog
 from kvtier.engine.leases import LeaseTable
 from kvtier.engine.nvme import NvmeDriver, ReadStatus
+from kvtier.engine.prefetch import Prefetcher
 from kvtier.engine.recovery import NvmeRecovery
 from kvtier.engine.remote import RemoteLink
 from kvtier.engine.residency import Released, new_residency
@@ -61,7 +62,7 @@ from kvtier.errors import (
 from kvtier.index.catalog import Entry
 from kvtier.index.estimators import PathEstimator, PrefillEstimator
 from kvtier.index.packed_policy import PackedPolicies
-from kvtier.index.planner import Plan
+from kvtier.index.planner import Family, Plan
 from kvtier.index.policy import BlockInfo, ValueModel
 from kvtier.keys import tenant_of
 from kvtier.movers.io import IoPool
@@ -152,6 +153,10 @@ class Store:
             policy.min_p_reuse,
         )
         self._tier_reports: list[Callable[[], TierUsage]] = []  # tiers kept elsewhere (HBM)
+        # Queue prefetch (the Prefetch RPC): its hints protect DRAM blocks and learn of uses.
+        self.prefetch = Prefetcher(self)
+        self.residency.protected = self.prefetch.protected
+        self.residency.on_use = self.prefetch.used
 
     # ---- views for the servicer, the GPU path and the metrics ---------------------------------
     @property
@@ -214,6 +219,7 @@ class Store:
         engine/recovery.py: until then its blocks are misses; `nvme_recovered()` waits for
         it). A tier an older kvtier wrote is always recovered first (no epoch yet)."""
         self._expiry_task = asyncio.ensure_future(self.zero_copy.expire_forever())
+        self.prefetch.start()
         await asyncio.to_thread(self.space.pin)
         if self.remote is not None:
             await self.remote.open()
@@ -301,6 +307,7 @@ class Store:
         return written
 
     async def close(self) -> None:
+        await self.prefetch.close()
         if self.recovery is not None:
             await self.recovery.stop()
         if self._expiry_task is not None:
@@ -556,6 +563,7 @@ class Store:
         engine_cached_blocks: int,
         overlap: Overlap,
         kv_bytes_per_token: int,
+        family: Family = "any",
     ) -> tuple[Plan, BlockCosts]:
         """The plan for a chain, with its per-block tiers, fetch and recompute seconds."""
         tiers = self.residency.lookup(ns_id, keys).tiers
@@ -577,6 +585,7 @@ class Store:
             overlap,
             kv_bytes_per_token,
             first_size_bytes,
+            family,
         )
 
     async def fetch_remote(self, block_id: BlockId) -> Entry | None:

@@ -10,9 +10,13 @@ during or after the commit.
 Lifecycle: `WriteArea()` at the session's handshake (its fd is passed to the client) ->
 `reserve(size)` per reserved slot (the area grows as needed; the client maps more of it
 when a slot ends past its mapping) -> `view` at commit -> `free` -> `close()` when the
-session ends. The area never shrinks (it is sealed against shrinking, so a client cannot
-truncate it under the daemon's copy: that would be SIGBUS in the daemon); it is as large
-as the session's largest set of reservations at once, at most the tenant's arena.
+session ends. A one-exchange put (issue 25) instead names bytes in the session's one
+*staging range* (`stage(size)`, which frees the previous range; `staged_view` checks that
+what a request names lies inside it): the client lays a put's blocks out there itself.
+The area never shrinks (it is sealed against shrinking, so a client cannot truncate it
+under the daemon's copy: that would be SIGBUS in the daemon); it is as large as the
+session's largest set of reservations at once (and its staging range), at most the
+tenant's arena.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import contextlib
 import fcntl
 import mmap
 import os
+import struct
 
+from kvtier.errors import InvalidArgument
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.dram import ALIGN_BYTES
 
@@ -41,6 +47,7 @@ class WriteArea:
         self._starts: list[int] = []  # live slots, sorted by offset
         self._ends: dict[int, int] = {}
         self._retired: list[mmap.mmap] = []  # smaller mappings a view may still hold
+        self.staging: tuple[int, int] | None = None  # (offset, size) of the staging range
 
     def reserve(self, size_bytes: int) -> int:
         """The offset of a new slot of `size_bytes` (page-aligned), growing the area if no
@@ -60,6 +67,40 @@ class WriteArea:
     def free(self, offset: int) -> None:
         if self._ends.pop(offset, None) is not None:
             self._starts.remove(offset)
+
+    def stage(self, size_bytes: int) -> tuple[int, int]:
+        """A staging range of at least `size_bytes` (page-aligned) in place of the
+        previous one: (offset, size); the current one when it is as large already (so
+        a repeated Stage costs nothing: it is not rate-limited)."""
+        if self.staging is not None and self.staging[1] >= size_bytes:
+            return self.staging
+        if self.staging is not None:
+            self.free(self.staging[0])
+            self.staging = None
+        size_bytes = round_up(max(size_bytes, 1), ALIGN_BYTES)
+        self.staging = (self.reserve(size_bytes), size_bytes)
+        return self.staging
+
+    def staged_view(self, offset: int, size_bytes: int) -> memoryview | None:
+        """The bytes a one-exchange put names, or None when they are not all inside the
+        staging range (a client's mistake, or a hostile one's: never read elsewhere)."""
+        if self.staging is None or offset < 0 or size_bytes < 0:
+            return None
+        start, length = self.staging
+        if offset < start or offset + size_bytes > start + length:
+            return None
+        return self.view(offset, size_bytes)
+
+    def words(self, offset: int, count: int) -> tuple[int, ...]:
+        """`count` little-endian u64s at `offset` inside the staging range (a streamed
+        put's progress words), as the client last wrote them."""
+        staging, mapping = self.staging, self._map
+        if staging is None or mapping is None:
+            raise InvalidArgument("the session ended during its streamed put")
+        start, length = staging
+        if offset < start or offset + 8 * count > start + length:
+            raise InvalidArgument("a streamed put's header lies outside its staging range")
+        return struct.unpack_from(f"<{count}Q", mapping, offset)
 
     def view(self, offset: int, size_bytes: int) -> memoryview:
         """The slot's bytes as the client left them (release the view after use)."""
@@ -89,5 +130,6 @@ class WriteArea:
         self._retired.clear()
         self._starts.clear()
         self._ends.clear()
+        self.staging = None
         with contextlib.suppress(OSError):
             os.close(self.fd)

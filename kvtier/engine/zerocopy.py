@@ -1,6 +1,9 @@
 """The zero-copy path's flows: reserve -> (client writes its write area) -> commit (the
 daemon copies each slot into the arena and hashes its copy), and acquire -> (client reads
 the read-only arena in place) -> release, each under a lease (kvtier/engine/leases.py).
+A one-exchange put (`put_staged`) is reserve and commit in one call, from the bytes the
+client already wrote to its staging range (`stage`): nothing outlives the call, so it
+needs no lease.
 
 A lease pins what it covers: reserved slots are never reused, acquired blocks never
 evicted or moved, until it ends — on release, on its session's end (a killed client frees
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -20,7 +24,7 @@ from kvtier.engine.core import StoreCore
 from kvtier.engine.leases import Lease, LeaseTable
 from kvtier.engine.results import CommitOutcome, LeasedSlot
 from kvtier.engine.write_area import WriteArea
-from kvtier.errors import InvalidArgument, KVTierError, NotFound
+from kvtier.errors import DeadlineExceeded, InvalidArgument, KVTierError, NotFound
 from kvtier.index.catalog import Entry
 from kvtier.types import BlockId, TierName
 
@@ -28,6 +32,15 @@ if TYPE_CHECKING:
     from kvtier.engine.blocks import PutWriter
 
 logger = logging.getLogger(__name__)
+
+# A streamed put (`put_staged` with a ticket): the daemon copies each piece as soon as
+# the client's progress word says it is written, polling busily for up to STREAM_SPIN_S
+# per piece (the client is copying at memory speed on another core), then once a
+# millisecond, yielding the loop, until STREAM_WAIT_S has passed without that piece.
+STREAM_PIECE_BYTES = 256 << 10
+STREAM_SPIN_S = 0.002
+STREAM_WAIT_S = 2.0
+STREAM_ABANDONED = (1 << 64) - 1
 
 
 class ZeroCopy:
@@ -111,6 +124,126 @@ class ZeroCopy:
         self._free_staged(session_id, lease)
         return outcomes
 
+    def stage(self, session_id: int, size_bytes: int, largest_bytes: int) -> tuple[int, int]:
+        """The session's staging range, at least `size_bytes` (at most `largest_bytes`,
+        the tenant's arena: no put could use more): (offset, size) in its write area."""
+        if size_bytes <= 0 or size_bytes > largest_bytes:
+            raise InvalidArgument(
+                f"a staging range of {size_bytes} bytes: it must be between 1 byte and the "
+                f"tenant's arena ({largest_bytes} bytes)"
+            )
+        return self.write_area(session_id).stage(size_bytes)
+
+    async def put_staged(
+        self,
+        session_id: int,
+        items: list[tuple[BlockId, int, int, int]],
+        overwrite: bool,
+        ticket: int = 0,
+    ) -> list[CommitOutcome]:
+        """Store blocks the client wrote to its staging range: (block, size, offset,
+        checksum) each, one outcome each. Each is copied into a fresh extent and hashed
+        from that copy (`PutWriter.copy_in`) as a commit does, so what becomes visible is
+        what the checksum covers whatever the client writes meanwhile."""
+        if ticket:
+            return await self._put_streamed(session_id, items, overwrite, ticket)
+        outcomes: list[CommitOutcome] = []
+        for block_id, size_bytes, offset, checksum in items:
+            writer: PutWriter | None = None
+            try:
+                self._staged_source(session_id, offset, size_bytes).release()  # before reserving
+                writer = await self._store.put_begin(block_id, size_bytes, overwrite)
+                # Taken again after the wait: the session may have ended meanwhile.
+                with self._staged_source(session_id, offset, size_bytes) as source:
+                    writer.copy_in(source)
+                result = await self._store.put_commit(writer, checksum)
+                outcomes.append(CommitOutcome(stored=not result.already_present))
+            except KVTierError as err:
+                outcomes.append(CommitOutcome(stored=False, error=err))
+            finally:
+                if writer is not None:
+                    self._store.put_abort(writer)
+        return outcomes
+
+    async def _put_streamed(
+        self,
+        session_id: int,
+        items: list[tuple[BlockId, int, int, int]],
+        overwrite: bool,
+        ticket: int,
+    ) -> list[CommitOutcome]:
+        """`put_staged` while the client is still writing (kvtier.proto, StagedPutRequest
+        .ticket): each block's extent is reserved while the client copies, each piece
+        copied and hashed as soon as it is written. Whatever the progress words say, only
+        bytes inside the staging range are read, and what is stored is what was hashed."""
+        area = self._areas.get(session_id)
+        staging = area.staging if area is not None else None
+        words = 2 + len(items)
+        if area is None or staging is None or 8 * words > staging[1]:
+            raise InvalidArgument("a streamed put needs a staging range with room for its header")
+        header = staging[0]
+        outcomes: list[CommitOutcome] = []
+        before = 0  # the bytes of the items before this one
+        for i, (block_id, size_bytes, offset, _) in enumerate(items):
+            writer: PutWriter | None = None
+            try:
+                if offset < header + 8 * words:
+                    raise InvalidArgument("a streamed put's blocks start after its header")
+                self._staged_source(session_id, offset, size_bytes).release()
+                writer = await self._store.put_begin(block_id, size_bytes, overwrite)
+                done = 0
+                while done < size_bytes:
+                    want = before + min(done + STREAM_PIECE_BYTES, size_bytes)
+                    written = await self._written(area, header, ticket, want)
+                    upto = min(written - before, size_bytes, done + STREAM_PIECE_BYTES)
+                    with self._staged_source(session_id, offset + done, upto - done) as piece:
+                        writer.copy_in_piece(piece)
+                    done = upto
+                (checksum,) = area.words(header + 16 + 8 * i, 1)
+                result = await self._store.put_commit(writer, checksum)
+                outcomes.append(CommitOutcome(stored=not result.already_present))
+            except KVTierError as err:
+                outcomes.append(CommitOutcome(stored=False, error=err))
+            finally:
+                if writer is not None:
+                    self._store.put_abort(writer)
+            before += size_bytes
+        return outcomes
+
+    @staticmethod
+    async def _written(area: WriteArea, header: int, ticket: int, want: int) -> int:
+        """The client's byte count once it reaches `want` for this ticket. The time limit
+        runs per piece, from when this waits for it (a wait for DRAM before it is not the
+        client's delay)."""
+        deadline_s = time.monotonic() + STREAM_WAIT_S
+        spin_until_s = time.monotonic() + STREAM_SPIN_S
+        while True:
+            seen, written = area.words(header, 2)
+            if seen == ticket:
+                if written == STREAM_ABANDONED:
+                    raise InvalidArgument("the client abandoned this streamed put")
+                if written >= want:
+                    return int(written)
+            now_s = time.monotonic()
+            if now_s > deadline_s:
+                raise DeadlineExceeded(
+                    f"a streamed put's bytes did not arrive within {STREAM_WAIT_S} s"
+                )
+            if now_s > spin_until_s:
+                await asyncio.sleep(0.001)
+            else:
+                os.sched_yield()  # the client may be waiting for this CPU
+
+    def _staged_source(self, session_id: int, offset: int, size_bytes: int) -> memoryview:
+        area = self._areas.get(session_id)
+        source = area.staged_view(offset, size_bytes) if area is not None else None
+        if source is None:
+            raise InvalidArgument(
+                f"{size_bytes} bytes at offset {offset} are not inside this session's staging "
+                "range: Stage a range first, and name only bytes inside it"
+            )
+        return source
+
     def _free_staged(self, session_id: int, lease: Lease) -> None:
         area = self._areas.get(session_id)
         if area is not None:
@@ -146,10 +279,12 @@ class ZeroCopy:
             promote = [e for e, _ in filter(None, found) if e.dram_extent is None]
             from_remote = [block_ids[i] for i in absent] if store.remote is not None else []
             # A promotion that failed leaves its block without a DRAM extent: read below.
-            _, fetched = await asyncio.gather(
-                asyncio.gather(*(store.promote(e) for e in promote)),
-                asyncio.gather(*(store.fetch_remote(b) for b in from_remote)),
-            )
+            fetched: list[Entry | None] = []
+            if promote or from_remote:  # else no await: a loop turn is ~10 % of a small get
+                _, fetched = await asyncio.gather(
+                    asyncio.gather(*(store.promote(e) for e in promote)),
+                    asyncio.gather(*(store.fetch_remote(b) for b in from_remote)),
+                )
             by_index = dict(zip(absent, fetched, strict=False))
             for i in absent:
                 entry = by_index.get(i)
@@ -160,6 +295,8 @@ class ZeroCopy:
                 residency.pin(entry)
                 found[i] = (entry, TierName.REMOTE)
             promote_s = time.perf_counter() - started_s if promote or from_remote else 0.0
+            if promote and not from_remote:  # what this run of NVMe reads cost the caller
+                store.costs.promoted([e.size_bytes for e in promote], promote_s)
         except BaseException:
             for item in found:
                 if item is not None:

@@ -23,6 +23,8 @@ of an unconstrained fit leaves the others fitted to a model that is no longer th
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 from kvtier.index.planner import PrefillCost, TierCost
@@ -130,6 +132,35 @@ def _gated_add(
             fit.add(old_x, old_y)
         gate.rejected.clear()
     fit.add(x, y)
+
+
+def _gated_add_relative(
+    fits: list[_WeightedLeastSquares],
+    features: list[list[float]],
+    gate: _OutlierGate,
+    raw: list[float],
+    y: float,
+    predicted: float,
+    featurise: Callable[[int, list[float]], list[float]],
+) -> bool:
+    """As `_gated_add`, for fits that minimise the *relative* error: each point divided by
+    its own seconds (a 0.3 ms call and a 60 ms call count alike; plain least squares would
+    fit the long calls and leave short ones off by several times). `features[i]` is
+    point `raw`'s row for fit i; `featurise(i, raw)` builds one for a replayed point. False
+    if the point was dropped."""
+    verdict = gate.admit(raw, y, predicted, fits[0].count)
+    if verdict == "reject":
+        return False
+    if verdict == "changed":
+        for fit in fits:
+            fit.reset()
+        for old_raw, old_y in gate.rejected:
+            for i, fit in enumerate(fits):
+                fit.add([v / old_y for v in featurise(i, old_raw)], 1.0)
+        gate.rejected.clear()
+    for fit, x in zip(fits, features, strict=True):
+        fit.add([v / y for v in x], 1.0)
+    return True
 
 
 class PathEstimator:
@@ -245,3 +276,149 @@ class PrefillEstimator:
             return self.seed  # no per-token cost in the data (yet)
         a, c, step = weights
         return PrefillCost(a_s_per_token=a, c_s_per_token2=c, step_s=step)
+
+
+@dataclass(frozen=True, slots=True)
+class RunCost:
+    """Wall seconds of one call that moves a run: per_run_s + units * per_unit_s +
+    size_bytes * per_byte_s (units: blocks copied, or rounds of parallel reads)."""
+
+    per_run_s: float
+    per_unit_s: float
+    per_byte_s: float
+
+    def seconds(self, units: int, size_bytes: float) -> float:
+        return self.per_run_s + units * self.per_unit_s + size_bytes * self.per_byte_s
+
+    def per_unit(self, unit_bytes: float) -> TierCost:
+        """One unit's share as a per-block cost (the planner's `TierCost`)."""
+        # A fit with no per-byte cost (every run one size) is priced at 1 PB/s, not 1/0.
+        return TierCost(1 / max(self.per_byte_s, 1e-15), self.per_unit_s)
+
+
+class RunEstimator:
+    """What one call that moves a run of blocks costs, from the calls themselves.
+
+    A per-block fit cannot be honest across queue depths: a call pays its round trip (and
+    the start of its NVMe reads) once however many blocks it moves, so fitting
+    seconds-per-block mixes a one-block call's overhead into a 16-block call's blocks and
+    overprices long runs of small blocks several times over (measured: BENCHMARKS.md,
+    issue 26). This fits seconds = per_run + units * per_unit + bytes * per_byte over whole
+    calls, by non-negative least squares (a cost cannot be negative; a run of one size makes
+    terms collinear, and the best non-negative subset fit stands in) of the relative error,
+    recency-weighted and outlier-gated like `PathEstimator`. `estimate()` is None until
+    `min_observations` calls: the caller keeps its per-block figures until then."""
+
+    def __init__(
+        self, decay: float = 0.98, min_observations: int = 8, outlier_factor: float = 4.0
+    ) -> None:
+        self._fit = _WeightedLeastSquares(3, decay)
+        self._min = min_observations
+        self._gate = _OutlierGate(outlier_factor, min_observations)
+        self._estimate: RunCost | None = None
+        self._solved = True  # nothing to solve yet
+
+    @property
+    def observations(self) -> int:
+        return self._fit.count
+
+    def observe(self, units: int, size_bytes: float, seconds: float) -> None:
+        if units <= 0 or size_bytes <= 0 or not seconds > 0:
+            return
+        warm = self.estimate()
+        predicted = warm.seconds(units, size_bytes) if warm is not None else 0.0
+        raw = [1.0, float(units), float(size_bytes)]
+        if _gated_add_relative(
+            [self._fit], [raw], self._gate, raw, seconds, predicted, lambda _, r: r
+        ):
+            self._solved = False
+
+    def estimate(self) -> RunCost | None:
+        if not self._solved:
+            self._estimate = self._solve()
+            self._solved = True
+        return self._estimate
+
+    def _solve(self) -> RunCost | None:
+        if self._fit.count < self._min:
+            return None
+        weights = self._fit.solve_nonnegative()
+        if weights is None or weights[1] + weights[2] <= 0:
+            return None  # nothing grows with the run (yet): no model of it
+        return RunCost(per_run_s=weights[0], per_unit_s=weights[1], per_byte_s=weights[2])
+
+
+class ParallelRunEstimator:
+    """What reading a run of m blocks at once costs, when up to `max_streams` reads run
+    together but the machine may overlap fewer (two cores verifying checksums overlap
+    two, whatever the thread count): seconds = per_run + ceil(m / s) * (per_read +
+    bytes_per_read * per_byte), fitted for every s in 1, 2, 4, ... max_streams at once over
+    the same observations (relative error, as `RunEstimator`), and the s whose fit has the
+    least residual is the estimate.
+
+    One outlier gate for all (from the chosen fit), so every candidate fits the same points
+    and their residuals compare. `estimate()` is None until `min_observations`."""
+
+    def __init__(
+        self,
+        max_streams: int,
+        decay: float = 0.98,
+        min_observations: int = 4,
+        outlier_factor: float = 4.0,
+    ) -> None:
+        candidates = {1 << i for i in range(max(1, max_streams).bit_length())}
+        self.candidates = sorted(candidates | {max(1, max_streams)})
+        self._fits = [_WeightedLeastSquares(3, decay) for _ in self.candidates]
+        self._min = min_observations
+        self._gate = _OutlierGate(outlier_factor, min_observations)
+        self._estimate: tuple[RunCost, int] | None = None
+        self._solved = True
+
+    @property
+    def observations(self) -> int:
+        return self._fits[0].count
+
+    def _x(self, streams: int, blocks: int, mean_bytes: float) -> list[float]:
+        rounds = -(-blocks // streams)
+        return [1.0, float(rounds), rounds * mean_bytes]
+
+    def observe(self, block_sizes: list[int], seconds: float) -> None:
+        if not block_sizes or not seconds > 0 or min(block_sizes) <= 0:
+            return
+        blocks, mean_bytes = len(block_sizes), sum(block_sizes) / len(block_sizes)
+        warm = self.estimate()
+        predicted = 0.0
+        if warm is not None:
+            rounds = -(-blocks // warm[1])
+            predicted = warm[0].seconds(rounds, rounds * mean_bytes)
+        raw = [float(blocks), mean_bytes]
+
+        def featurise(i: int, r: list[float]) -> list[float]:
+            return self._x(self.candidates[i], int(r[0]), r[1])
+
+        rows = [featurise(i, raw) for i in range(len(self.candidates))]
+        if _gated_add_relative(self._fits, rows, self._gate, raw, seconds, predicted, featurise):
+            self._solved = False
+
+    def estimate(self) -> tuple[RunCost, int] | None:
+        """(the cost of a run as per_run + rounds * one round's read, the overlapped
+        streams s), or None while too few runs were seen."""
+        if not self._solved:
+            self._estimate = self._solve()
+            self._solved = True
+        return self._estimate
+
+    def _solve(self) -> tuple[RunCost, int] | None:
+        if self.observations < self._min:
+            return None
+        best: tuple[float, RunCost, int] | None = None
+        for streams, fit in zip(self.candidates, self._fits, strict=True):
+            w = fit.solve_nonnegative()
+            if w is None or w[1] + w[2] <= 0:
+                continue
+            err = fit.residual(w)
+            # Ties (a run never longer than one read) go to the fewest streams: the
+            # cautious price of a longer run.
+            if best is None or err < best[0] * (1 - 1e-9):
+                best = (err, RunCost(w[0], w[1], w[2]), streams)
+        return None if best is None else (best[1], best[2])

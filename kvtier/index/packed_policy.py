@@ -14,11 +14,13 @@ Layout, per slot of one tier's order (bytes per block in brackets):
   pair of int32 link arrays (sentinels 0 and 1, slot s at s + 2), which queue in a byte,
   the 0..3 use count in a byte, the size in a uint32; its ghost FIFO a `DigestTable` of
   key digests (≈ 26 bytes a ghost, as many ghosts as main holds).
-* `PackedValue` [48] — per slot: priority (float64), seq (int64), position, size, parent
-  slot, and the children cached in this tier as an intrusive sibling list (`_first`
-  child, `_next_sib`, `_prev_sib`: int32s) in place of child sets; an indexed binary
-  min-heap (`_heap`, `_where`) of the blocks that may be chosen — those with no cached
-  child — ordered by (priority, −position, seq). Raising a chain is array writes: its
+* `PackedValue` [56, + ≈ 26 in DRAM] — per slot: priority (float64), seq (int64),
+  position, size, parent slot, and the children cached in this tier as an intrusive
+  sibling list (`_first` child, `_next_sib`, `_prev_sib`: int32s) in place of child
+  sets; an indexed binary min-heap (`_heap`, `_where`) of the blocks that may be chosen
+  — those with no cached child — ordered by (priority, −position, seq); the safety
+  net's recency list (`_rprev`, `_rnext`) and, in DRAM, its shadow LRU (a DigestTable
+  of as many key digests as the tier holds). Raising a chain is array writes: its
   ancestors have children, so they are not in the heap; a block enters it when its last
   cached child leaves.
 * `DigestSketch` [fixed, 256 KiB] — the count-min sketch in four bytearrays, row r
@@ -56,7 +58,7 @@ from array import array
 from collections.abc import Callable
 from heapq import heappop, heappush
 
-from kvtier.index.policy import POLICIES, AdmissionMode, BlockInfo, ValueModel
+from kvtier.index.policy import POLICIES, AdmissionMode, BlockInfo, ValueModel, ValuePolicy
 from kvtier.index.slots import NO_SLOT, DigestTable, extend, headroom, link_last, unlink
 
 __all__ = [
@@ -353,12 +355,16 @@ class PackedValue(SlotPolicy):
     priority does, which gives the same order (seq values differ, their order does
     not)."""
 
+    STEP = ValuePolicy.STEP
+
     def __init__(
         self,
         tier: str,
         fallback: str | None,
         model: ValueModel,
         uses_of: Callable[[int], int],
+        digest_of: Callable[[int], int] | None = None,
+        shadow: bool = False,
     ) -> None:
         self._tier = tier
         self._fallback = fallback
@@ -377,6 +383,15 @@ class PackedValue(SlotPolicy):
         self._prev_sib = array("i")
         self._where = array("i")  # index in _heap, or _ABSENT / _PARENT
         self._heap = array("i")
+        # ValuePolicy's safety net: recency as a circular list (node 0 the sentinel, slot s
+        # at s + 1, oldest first) and the shadow LRU's keys by digest (by slot without
+        # `digest_of`: right only while slots are not reused, as in the replay's SlotMap).
+        self._rprev = array("i", [0])
+        self._rnext = array("i", [0])
+        self._digest_of: Callable[[int], int] = digest_of or int
+        self._shadow: DigestTable | None = DigestTable() if shadow else None
+        self.weight = 1.0
+        self._credit = 0.0
 
     def _grow(self, slot: int) -> None:
         size = len(self._where)
@@ -387,6 +402,25 @@ class PackedValue(SlotPolicy):
         extend(self._size, count, 0)
         for values in (self._parent, self._first, self._next_sib, self._prev_sib, self._where):
             extend(values, count, -1)
+        extend(self._rprev, count, 0)  # one longer than the rest: node 0 is the sentinel
+        extend(self._rnext, count, 0)
+
+    def _touch(self, slot: int, hit: bool) -> None:
+        """ValuePolicy._touch: most recent now; the shadow's verdict moves the weight."""
+        node = slot + 1
+        if hit:
+            unlink(self._rprev, self._rnext, node)
+        link_last(self._rprev, self._rnext, 0, node)
+        shadow = self._shadow
+        if shadow is None:
+            return
+        digest = self._digest_of(slot)
+        if (digest in shadow) != hit:
+            step = self.STEP if hit else -self.STEP
+            self.weight = min(max(self.weight + step, 0.0), 1.0)
+        shadow.put(digest, to_end=True)
+        while len(shadow) > max(self._len, 1):
+            shadow.pop_oldest()
 
     # ---- the heap: a < b when (prio, -pos, seq) of a is smaller -----------------------
     def _sift_up(self, i: int, top: int = 0) -> None:
@@ -484,6 +518,7 @@ class PackedValue(SlotPolicy):
             self.hit(slot)
             return
         self._len += 1
+        self._touch(slot, hit=False)
         self._size[slot] = size_bytes
         self._pos[slot] = position
         self._parent[slot] = parent
@@ -515,12 +550,14 @@ class PackedValue(SlotPolicy):
 
     def hit(self, slot: int) -> None:
         if slot in self:
+            self._touch(slot, hit=True)
             self._set(slot, max(self._own_priority(slot), self._prio[slot]))
 
     def remove(self, slot: int) -> None:
         if slot not in self:
             return
         self._len -= 1
+        unlink(self._rprev, self._rnext, slot + 1)
         if self._where[slot] >= 0:
             self._take(slot, _ABSENT)
         else:
@@ -538,6 +575,27 @@ class PackedValue(SlotPolicy):
                 self._push(parent)  # its last cached child left: a candidate again
 
     def victim(self, evictable: Callable[[int], bool]) -> int | None:
+        self._credit += self.weight
+        chosen: int | None = None
+        if self._credit < 1.0:
+            chosen = self._least_recent_leaf(evictable)
+        if chosen is None:
+            self._credit = max(self._credit - 1.0, 0.0)
+            chosen = self._by_value(evictable)
+        if chosen is not None:
+            self.remove(chosen)
+        return chosen
+
+    def _least_recent_leaf(self, evictable: Callable[[int], bool]) -> int | None:
+        first, nxt = self._first, self._rnext
+        node = nxt[0]
+        while node:
+            if first[node - 1] < 0 and evictable(node - 1):
+                return node - 1
+            node = nxt[node]
+        return None
+
+    def _by_value(self, evictable: Callable[[int], bool]) -> int | None:
         heap = self._heap
         if not heap:
             return None
@@ -558,10 +616,8 @@ class PackedValue(SlotPolicy):
                 if frontier and evictable(heap[frontier[0][3]]):
                     chosen = heap[frontier[0][3]]
                     break
-        if chosen is None:
-            return None
-        self._inflation = max(self._inflation, self._prio[chosen])
-        self.remove(chosen)
+        if chosen is not None:
+            self._inflation = max(self._inflation, self._prio[chosen])
         return chosen
 
     def names_as_parent(self, slot: int) -> bool:
@@ -726,4 +782,6 @@ class PackedPolicies:
             return PackedLru()
         if self.name == "s3fifo":
             return PackedS3Fifo(capacity_bytes, digest_of)
-        return PackedValue(tier, fallback, self.model, uses_of)
+        return PackedValue(
+            tier, fallback, self.model, uses_of, digest_of, shadow=fallback is not None
+        )

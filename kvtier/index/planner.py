@@ -2,6 +2,8 @@
 
 Model (DESIGN §4):
   fetching block i from tier t costs        alpha_t + bytes_i / bandwidth_t
+  and a fetched run, once, costs            run_latency_s  (one call's round trip and the
+                                            start of its NVMe reads; 0 unless given)
   prefilling tokens [s, e) after [0, s) costs a*(e - s) + c*(e^2 - s^2)/2 + step_s
 A block is useful only if every block before it is present or recomputed first, so a plan
 is a split of the chain: blocks the engine already holds [0, E), then
@@ -15,7 +17,13 @@ is a split of the chain: blocks the engine already holds [0, E), then
                                       total = max(C(E,g) + C(k,N), L(g,k) + C(k,N)/layers)
 
 where k ranges over every prefix of the cached run and g over E..k (recomputing the front
-pays where early positions are cheap and the tier is slow). The planner searches
+pays where early positions are cheap and the tier is slow).
+
+The engine says which of these it can carry out (`family`): "any" (the default) is every
+split above; "prefix" is g = E only — fetch [E, k) right after what the engine holds and
+recompute the rest, the one shape vLLM's connector API can express (it cannot say
+"recompute the front, then load a later run"). Within "prefix" the search is over k alone:
+every k's total at once, one argmin. The planner searches
 every k, and for each k the best g exactly (a prefix minimum; a prefix minimum and a
 sliding-window minimum on either side of where loading and computing balance; or the
 crossing of a rising and a falling cost),
@@ -30,6 +38,7 @@ import collections
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -42,10 +51,15 @@ from kvtier.types import (
     TierCost,
 )
 
+Family = Literal["any", "prefix"]
+FAMILIES: tuple[Family, ...] = ("any", "prefix")
+
 __all__ = [
+    "FAMILIES",
     "OVERLAPS",
     "BlockCosts",
     "BlockPlan",
+    "Family",
     "Overlap",
     "Plan",
     "PlanRequest",
@@ -79,6 +93,11 @@ class Plan:
     def fetch_blocks(self) -> int:
         """How many blocks to fetch."""
         return self.fetch_end - self.fetch_start
+
+    @property
+    def run_latency_s(self) -> float:
+        """What the fetched run costs once, beyond its blocks' `fetch_s` (see module)."""
+        return self._req.run_latency_s
 
     @property
     def recompute_front_blocks(self) -> int:
@@ -135,12 +154,20 @@ class PlanRequest:
     engine_cached_blocks: int = 0
     overlap: Overlap = "none"
     layers: int = 32
+    family: Family = "any"  # the splits the engine can carry out (module docstring)
+    # Paid once by any non-empty fetch, whatever its length: what one load call costs
+    # before its first byte (per-block costs alone overprice long runs of small blocks).
+    run_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prompt_tokens <= 0 or self.tokens_per_block <= 0 or self.kv_bytes_per_token <= 0:
             raise ValueError("prompt_tokens, tokens_per_block and kv_bytes_per_token must be > 0")
         if self.overlap not in OVERLAPS:
             raise ValueError(f"overlap must be one of {', '.join(OVERLAPS)}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {', '.join(FAMILIES)}")
+        if not self.run_latency_s >= 0:
+            raise ValueError("run_latency_s must be >= 0")
         if self.layers <= 0:
             raise ValueError("layers must be > 0")
 
@@ -220,7 +247,7 @@ def _arrays(req: PlanRequest) -> _Arrays:
 
 def split_cost(req: PlanRequest, arr: _Arrays, g: int, k: int) -> float:
     """Total time of: recompute [E, g), fetch [g, k), recompute [k, n) (E <= g <= k)."""
-    load = arr.loaded[k] - arr.loaded[g]
+    load = arr.loaded[k] - arr.loaded[g] + (req.run_latency_s if k > g else 0.0)
     if req.overlap == "none":
         return arr.front[g] + load + arr.tail[k]
     if req.overlap == "layerwise":
@@ -234,24 +261,33 @@ def plan(req: PlanRequest) -> Plan:
     e, n = arr.engine, arr.n
     loaded, front, tail = arr.loaded, arr.front, arr.tail
     inv = 1 / req.layers
+    # Every candidate below with g < k fetches: each pays the run latency once. A candidate
+    # with g == k is charged it too, which only makes it dearer than recompute-all (its
+    # front and tail recompute the same tokens plus a step), so it never wins; and when
+    # it is its region's best, every other g there is dearer still.
+    run_s = req.run_latency_s
     best_total, best_g, best_k = split_cost(req, arr, e, e), e, e
     ks = range(e + 1, arr.cached_end + 1)
-    if req.overlap == "none":
+    if req.family == "prefix":
+        if len(ks):
+            best_total, best_k = _best_prefix(req, arr)
+            best_g = e
+    elif req.overlap == "none":
         # cost = (front[g] - loaded[g]) + loaded[k] + tail[k]: best g is a prefix minimum
         # (the first index holding it), best k the first with the least total.
         if len(ks):
             best_total, best_g, best_k = _best_split_none(
-                arr.front_np[e:], arr.loaded_np[e:], arr.tail_np[e:], e, best_total
+                arr.front_np[e:], arr.loaded_np[e:], arr.tail_np[e:], e, best_total, run_s
             )
     elif req.overlap == "bidirectional":
         # max(front[g] + tail[k], load(g, k) + tail[k]/layers): the first rises with g, the
         # second falls, so the best g is where front[g] + loaded[g] crosses a k-threshold.
         rising = [f + ld for f, ld in zip(front, loaded, strict=True)]
         for k in ks:
-            cross = bisect.bisect_left(rising, loaded[k] - tail[k] * (1 - inv), e, k + 1)
+            cross = bisect.bisect_left(rising, loaded[k] + run_s - tail[k] * (1 - inv), e, k + 1)
             for g in (cross - 1, cross):
                 if e <= g <= k:
-                    total = max(front[g] + tail[k], loaded[k] - loaded[g] + tail[k] * inv)
+                    total = max(front[g] + tail[k], loaded[k] + run_s - loaded[g] + tail[k] * inv)
                     if total < best_total:
                         best_total, best_g, best_k = total, g, k
     else:
@@ -269,7 +305,7 @@ def plan(req: PlanRequest) -> Plan:
         window: collections.deque[int] = collections.deque()
         added = e  # next g to push into the window
         for k in ks:
-            split = bisect.bisect_right(loaded, loaded[k] - tail[k], e, k + 1) - 1
+            split = bisect.bisect_right(loaded, loaded[k] + run_s - tail[k], e, k + 1) - 1
             while added <= k:
                 while window and under[window[-1]] >= under[added]:
                     window.pop()
@@ -279,7 +315,7 @@ def plan(req: PlanRequest) -> Plan:
                 window.popleft()
             for g in (prefix_best[split] if split >= e else -1, window[0] if window else -1):
                 if g >= e:
-                    load = loaded[k] - loaded[g]
+                    load = loaded[k] + run_s - loaded[g]
                     total = front[g] + (load if load > tail[k] else tail[k]) + load * inv
                     if total < best_total:
                         best_total, best_g, best_k = total, g, k
@@ -296,15 +332,48 @@ def plan(req: PlanRequest) -> Plan:
         recompute_all_s=recompute_all,
         fetch_all_s=fetch_all,
         reason=_reason(
-            req.overlap, e, best_g, best_k, arr.cached_end, n, best_total, recompute_all, fetch_all
+            req.overlap,
+            e,
+            best_g,
+            best_k,
+            arr.cached_end,
+            n,
+            best_total,
+            recompute_all,
+            fetch_all,
+            req.family,
         ),
         _req=req,
         _arrays=arr,
     )
 
 
+def _best_prefix(req: PlanRequest, arr: _Arrays) -> tuple[float, int]:
+    """(total, k) of the cheapest split with g = E: every k in E..cached_end priced at once
+    (k = E is recompute-all, and the first k holding the least total wins, so a tie goes
+    to fetching less, as in the other searches). The same formulas as `split_cost`."""
+    e = arr.engine
+    load = arr.loaded_np[e:] - arr.loaded_np[e]
+    load[1:] += req.run_latency_s  # k = E fetches nothing
+    tail = arr.tail_np[e:]
+    front = arr.front_np[e]  # recompute [E, E): 0
+    if req.overlap == "none":
+        totals = front + load + tail
+    elif req.overlap == "layerwise":
+        totals = front + np.maximum(load, tail) + load / req.layers
+    else:
+        totals = np.maximum(front + tail, load + tail / req.layers)
+    k = int(np.argmin(totals))
+    return float(totals[k]), k + e
+
+
 def _best_split_none(
-    front: np.ndarray, loaded: np.ndarray, tail: np.ndarray, e: int, recompute_all_s: float
+    front: np.ndarray,
+    loaded: np.ndarray,
+    tail: np.ndarray,
+    e: int,
+    recompute_all_s: float,
+    run_s: float = 0.0,
 ) -> tuple[float, int, int]:
     """(total, g, k) of the cheapest split with k > e under overlap "none", or
     (recompute_all_s, e, e) when none beats it; the arrays start at boundary e. The same
@@ -316,6 +385,8 @@ def _best_split_none(
     new_min[1:] = x[1:] < prefix_min[:-1]
     g = np.maximum.accumulate(np.where(new_min, np.arange(len(x)), 0))[1:]
     totals = front[g] + loaded[1:] - loaded[g] + tail[1:]
+    if run_s:
+        totals += run_s
     k = int(np.argmin(totals))
     if totals[k] < recompute_all_s:
         return float(totals[k]), int(g[k]) + e, k + 1 + e
@@ -323,12 +394,13 @@ def _best_split_none(
 
 
 def oracle_total(req: PlanRequest) -> float:
-    """The best total by brute force over every split (g, k): what `plan` must equal."""
+    """The best total by brute force over every split (g, k) in `req.family`: what `plan`
+    must equal."""
     arr = _arrays(req)
     return min(
         split_cost(req, arr, g, k)
         for k in range(arr.engine, arr.cached_end + 1)
-        for g in range(arr.engine, k + 1)
+        for g in (range(arr.engine, k + 1) if req.family == "any" else (arr.engine,))
     )
 
 
@@ -342,16 +414,20 @@ def _reason(
     total: float,
     recompute_all: float,
     fetch_all: float,
+    family: Family = "any",
 ) -> str:
+    # A prefix-only plan says so: a reader comparing it with an "any" plan of the same
+    # chain then knows why it did not recompute the front.
+    only = "prefix-only plan: " if family == "prefix" else ""
     if k == g:
         return (
-            f"recompute all {n - engine} blocks: {recompute_all * 1e3:.1f} ms beats "
+            f"{only}recompute all {n - engine} blocks: {recompute_all * 1e3:.1f} ms beats "
             f"fetching the {cached_end - engine} cached ones ({fetch_all * 1e3:.1f} ms)"
         )
     joiner = "while fetching" if overlap == "bidirectional" else "then fetch"
     front = f"recompute {g - engine} front blocks {joiner} " if g > engine else "fetch "
     return (
-        f"{front}blocks {g}..{k - 1} of {cached_end - engine} cached, recompute the last "
+        f"{only}{front}blocks {g}..{k - 1} of {cached_end - engine} cached, recompute the last "
         f"{n - k}: {total * 1e3:.1f} ms vs fetch-all {fetch_all * 1e3:.1f} ms, "
         f"recompute-all {recompute_all * 1e3:.1f} ms"
     )

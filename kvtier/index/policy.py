@@ -21,7 +21,9 @@ blocks the caller cannot evict now (leased, being written). Three are selectable
   across evictions by a count-min sketch, and `L` rises to each evicted priority, so blocks
   not used for a long time age out. A block is worth at least what the blocks extending
   its chain are worth (without it they are useless), so its priority is raised to theirs:
-  leaves are evicted before their parents.
+  leaves are evicted before their parents. In DRAM a safety net (ValuePolicy's
+  docstring) shifts victims towards the least recently used leaf while a shadow LRU
+  would be hitting more.
 
 `Admission` decides whether a block evicted from DRAM is written to NVMe:
 `write_back` always, `selective` only blocks used at least twice (a block seen once is
@@ -297,7 +299,20 @@ class ReuseEstimator:
 
 
 class ValuePolicy(TierPolicy):
-    """Greedy-dual-size-frequency on the planner's savings, leaves before parents."""
+    """Greedy-dual-size-frequency on the planner's savings, leaves before parents, with a
+    safety net towards recency where the value order loses.
+
+    With `shadow` (the DRAM order: every request of a block reaches it as a hit or an
+    insert), a shadow LRU of as many keys as the tier holds sees the same calls: a hit
+    here that the shadow would have missed is a point for the value order, a miss here
+    that it would have hit a point for recency, and each moves `weight` (the share of
+    victims the value order chooses, 1 at start) by `step`. The other victims are the
+    least recently used leaves. Where the value order is right the weight stays at 1 and
+    nothing changes; where it is wrong (traffic it was not tuned for) the order drifts to
+    recency, so it is not far below LRU anywhere (ARC's and LeCaR's adaptation, with the
+    shadow in place of their ghost lists)."""
+
+    STEP = 0.01
 
     def __init__(
         self,
@@ -305,6 +320,7 @@ class ValuePolicy(TierPolicy):
         fallback: str | None,
         model: ValueModel,
         sketch: FrequencySketch,
+        shadow: bool = False,
     ) -> None:
         self._tier = tier
         self._fallback = fallback
@@ -316,6 +332,24 @@ class ValuePolicy(TierPolicy):
         self._children: dict[Key, set[Key]] = {}  # cached children in this tier
         self._heap: list[tuple[float, int, int, Key]] = []  # (priority, -position, seq, key)
         self._seq = itertools.count()
+        self._recency: OrderedDict[Key, None] = OrderedDict()  # least recent first
+        self._shadow: OrderedDict[Key, None] | None = OrderedDict() if shadow else None
+        self.weight = 1.0
+        self._credit = 0.0  # victims owed to the value order
+
+    def _touch(self, key: Key, hit: bool) -> None:
+        self._recency[key] = None
+        self._recency.move_to_end(key)
+        shadow = self._shadow
+        if shadow is None:
+            return
+        if (key in shadow) != hit:
+            step = self.STEP if hit else -self.STEP
+            self.weight = min(max(self.weight + step, 0.0), 1.0)
+        shadow[key] = None
+        shadow.move_to_end(key)
+        while len(shadow) > max(len(self._info), 1):
+            shadow.popitem(last=False)
 
     def _own_priority(self, key: Key) -> float:
         info = self._info[key]
@@ -345,6 +379,7 @@ class ValuePolicy(TierPolicy):
             self.hit(key)
             return
         self._info[key] = info
+        self._touch(key, hit=False)
         if info.parent is not None:
             self._children.setdefault(info.parent, set()).add(key)
         # Arriving after blocks that extend it (e.g. promoted later): worth as much as they.
@@ -356,6 +391,7 @@ class ValuePolicy(TierPolicy):
 
     def hit(self, key: Key) -> None:
         if key in self._info:
+            self._touch(key, hit=True)
             self._set(key, max(self._own_priority(key), self._priority[key]))
 
     def remove(self, key: Key) -> None:
@@ -363,6 +399,7 @@ class ValuePolicy(TierPolicy):
         if info is None:
             return
         del self._priority[key]  # its heap items are now stale and skipped
+        del self._recency[key]
         siblings = self._children.get(info.parent) if info.parent is not None else None
         if siblings is not None:
             siblings.discard(key)
@@ -370,6 +407,29 @@ class ValuePolicy(TierPolicy):
                 del self._children[info.parent]
 
     def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
+        self._credit += self.weight
+        chosen: Key | None = None
+        if self._credit < 1.0:
+            chosen = self._least_recent_leaf(evictable)
+        if chosen is None:
+            self._credit = max(self._credit - 1.0, 0.0)
+            chosen = self._by_value(evictable)
+        if chosen is not None:
+            self.remove(chosen)
+        if len(self._heap) > 4 * len(self._priority) + 1024:
+            self._compact()
+        return chosen
+
+    def _least_recent_leaf(self, evictable: Callable[[Key], bool]) -> Key | None:
+        # A chain's blocks are used front to back, so its head is older than its tail:
+        # the first leaf from the old end is that chain's tail, and the chain leaves
+        # tail first, as the value order's leaves-before-parents has it.
+        for key in self._recency:
+            if not self._children.get(key) and evictable(key):
+                return key
+        return None
+
+    def _by_value(self, evictable: Callable[[Key], bool]) -> Key | None:
         deferred: list[tuple[float, int, int, Key]] = []
         chosen: Key | None = None
         while self._heap:
@@ -385,10 +445,6 @@ class ValuePolicy(TierPolicy):
             break
         for item in deferred:
             heapq.heappush(self._heap, item)
-        if chosen is not None:
-            self.remove(chosen)
-        if len(self._heap) > 4 * len(self._priority) + 1024:
-            self._compact()
         return chosen
 
     def _compact(self) -> None:
@@ -486,4 +542,6 @@ class Policies:
             return LruPolicy()
         if self.name == "s3fifo":
             return S3FifoPolicy(capacity_bytes)
-        return ValuePolicy(tier, fallback, self.model, self.sketch)
+        # The safety net needs every request of a block to reach the order as a hit or
+        # an insert: true of DRAM, the first tier; the last tier is written to on demotion.
+        return ValuePolicy(tier, fallback, self.model, self.sketch, shadow=fallback is not None)

@@ -31,7 +31,9 @@ from the model, dtype, block size and KV layout), `load` / `save` (true), `fetch
 block, as cache-hit-only connectors do: a baseline to compare with), `device_path`
 (default $KVTIER_VLLM_DEVICE_PATH, else "auto": the KV tensors' device decides) or
 "emulate": CPU KV takes the GPU path, CUDA IPC, against a daemon running `gpu.emulate`
-(tests and demos on machines without a GPU: the KV tensors move into shared memory).
+(tests and demos on machines without a GPU: the KV tensors move into shared memory),
+`prefetch` (true: announce each waiting request's chain, see `_announce`) and
+`prefetch_ttl_s` (0: the daemon's limits.prefetch_ttl_s).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import kvtier
-from kvtier.errors import KVTierError
+from kvtier.errors import InvalidArgument, KVTierError, Unimplemented
 from kvtier.integrations.daemon import DaemonLink
 from kvtier.integrations.paged_kv import Blocks, Fence, PagedKV, describe, paged_kv
 from kvtier.integrations.prefix import (
@@ -63,7 +65,6 @@ from kvtier.integrations.prefix import (
     engine_namespace,
     layer_key,
     loadable_blocks,
-    prefix_load_end,
     request_keys,
 )
 
@@ -205,6 +206,8 @@ class KVTierConnector(KVConnectorBase_V1):
             parallel.tensor_parallel_size,
         )
         self._extra = extra
+        self._prefetch = _truthy(extra.get("prefetch", True))
+        self._prefetch_ttl_s = float(extra.get("prefetch_ttl_s", 0.0))  # 0: the daemon's
         self._daemon = DaemonLink(extra, logger=logger)
         if getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "") == "fail":
             logger.warning(
@@ -241,6 +244,7 @@ class KVTierConnector(KVConnectorBase_V1):
             )
             state = RequestState(keys, len(prompt), self._block_size)
             self._requests[request.request_id] = state
+            self._announce(keys[: loadable_blocks(len(prompt), self._block_size)])
         engine_blocks = num_computed_tokens // self._block_size
         usable = loadable_blocks(len(prompt), self._block_size)
         if not self._load or usable <= engine_blocks:
@@ -253,16 +257,21 @@ class KVTierConnector(KVConnectorBase_V1):
             if self._fetch == "always":  # every cached block, as cache-hit-only connectors do
                 end = client.lookup(self.namespace, keys).prefix_blocks
             else:
-                end = prefix_load_end(
-                    client.plan(
-                        self.namespace,
-                        keys,
-                        self._block_size,
-                        engine_cached_blocks=engine_blocks,
-                        prompt_tokens=len(prompt),
-                        kv_bytes_per_token=self._block_bytes // self._block_size,
-                    )
+                # vLLM can load only right after what it holds: the planner optimises
+                # within that family, so its run is the load (no re-derivation here).
+                planned = client.plan(
+                    self.namespace,
+                    keys,
+                    self._block_size,
+                    engine_cached_blocks=engine_blocks,
+                    prompt_tokens=len(prompt),
+                    kv_bytes_per_token=self._block_bytes // self._block_size,
+                    family="prefix",
                 )
+                # A daemon that predates `family` plans freely: a run that does not start
+                # at the engine's blocks cannot be loaded, so load nothing.
+                fetched = planned.fetch_start == planned.engine_blocks
+                end = planned.fetch_end if fetched else engine_blocks
         except (KVTierError, OSError) as err:
             self._daemon.failed("plan a prefix load", err)
             return 0, False
@@ -271,6 +280,29 @@ class KVTierConnector(KVConnectorBase_V1):
             return 0, False
         state.load_from, state.load_to = engine_blocks, end
         return (end - engine_blocks) * self._block_size, False
+
+    def _announce(self, keys: list[bytes]) -> None:
+        """Queue prefetch: vLLM asks about a waiting request before it schedules it, and
+        may ask again steps later (no KV room, no token budget yet). Announce its chain
+        once, at the first ask: the daemon promotes its NVMe blocks into DRAM meanwhile and
+        keeps them there until they are loaded. One fast unary call, never a wait for a
+        move; off with extra config `prefetch: false`, or by itself against a daemon that
+        has no Prefetch RPC."""
+        if not self._prefetch or not keys or not self._load:
+            return
+        client = self._daemon.client()
+        if client is None:
+            return
+        if self._per_layer:  # a record per block and layer: the block's front layer first
+            layers = range(len(self._layer_names))
+            keys = [layer_key(k, layer) for k in keys for layer in layers]
+        try:
+            client.prefetch(self.namespace, [keys], ttl_s=self._prefetch_ttl_s)
+        except Unimplemented:
+            self._prefetch = False
+            logger.info("kvtier: this daemon has no queue prefetch; not announcing requests")
+        except (KVTierError, OSError) as err:
+            self._daemon.failed("announce a waiting request", err)
 
     def _planned(self, keys: list[bytes]) -> list[bytes]:
         """The keys to plan a chain of blocks by: the blocks' own, or with a record per
@@ -405,11 +437,18 @@ class KVTierConnector(KVConnectorBase_V1):
         if meta.prefill is not None and not self._prefilled:
             # The engine's first prefill carries one-time costs (lazy set-up): not reported.
             self._prefilled = True
-        elif meta.prefill is not None and (client := self._daemon.client()) is not None:
+        elif (
+            meta.prefill is not None
+            and forward_s > 0  # a step spent waiting on its loads measured nothing to report
+            and (client := self._daemon.client()) is not None
+        ):
             try:
                 client.report_prefill(
                     self.namespace, meta.prefill.start_token, meta.prefill.end_token, forward_s
                 )
+            except InvalidArgument as err:
+                # The daemon refused this figure, not the connection: keep loading from it.
+                logger.debug("kvtier: prefill time not taken (%s)", err)
             except (KVTierError, OSError) as err:
                 self._daemon.failed("report a prefill time", err)
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import os
 import signal
@@ -27,6 +25,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from kvtier import __version__, failpoints
+from kvtier._malloc import raise_thresholds
+from kvtier._wire import INLINE_HEADROOM_BYTES, INLINE_MAX_BYTES
 from kvtier.config import Config, load_config
 from kvtier.engine.cuda_path import CudaPath, EmulatedOpener, TorchOpener
 from kvtier.engine.store import Store
@@ -45,8 +45,10 @@ logger = logging.getLogger("kvtier")
 
 
 def message_limit_bytes(config: Config) -> int:
-    """Largest gRPC message either side accepts: a chunk, or a header with the longest key."""
-    return max(4 << 20, 2 * config.server.chunk_bytes + (64 << 10))
+    """Largest gRPC message either side accepts: a chunk, or a header with the longest key,
+    or a PutBlock / GetBlock of the largest block they carry (INLINE_MAX_BYTES)."""
+    chunked = max(4 << 20, 2 * config.server.chunk_bytes + (64 << 10))
+    return max(chunked, INLINE_MAX_BYTES + INLINE_HEADROOM_BYTES)
 
 
 def grpc_options(config: Config) -> list[tuple[str, int]]:
@@ -66,14 +68,7 @@ def tune_malloc() -> None:
     0.25 -> 0.5 GB/s for 4 MiB blocks over UDS). Raising the mmap and trim thresholds
     lets malloc reuse warm pages. No effect (and no error) on a libc without mallopt.
     """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    mallopt(m_mmap_threshold, 64 << 20)
-    mallopt(m_trim_threshold, 1 << 30)
+    raise_thresholds(64 << 20, 1 << 30)
 
 
 def setup_logging(level: str) -> None:

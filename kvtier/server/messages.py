@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from kvtier import __version__
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.engine.events import BlockEvent
-from kvtier.engine.results import CommitOutcome, LeasedSlot, StoreStats
+from kvtier.engine.results import CommitOutcome, LeasedSlot, PutResult, StoreStats
 from kvtier.errors import to_status
 from kvtier.index.catalog import Entry, TierName
 from kvtier.index.planner import Plan
@@ -71,6 +71,15 @@ def commit_results(outcomes: Iterable[CommitOutcome]) -> list[pb.CommitResult]:
     return results
 
 
+def put_response(result: PutResult) -> pb.PutResponse:
+    return pb.PutResponse(
+        size_bytes=result.size_bytes,
+        xxh3_64=result.xxh3_64,
+        tier=TIER_TO_PB[result.tier],
+        already_present=result.already_present,
+    )
+
+
 def leased(slot: LeasedSlot | None) -> pb.LeasedBlock:
     if slot is None:
         return pb.LeasedBlock(found=False)
@@ -102,6 +111,7 @@ def plan_response(plan: Plan, costs: BlockCosts) -> pb.PlanResponse:
         tiers=[TIER_NAME_TO_PB[t] for t in tiers],
         fetch_s=fetch_s,
         recompute_s=recompute_s,
+        run_latency_s=plan.run_latency_s,
     )
 
 

@@ -81,6 +81,20 @@ class StoreCollector(Collector):
         yield CounterMetricFamily(
             "kvtier_promotions", "Blocks copied NVMe -> DRAM for leased gets", value=s.promotions
         )
+        prefetch = self._store.prefetch.counters
+        for name, doc, value in (
+            (
+                "announced",
+                "announced by engines for requests waiting in their queue",
+                prefetch.announced_blocks,
+            ),
+            ("promoted", "prefetched into DRAM for a waiting request", prefetch.prefetched),
+            ("used", "prefetched and then loaded by the request", prefetch.used),
+            ("expired", "prefetched and never loaded before their hints ended", prefetch.expired),
+        ):
+            yield CounterMetricFamily(
+                f"kvtier_prefetch_{name}_blocks", f"Queue prefetch: blocks {doc}", value=value
+            )
         yield CounterMetricFamily(
             "kvtier_recompute_avoided_seconds",
             "Prefill seconds avoided by fetches a plan asked for (estimate)",

@@ -32,9 +32,15 @@ import grpc
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import Op
 from kvtier._wire import (
+    DEFAULT_INLINE_BYTES,
+    INLINE_MAX_BYTES,
+    InlinePut,
     RawChunk,
     Undecodable,
+    get_block_message,
+    get_block_response_serializer,
     get_response_serializer,
+    put_block_request_deserializer,
     put_request_deserializer,
     tolerant,
 )
@@ -53,7 +59,7 @@ from kvtier.errors import (
     Unimplemented,
 )
 from kvtier.index.catalog import BlockId
-from kvtier.index.planner import OVERLAPS
+from kvtier.index.planner import FAMILIES, OVERLAPS
 from kvtier.keys import (
     DEFAULT_TENANT,
     check_key,
@@ -75,6 +81,7 @@ from kvtier.server.messages import (
     leased,
     plan_response,
     prefill_response,
+    put_response,
     stats_response,
 )
 from kvtier.server.ratelimit import RateLimiter
@@ -126,6 +133,8 @@ class KVTierService:
                 Op.CUDA_PUT: self._cuda_put,
                 Op.CUDA_GET: self._cuda_get,
                 Op.CUDA_WAIT: self._cuda_wait,
+                Op.STAGE: self._stage,
+                Op.PUT_STAGED: self._put_staged,
             },
             self._session_tenant,
             self._admit,
@@ -264,12 +273,26 @@ class KVTierService:
             result = await self._store.put_commit(writer, header.xxh3_64)
         finally:
             self._store.put_abort(writer)
-        return pb.PutResponse(
-            size_bytes=result.size_bytes,
-            xxh3_64=result.xxh3_64,
-            tier=TIER_TO_PB[result.tier],
-            already_present=result.already_present,
-        )
+        return put_response(result)
+
+    async def PutBlock(self, request: InlinePut, context: Ctx) -> pb.PutResponse:
+        """Put in one message: the same checks, the block written and hashed in one pass."""
+        header = request.header
+        tenant, block_id = self._tenant_block(context, header.namespace, header.key)
+        size_bytes = memoryview(request.data).nbytes
+        if size_bytes != header.size_bytes:
+            raise InvalidArgument(
+                f"the PutBlock request carries {size_bytes} bytes but its header declares "
+                f"{header.size_bytes}; nothing was stored"
+            )
+        self._admit_bytes(tenant, size_bytes)
+        writer = await self._store.put_begin(block_id, size_bytes, header.overwrite)
+        try:
+            writer.write(request.data)
+            result = await self._store.put_commit(writer, header.xxh3_64)
+        finally:
+            self._store.put_abort(writer)
+        return put_response(result)
 
     async def Get(
         self,
@@ -293,6 +316,35 @@ class KVTierService:
             )
             for chunk in reader.chunks(self._chunk_bytes):
                 yield RawChunk(chunk)
+        finally:
+            reader.close()
+
+    async def GetBlock(self, request: pb.GetBlockRequest, context: Ctx) -> bytes:
+        """Get in one message, already serialized (a GetBlockResponse): built while the
+        block is pinned, since gRPC serializes a unary answer only after the handler has
+        returned, when the extent may already hold another block."""
+        tenant, block_id = self._tenant_block(context, request.namespace, request.key)
+        inline_bytes = min(request.max_inline_bytes or DEFAULT_INLINE_BYTES, INLINE_MAX_BYTES)
+        entry = self._store.stat(block_id)
+        if entry is not None:
+            if entry.size_bytes > inline_bytes:  # nothing opened or charged: Get will be
+                header = pb.GetHeader(
+                    size_bytes=entry.size_bytes,
+                    xxh3_64=entry.xxh3_64,
+                    tier=TIER_TO_PB[entry.fastest_tier],
+                )
+                return get_block_message(header, (), True)
+            self._admit_bytes(tenant, entry.size_bytes)  # before the bytes move, as Get
+        reader = await self._store.open_block(block_id)
+        if reader is None:
+            raise NotFound("block not found in this namespace")
+        try:
+            header = pb.GetHeader(
+                size_bytes=reader.size_bytes, xxh3_64=reader.xxh3_64, tier=TIER_TO_PB[reader.tier]
+            )
+            if reader.size_bytes > inline_bytes:  # replaced meanwhile, or a remote fetch
+                return get_block_message(header, (), True)
+            return get_block_message(header, list(reader.chunks(INLINE_MAX_BYTES)), False)
         finally:
             reader.close()
 
@@ -418,6 +470,9 @@ class KVTierService:
         overlap = request.overlap or "none"
         if overlap not in OVERLAPS:
             raise InvalidArgument(f"overlap must be one of {', '.join(OVERLAPS)}")
+        family = request.family or "any"
+        if family not in FAMILIES:
+            raise InvalidArgument(f"family must be one of {', '.join(FAMILIES)}")
         tpb = request.tokens_per_block
         if tpb <= 0:
             raise InvalidArgument("tokens_per_block must be > 0")
@@ -440,9 +495,37 @@ class KVTierService:
             request.engine_cached_blocks,
             overlap,
             request.kv_bytes_per_token,
+            family,
         )
         logger.debug("plan %s, %d blocks: %s", request.namespace, len(keys), plan.reason)
         return plan_response(plan, costs)
+
+    async def Prefetch(self, request: pb.PrefetchRequest, context: Ctx) -> pb.PrefetchResponse:
+        ns_id = self._ns_id(self._caller(context), request.namespace)
+        limits = self._limits
+        ttl_s = request.ttl_s or limits.prefetch_ttl_s
+        if not math.isfinite(ttl_s) or ttl_s <= 0 or ttl_s > limits.max_prefetch_ttl_s:
+            raise InvalidArgument(
+                f"ttl_s must be > 0 and at most limits.max_prefetch_ttl_s="
+                f"{limits.max_prefetch_ttl_s:g} (0: limits.prefetch_ttl_s)"
+            )
+        if not request.chains:
+            raise InvalidArgument("send at least one chain of keys to prefetch")
+        blocks = sum(len(chain.keys) for chain in request.chains)
+        if blocks > limits.max_plan_blocks:
+            raise InvalidArgument(
+                f"{blocks} keys in one Prefetch, more than limits.max_plan_blocks="
+                f"{limits.max_plan_blocks}: announce fewer waiting requests per call"
+            )
+        chains = [check_keys(chain.keys, limits.max_key_bytes) for chain in request.chains]
+        done = self._store.prefetch.announce(ns_id, chains, ttl_s)
+        return pb.PrefetchResponse(
+            accepted_blocks=done.accepted_blocks,
+            in_dram=done.in_dram,
+            to_promote=done.to_promote,
+            not_stored=done.not_stored,
+            ttl_s=ttl_s,
+        )
 
     async def _report_prefill(
         self, session_id: int, tenant: str, request: pb.ReportPrefillRequest
@@ -537,6 +620,34 @@ class KVTierService:
     ) -> pb.CommitResponse:
         outcomes = await self._store.commit(
             session_id, request.lease_id, list(request.xxh3_64), request.abort
+        )
+        return pb.CommitResponse(results=commit_results(outcomes))
+
+    async def _stage(
+        self, session_id: int, tenant: str, request: pb.StageRequest
+    ) -> pb.StageResponse:
+        arena_bytes = self._store.arena(tenant).capacity_bytes
+        offset, size_bytes = self._store.zero_copy.stage(
+            session_id, request.size_bytes, arena_bytes
+        )
+        return pb.StageResponse(offset=offset, size_bytes=size_bytes)
+
+    async def _put_staged(
+        self, session_id: int, tenant: str, request: pb.StagedPutRequest
+    ) -> pb.CommitResponse:
+        ns_id = self._ns_id(tenant, request.namespace)
+        items = [
+            (
+                (ns_id, check_key(item.key, self._limits.max_key_bytes)),
+                item.size_bytes,
+                item.offset,
+                item.xxh3_64,
+            )
+            for item in request.items
+        ]
+        self._admit_bytes(tenant, sum(item[1] for item in items))
+        outcomes = await self._store.zero_copy.put_staged(
+            session_id, items, request.overwrite, request.ticket
         )
         return pb.CommitResponse(results=commit_results(outcomes))
 
@@ -683,8 +794,14 @@ def add_to_server(service: KVTierService, server: grpc.aio.Server) -> None:
     Handlers are built from the service descriptor, so a method added to the proto needs
     only its handler method here.
     """
-    custom_deserializers: dict[str, Any] = {"Put": put_request_deserializer}
-    custom_serializers: dict[str, Any] = {"Get": get_response_serializer}
+    custom_deserializers: dict[str, Any] = {
+        "Put": put_request_deserializer,
+        "PutBlock": put_block_request_deserializer,
+    }
+    custom_serializers: dict[str, Any] = {
+        "Get": get_response_serializer,
+        "GetBlock": get_block_response_serializer,
+    }
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in pb.DESCRIPTOR.services_by_name["KVTier"].methods:
         request_cls = getattr(pb, method.input_type.name)

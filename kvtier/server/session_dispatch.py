@@ -20,8 +20,10 @@ from kvtier.server.rpc import answer
 
 # (session id, tenant, request) -> response
 SessionOp = Callable[[int, str, Any], Awaitable[Message]]
-# Ops that finish work a Reserve or an Acquire was admitted for: never rate-limited.
-FINISHING_OPS = frozenset({Op.COMMIT, Op.RELEASE, Op.CUDA_WAIT})
+# Ops that finish work a Reserve or an Acquire was admitted for: never rate-limited. So
+# is Stage, which prepares the put that will be charged (PutStaged) and costs nothing
+# unless it grows the staging range, bounded by the tenant's arena.
+FINISHING_OPS = frozenset({Op.COMMIT, Op.RELEASE, Op.CUDA_WAIT, Op.STAGE})
 
 
 class SessionDispatch:

@@ -160,7 +160,9 @@ class KeyedPolicies(Policies):
     def new_tier(self, tier: str, fallback: str | None, capacity_bytes: int) -> TierPolicy:
         if self.name == "kvtier" and not self.packed_counts:
             # Uses from policy.py's sketch, as ValuePolicy reads them.
-            policy: SlotPolicy = PackedValue(tier, fallback, self.model, self._old_uses)
+            policy: SlotPolicy = PackedValue(
+                tier, fallback, self.model, self._old_uses, shadow=fallback is not None
+            )
         else:
             policy = self.packed.new_tier(tier, fallback, capacity_bytes)
         return KeyedTier(policy, self.slots)

@@ -31,7 +31,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from kvtier.index.catalog import Catalog, Entry, TierName
 from kvtier.index.planner import Overlap, PlanRequest, PrefillCost, TierCost, plan
@@ -292,6 +292,8 @@ class Replay:
             self.totals.tiers[REMOTE] = _TierFigures()
         self.series: list[dict[str, float]] = []
         self._infos: dict[int, BlockInfo] = {}
+        # Blocks a waiting request announced (kvtier/sim/queue.py): DRAM evicts others first.
+        self.protected: Callable[[int], bool] | None = None
 
     # ---- residency --------------------------------------------------------------------
     @staticmethod
@@ -326,9 +328,17 @@ class Replay:
         self.nvme.insert(block, self._infos[block])
         self.totals.nvme_bytes_written += self.config.block_bytes
 
-    def _make_room_dram(self) -> bool:
+    def _may_evict(self, key: Key) -> bool:
+        return self.protected is None or not self.protected(cast(int, key))
+
+    def _make_room_dram(self, strict: bool = False) -> bool:
+        """Room for one more DRAM block; `strict` (a prefetch): only by evicting unprotected
+        blocks, so a prefetch never pushes out what another waiting request asked for."""
         while self.catalog.count(TierName.DRAM) >= self.config.dram_blocks:
-            victim = self.dram.victim(lambda k: True)
+            victim = self.dram.victim(self._may_evict)
+            if victim is None and self.protected is not None and not strict:
+                # Protection is a preference: the prefill being served still gets room.
+                victim = self.dram.victim(lambda k: True)
             if victim is None:
                 return False
             assert isinstance(victim, int)
@@ -341,9 +351,9 @@ class Replay:
                 self.ghosts.add(victim)
         return True
 
-    def _put_dram(self, block: int, entry: Entry | None) -> None:
-        if self.config.dram_blocks <= 0 or not self._make_room_dram():
-            return
+    def _put_dram(self, block: int, entry: Entry | None, strict: bool = False) -> bool:
+        if self.config.dram_blocks <= 0 or not self._make_room_dram(strict):
+            return False
         extent = Extent(0, self.config.block_bytes)
         if entry is None or not self.catalog.is_live(entry):
             entry = Entry(self._bid(block), self.config.block_bytes, 0, 0, dram_extent=extent)
@@ -353,6 +363,7 @@ class Replay:
         else:
             self.catalog.set_dram(entry, extent)
         self.dram.insert(block, self._infos[block])
+        return True
 
     def residency(self, keys: Sequence[bytes]) -> list[str | None]:
         """Per key: the tier this node would fetch it from (its own first, then the

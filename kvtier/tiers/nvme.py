@@ -82,6 +82,7 @@ from kvtier.tiers.startup import (
     RecoveryReport,
     is_tombstone_log,
     read_tombstone_logs,
+    refuse_other_layout,
     set_aside_tombstone_logs,
     tombstone_entries,
     tombstone_entry,
@@ -128,6 +129,7 @@ class NvmeTier:
     """
 
     name = "nvme"
+    layout = "files"  # `nvme.layout`; kvtier/tiers/segments.py is the other
 
     def __init__(
         self,
@@ -201,6 +203,7 @@ class NvmeTier:
         self.root.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
         private_dir(self.root, self.refused, "directory", follow=True)
         self._lock()
+        refuse_other_layout(self.root, self.layout)
         private_dir(self._records_dir, self.refused, "v1/")
         for fan in range(256):  # once here, not a mkdir per record write
             private_dir(self._records_dir / f"{fan:02x}", self.refused, "v1/")

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "EPOCH_BITS",
     "EPOCH_FILE",
+    "LAYOUT_DIRS",
     "TOMBSTONE_LOG",
     "FanScan",
     "GenerationEpoch",
@@ -42,6 +43,7 @@ __all__ = [
     "is_tombstone_log",
     "read_epoch",
     "read_tombstone_logs",
+    "refuse_other_layout",
     "set_aside_tombstone_logs",
     "tombstone_entries",
     "tombstone_entry",
@@ -49,6 +51,8 @@ __all__ = [
 ]
 
 EPOCH_FILE = "epoch"
+# Where each `nvme.layout` keeps its records: a tier holding the other one is refused.
+LAYOUT_DIRS = {"files": "v1", "segments": "segments"}
 EPOCH_BITS = 40
 _EPOCH = struct.Struct("<QQ")  # epoch, xxh3 of its 8 bytes
 TOMBSTONE_LOG = "tombstones.log"
@@ -172,6 +176,32 @@ def write_epoch(root: Path, epoch: int) -> None:
         os.close(fd)
     os.rename(fresh, root / EPOCH_FILE)
     fsync_dir(root)
+
+
+# ---- the layout ------------------------------------------------------------------------
+def refuse_other_layout(root: Path, layout: str) -> None:
+    """A ConfigError if `root` holds records in another `nvme.layout` than `layout`: never
+    served as this one, never overwritten (there is no migration yet)."""
+    for other, name in LAYOUT_DIRS.items():
+        if other == layout or not _holds_files(root / name):
+            continue
+        raise ConfigError(
+            f"nvme.path: {root} holds records in the {other!r} layout but nvme.layout is "
+            f"{layout!r}; set nvme.layout = {other!r} to serve them, or empty the directory "
+            "to start afresh (its blocks are lost)"
+        )
+
+
+def _holds_files(directory: Path) -> bool:
+    """Whether `directory` (or a directory in it) holds anything but empty directories."""
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    for entry in entries:
+        if not entry.is_dir(follow_symlinks=False) or _holds_files(Path(entry.path)):
+            return True
+    return False
 
 
 # ---- the tombstone logs ---------------------------------------------------------------------

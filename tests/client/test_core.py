@@ -14,7 +14,7 @@ import xxhash
 import kvtier
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import Op
-from kvtier._wire import RawChunk
+from kvtier._wire import INLINE_MAX_BYTES, InlineBlock, InlinePut, RawChunk
 from kvtier.client import _core
 from kvtier.client._common import translate
 from kvtier.client._core import OpenSession, Rpc, Run, SessionCall, SessionSend, Step, Stream
@@ -87,23 +87,51 @@ def test_a_grpc_status_maps_to_its_exception(
         assert isinstance(err, RateLimited) and err.retry_after_s == retry_after_s
 
 
-def test_put_streams_a_checksummed_header_then_the_bytes() -> None:
-    data = bytes(range(256)) * 9
-    operation = _core.put("m/l", "k", data, overwrite=True)
-    run = Run(operation)
-    step = run.next_step()
-    assert isinstance(step, Rpc) and step.method == "Put"
-    header, *chunks = list(step.request)
-    assert header.header == pb.PutHeader(
+def put_header(data: bytes, overwrite: bool) -> pb.PutHeader:
+    return pb.PutHeader(
         namespace="m/l",
         key=b"k",
         size_bytes=len(data),
         xxh3_64=xxhash.xxh3_64_intdigest(data),
-        overwrite=True,
+        overwrite=overwrite,
     )
-    assert b"".join(bytes(c.data) for c in chunks) == data
+
+
+def test_put_sends_one_checksummed_message_up_to_the_inline_limit() -> None:
+    data = bytes(range(256)) * 9
+    run = Run(_core.put("m/l", "k", data, overwrite=True))
+    step = run.next_step()
+    assert isinstance(step, Rpc) and step.method == "PutBlock"
+    assert isinstance(step.request, InlinePut)
+    assert step.request.header == put_header(data, overwrite=True)
+    assert bytes(step.request.data) == data
     run.reply = pb.PutResponse(already_present=True)
     assert run.next_step() is None and run.result is False  # already there: not stored now
+
+
+def assert_put_stream(step: Step | None, data: bytes) -> None:
+    assert isinstance(step, Rpc) and step.method == "Put"
+    header, *chunks = list(step.request)
+    assert header.header == put_header(data, overwrite=False)
+    assert b"".join(bytes(c.data) for c in chunks) == data
+
+
+def test_put_streams_a_block_larger_than_one_message() -> None:
+    data = bytes(INLINE_MAX_BYTES + 1)
+    run = Run(_core.put("m/l", "k", data))
+    assert_put_stream(run.next_step(), data)
+    run.reply = pb.PutResponse()
+    assert run.next_step() is None and run.result is True
+
+
+def test_put_to_a_daemon_without_putblock_streams_instead() -> None:
+    data = b"abc"
+    run = Run(_core.put("m/l", "k", data))
+    assert isinstance(run.next_step(), Rpc)
+    run.failure = Unimplemented("Method not found!")
+    assert_put_stream(run.next_step(), data)
+    run.reply = pb.PutResponse()
+    assert run.next_step() is None and run.result is True
 
 
 def get_header(data: bytes, tier: int = pb.TIER_DRAM) -> pb.GetResponse:
@@ -111,20 +139,43 @@ def get_header(data: bytes, tier: int = pb.TIER_DRAM) -> pb.GetResponse:
     return pb.GetResponse(header=pb.GetHeader(size_bytes=size, xxh3_64=checksum, tier=tier))
 
 
+def inline(data: bytes, use_stream: bool = False, sent: bytes | None = None) -> InlineBlock:
+    """A GetBlock answer for `data` (carrying `sent` instead, to damage it)."""
+    header = get_header(data).header
+    return InlineBlock(header, b"" if use_stream else data if sent is None else sent, use_stream)
+
+
+def test_get_reads_one_message_and_checks_it() -> None:
+    steps, got = drive(_core.get("ns", b"k"), [inline(b"abcd")])
+    request = pb.GetBlockRequest(namespace="ns", key=b"k", max_inline_bytes=INLINE_MAX_BYTES)
+    assert steps == [Rpc("GetBlock", request)]
+    assert got == b"abcd" and type(got) is bytes
+    assert drive(_core.get("ns", b"k"), [inline(b"")])[1] == b""
+
+
 def test_get_assembles_the_stream_and_checks_it() -> None:
-    operation = _core.get("ns", b"k")
-    run = Run(operation)
-    step = run.next_step()
-    assert isinstance(step, Stream) and step.request == pb.GetRequest(namespace="ns", key=b"k")
-    run.reply = [step.on_message(m) for m in (get_header(b"abcd"), RawChunk(b"ab"))]
-    run.reply = [*run.reply, step.on_message(pb.GetResponse(chunk=b"cd"))]
-    assert run.next_step() is None and run.result == b"abcd"
+    for first in (inline(b"abcd", use_stream=True), Unimplemented("Method not found!")):
+        run = Run(_core.get("ns", b"k"))
+        assert isinstance(run.next_step(), Rpc)
+        if isinstance(first, BaseException):
+            run.failure = first  # a daemon older than GetBlock
+        else:
+            run.reply = first  # too large for one message
+        step = run.next_step()
+        assert isinstance(step, Stream) and step.request == pb.GetRequest(namespace="ns", key=b"k")
+        run.reply = [step.on_message(m) for m in (get_header(b"abcd"), RawChunk(b"ab"))]
+        run.reply = [*run.reply, step.on_message(pb.GetResponse(chunk=b"cd"))]
+        assert run.next_step() is None and run.result == b"abcd"
 
 
-def test_get_of_a_missing_block_is_none_and_of_damaged_bytes_data_loss() -> None:
+@pytest.mark.parametrize("sent", [b"abce", b"abc", b"abcde"])
+def test_get_of_a_missing_block_is_none_and_of_damaged_bytes_data_loss(sent: bytes) -> None:
     assert drive(_core.get("ns", b"k"), [NotFound("no such block")])[1] is None
-    operation = _core.get("ns", b"k")
-    run = Run(operation)
+    with pytest.raises(DataLoss):
+        drive(_core.get("ns", b"k"), [inline(b"abcd", sent=sent)])
+    run = Run(_core.get("ns", b"k"))
+    run.next_step()
+    run.reply = inline(b"abcd", use_stream=True)
     step = run.next_step()
     assert isinstance(step, Stream)
     step.on_message(get_header(b"abcd"))

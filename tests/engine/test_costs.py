@@ -79,3 +79,33 @@ def test_prefill_estimates_are_per_tenant_and_model() -> None:
     assert model.prefill_estimator("t1|no-such-model/x") is a
     assert model.prefill_estimator("t1|llama3-70b/x") is not a
     assert set(model.estimates()[1]) == {"t1|llama3-8b", "t2|llama3-8b", "t1|llama3-70b"}
+
+
+def test_a_plan_prices_a_run_as_the_calls_measured_it() -> None:
+    """Once leases and promotions have been timed, a Plan's run latency plus its blocks'
+    fetch_s is what fetching that run costs, at one block and at sixteen: the model the
+    planner decides with, not a separate one."""
+    model, _ = make(threads=4)
+    size = 2 * MIB
+
+    def dram_s(blocks: int) -> float:  # the call's round trip once, then each copy
+        return 200e-6 + blocks * size / 8e9
+
+    def promote_s(blocks: int) -> float:  # reads overlap two at a time, whatever threads
+        return 300e-6 + -(-blocks // 2) * (100e-6 + size / 2e9)
+
+    for blocks in (1, 4, 16, 2, 8) * 4:
+        model.engine_fetch([size] * blocks, 0.0, dram_s(blocks), blocks * size)
+        model.promoted([size] * blocks, promote_s(blocks))
+    for tier, want in (("dram", dram_s), ("nvme", lambda m: dram_s(m) + promote_s(m))):
+        for blocks in (1, 16):
+            keys = [bytes([tier == "dram", i]) * 8 for i in range(blocks)]
+            plan, (_, fetch_s, _) = model.plan(
+                NS, keys, [tier] * blocks, 16, 0, 0, "none", size // 16, None, "prefix"
+            )
+            predicted = plan.run_latency_s + sum(fetch_s)
+            # Exact for one block; a run that fills its last round of reads is priced up
+            # to (1 - 1/s) of one read high (the planner's costs are per block plus once
+            # per run, so rounds are spread over blocks): here 0.5 of 8 reads.
+            assert want(blocks) <= predicted * (1 + 1e-9)
+            assert predicted == pytest.approx(want(blocks), rel=0.05), (tier, blocks)

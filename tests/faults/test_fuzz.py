@@ -269,6 +269,15 @@ def unary_requests(live: int) -> st.SearchStrategy[tuple[str, Message]]:
     sid = session_ids(live)
     return st.one_of(
         st.tuples(st.just("Get"), st.builds(pb.GetRequest, namespace=NS, key=KEY)),
+        st.tuples(
+            st.just("GetBlock"),
+            st.builds(
+                pb.GetBlockRequest,
+                namespace=NS,
+                key=KEY,
+                max_inline_bytes=mostly(st.just(0), st.sampled_from([1, 4096, 8 << 20, U64_MAX])),
+            ),
+        ),
         st.tuples(st.just("Stat"), st.builds(pb.StatRequest, namespace=NS, key=KEY)),
         st.tuples(st.just("Delete"), st.builds(pb.DeleteRequest, namespace=NS, key=KEY)),
         st.tuples(st.just("Lookup"), st.builds(pb.LookupRequest, namespace=NS, keys=CHAIN)),
@@ -280,6 +289,15 @@ def unary_requests(live: int) -> st.SearchStrategy[tuple[str, Message]]:
         st.tuples(st.just("Attach"), st.just(pb.AttachRequest())),
         st.tuples(st.just("Plan"), plan_requests()),
         st.tuples(st.just("ReportPrefill"), report_prefill_requests()),
+        st.tuples(
+            st.just("Prefetch"),
+            st.builds(
+                pb.PrefetchRequest,
+                namespace=NS,
+                chains=st.lists(st.builds(pb.PrefetchChain, keys=CHAIN), max_size=3),
+                ttl_s=DOUBLE,
+            ),
+        ),
         *zero_copy_requests(sid),
     )
 
@@ -373,6 +391,14 @@ def put_streams(draw: st.DrawFn) -> PutCase:
     return PutCase(messages, namespace, key, data, well_formed)
 
 
+def put_block_of(case: PutCase) -> pb.PutBlockRequest:
+    """The case as one PutBlock: its first header (if any) and all its bytes (the judge
+    decides from the request itself whether it had to be refused)."""
+    headers = [m.header for m in case.messages if m.WhichOneof("msg") == "header"]
+    data = b"".join(m.chunk for m in case.messages if m.WhichOneof("msg") == "chunk")
+    return pb.PutBlockRequest(header=headers[0] if headers else None, data=data)
+
+
 SESSION_OPS = [0, *(int(op) for op in Op), max(Op) + 1, 255]
 
 
@@ -459,7 +485,10 @@ def send_unary(stub: pb_grpc.KVTierStub, judge: Judge, method: str, request: Mes
     return response
 
 
-def got_bytes(responses: list[pb.GetResponse]) -> bytes:
+def got_bytes(responses: list[pb.GetResponse] | pb.GetBlockResponse) -> bytes:
+    if isinstance(responses, pb.GetBlockResponse):
+        assert len(responses.data) == responses.header.size_bytes
+        return responses.data
     header, *chunks = responses
     assert header.WhichOneof("msg") == "header"
     data = b"".join(c.chunk for c in chunks)
@@ -470,12 +499,14 @@ def got_bytes(responses: list[pb.GetResponse]) -> bytes:
 def follow(judge: Judge, method: str, request: Message, response: Any) -> None:
     """What an answer says about the store, checked against the Shadow."""
     shadow, row = judge.shadow, judge.row
-    if method in ("Get", "Delete") and request.namespace == ZC_NS:  # type: ignore[attr-defined]
+    if method in ("Get", "GetBlock", "Delete") and request.namespace == ZC_NS:  # type: ignore[attr-defined]
         return
-    if method == "Get":
+    if method == "Get" or (method == "GetBlock" and not (response and response.use_stream)):
         got = None if response is None else got_bytes(response)
         if not shadow.check(row, request.namespace, request.key, got):  # type: ignore[attr-defined]
             judge.bad.append(f"{describe(request)}: bytes no put stored")
+    elif method == "GetBlock" and response.data:
+        judge.bad.append(f"{describe(request)}: use_stream with bytes inline")
     elif method == "Delete" and response is not None:
         shadow.delete(request.namespace, request.key, acknowledged=True)  # type: ignore[attr-defined]
     elif method == "Commit" and response is not None:
@@ -598,6 +629,25 @@ def test_fuzzed_requests(fuzzed: Fuzzed, report: Report) -> None:
             elif case.namespace != ZC_NS:
                 fuzzed.shadow.put(case.namespace, case.key, case.data, acknowledged=True)  # type: ignore[arg-type]
 
+        @settings(FUZZ_SETTINGS, max_examples=200)
+        @given(case=put_streams())
+        def put_block(case: PutCase) -> None:
+            request = put_block_of(case)
+            what = f"PutBlock {describe(request.header)} of {len(request.data)} bytes"
+            judge.begin()
+            try:
+                stub.PutBlock(request, timeout=CALL_TIMEOUT_S)
+            except grpc.RpcError as err:
+                judge.answer(what, err.code(), err.details())
+                return
+            judge.answer(what, grpc.StatusCode.OK, None)
+            header = request.header
+            right = xxhash.xxh3_64_intdigest(request.data)
+            if header.size_bytes != len(request.data) or header.xxh3_64 not in (0, right):
+                judge.bad.append(f"{what}: accepted, but it is malformed")
+            elif header.namespace != ZC_NS:
+                fuzzed.shadow.put(header.namespace, header.key, request.data, acknowledged=True)  # type: ignore[arg-type]
+
         @settings(FUZZ_SETTINGS, max_examples=300)
         @given(data=st.data())
         def frames(data: st.DataObject) -> None:
@@ -627,6 +677,7 @@ def test_fuzzed_requests(fuzzed: Fuzzed, report: Report) -> None:
         started_s = time.monotonic()
         unary()
         put()
+        put_block()
         frames()
         send_unknown_fields(channel, judge)
         # A frame longer than the daemon accepts ends the session; the daemon stays up.
@@ -663,6 +714,10 @@ def test_fuzzed_requests(fuzzed: Fuzzed, report: Report) -> None:
 UNDECODABLE: list[tuple[str, bool, bytes]] = [
     ("Stat", False, b"\x0a\x02\xff\xfe\x12\x01k"),  # namespace (a string) not UTF-8
     ("Get", True, b"\x0a\x03\xc3\x28a\x12\x01k"),
+    ("GetBlock", False, b"\x0a\x03\xc3\x28a\x12\x01k"),
+    ("PutBlock", False, b"\x0a\x04\x0a\x02\xff\xfe\x12\x01x"),  # header's namespace not UTF-8
+    ("PutBlock", False, b"\x0a\x02\x0a\x05\x12\x01x"),  # a header cut short
+    ("PutBlock", False, b"\x12\x09abc"),  # data longer than the message
     ("Delete", False, b"\x0a\x02\xed\xa0\x12\x01k"),  # a UTF-16 surrogate in UTF-8
     ("Lookup", False, b"\xff\xff\xff"),  # field 0 / invalid tag
     ("Stats", False, b"\x0a"),  # a tag and nothing after it

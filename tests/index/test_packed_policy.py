@@ -197,12 +197,24 @@ def _pair(kind: str, slot_of: list[int], capacity_bytes: int = 64 * 1024) -> Pai
 
 
 def _value_pair(
-    slot_of: list[int], tier: str, fallback: str | None, model: ValueModel, purge: bool = False
+    slot_of: list[int],
+    tier: str,
+    fallback: str | None,
+    model: ValueModel,
+    purge: bool = False,
+    shadow: bool = False,
 ) -> Pair:
     sketch = FrequencySketch()
     keys = {slot: block_id(i) for i, slot in enumerate(slot_of)}
-    old = ObservedValuePolicy(tier, fallback, model, sketch, purge=purge)
-    new = PackedValue(tier, fallback, model, lambda slot: sketch.count(keys[slot]))
+    old = ObservedValuePolicy(tier, fallback, model, sketch, shadow, purge=purge)
+    new = PackedValue(
+        tier,
+        fallback,
+        model,
+        lambda slot: sketch.count(keys[slot]),
+        lambda slot: key_digest(keys[slot]),
+        shadow=shadow,
+    )
     return Pair(old, new, slot_of, sketch)
 
 
@@ -246,9 +258,10 @@ def test_value_policy_chooses_the_same_victims_until_a_stale_item_returns(
             return
 
 
+@pytest.mark.parametrize("shadow", [False, True])
 @pytest.mark.parametrize(("tier", "fallback", "model"), VALUE_TIERS)
 def test_value_policy_same_victims_over_long_random_runs(
-    tier: str, fallback: str | None, model: ValueModel
+    tier: str, fallback: str | None, model: ValueModel, shadow: bool
 ) -> None:
     """Thousands of calls as a store makes them: chains looked up (a use, then a hit or
     an insert per block), a tier kept to 150 blocks with a few pinned, some removed.
@@ -258,12 +271,13 @@ def test_value_policy_same_victims_over_long_random_runs(
     blocks = 400
     slot_of = list(range(blocks))
     rng.shuffle(slot_of)
-    pair = _value_pair(slot_of, tier, fallback, model, purge=True)
+    pair = _value_pair(slot_of, tier, fallback, model, purge=True, shadow=shadow)
     pair.check_members = False
     old = pair.old
     assert isinstance(old, ObservedValuePolicy)
     chains = [[rng.randrange(blocks) for _ in range(rng.randint(1, 12))] for _ in range(60)]
     parent: dict[int, int | None] = {}
+    lowest = 1.0  # the safety net's weight
     for _ in range(1200):
         chain = rng.choice(chains)
         for i, b in enumerate(chain):
@@ -272,10 +286,16 @@ def test_value_policy_same_victims_over_long_random_runs(
             pair.run(("insert", b, rng.choice(SIZES), i, parent[b]))
         while len(pair.new) > 150:
             pair.run(("victim", frozenset(rng.sample(range(blocks), 5))))
+            lowest = min(lowest, old.weight)
         if rng.random() < 0.05:
             pair.run(("remove", rng.randrange(blocks)))
     assert pair.victims > 500, pair.victims
     assert all((block_id(i) in old) == (slot_of[i] in pair.new) for i in range(blocks))
+    # The safety net's weight moved the same way in both (and moved: some victims were
+    # the least recent leaf's, not the value heap's).
+    assert isinstance(pair.new, PackedValue)
+    assert old.weight == pair.new.weight
+    assert (lowest < 0.9) == shadow, lowest
 
 
 def test_where_value_policies_differ_a_stale_item_back_at_its_old_priority() -> None:
@@ -476,7 +496,7 @@ def _packed(kind: str) -> SlotPolicy:
     return PackedValue("dram", "nvme", MODEL, lambda slot: 1)
 
 
-@pytest.mark.parametrize(("kind", "bytes_per_block"), [("lru", 10), ("s3fifo", 18), ("kvtier", 60)])
+@pytest.mark.parametrize(("kind", "bytes_per_block"), [("lru", 10), ("s3fifo", 18), ("kvtier", 68)])
 def test_a_block_costs_a_few_bytes_and_no_object(kind: str, bytes_per_block: int) -> None:
     gc.collect()
     tracemalloc.start()

@@ -14,6 +14,7 @@ from kvtier.index.planner import (
     PlanRequest,
     PrefillCost,
     TierCost,
+    cost_of,
     oracle_total,
     plan,
 )
@@ -52,6 +53,8 @@ def request(**kw: object) -> PlanRequest:
     bw=st.floats(1e8, 1e11),
     lat=st.floats(0, 1e-3),
     layers=st.integers(1, 96),
+    run=st.one_of(st.just(0.0), st.floats(0, 0.05)),
+    family=st.sampled_from(["any", "prefix"]),
 )
 def test_plan_equals_the_oracle(
     prompt: int,
@@ -68,6 +71,8 @@ def test_plan_equals_the_oracle(
     bw: float,
     lat: float,
     layers: int,
+    run: float,
+    family: str,
 ) -> None:
     tiers = ["dram"] * head + ["nvme"] * tail + ([None, "dram"] if gap else [])
     req = PlanRequest(
@@ -80,6 +85,8 @@ def test_plan_equals_the_oracle(
         engine_cached_blocks=engine,
         overlap=overlap,
         layers=layers,
+        run_latency_s=run,
+        family=family,
     )  # type: ignore[arg-type]
     result = plan(req)
     assert math.isclose(result.total_s, oracle_total(req), rel_tol=1e-9, abs_tol=1e-15)
@@ -91,6 +98,96 @@ def test_plan_equals_the_oracle(
     actions = "".join(b.action[0] for b in blocks)
     assert actions.lstrip("e").replace("r", " ").split().__len__() <= 1
     assert all(b.tier is not None for b in blocks if b.action == "fetch")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prompt=st.integers(1, 20_000),
+    block=st.sampled_from([16, 64, 256, 512]),
+    head=st.integers(0, 40),
+    tail=st.integers(0, 40),
+    engine=st.integers(0, 10),
+    overlap=st.sampled_from(OVERLAPS),
+    a=st.floats(1e-6, 1e-4),
+    c=st.floats(1e-11, 1e-8),
+    step=st.floats(0, 0.01),
+    bw=st.floats(1e7, 1e11),
+    lat=st.floats(0, 1e-2),
+    layers=st.integers(1, 96),
+    slow_head=st.booleans(),
+    run=st.one_of(st.just(0.0), st.floats(0, 0.05)),
+)
+def test_prefix_family_is_the_best_prefix_and_never_beats_any(
+    prompt: int,
+    block: int,
+    head: int,
+    tail: int,
+    engine: int,
+    overlap: str,
+    a: float,
+    c: float,
+    step: float,
+    bw: float,
+    lat: float,
+    layers: int,
+    slow_head: bool,
+    run: float,
+) -> None:
+    """family="prefix": fetch [E, k) for the best k by brute force over every k (priced by
+    `cost_of`, the reference formulas), never cheaper than the unrestricted plan. A slow
+    head (the case where "any" recomputes the front) is drawn half the time."""
+    from dataclasses import replace
+
+    head_cost, tail_cost = TierCost(bw * 8, lat / 10), TierCost(bw, lat)
+    if slow_head:
+        head_cost, tail_cost = tail_cost, head_cost
+    req = PlanRequest(
+        prompt_tokens=prompt,
+        tokens_per_block=block,
+        kv_bytes_per_token=128 << 10,
+        cached_tiers=["head"] * head + ["tail"] * tail,
+        tier_costs={"head": head_cost, "tail": tail_cost},
+        prefill=PrefillCost(a, c, step),
+        engine_cached_blocks=engine,
+        overlap=overlap,  # type: ignore[arg-type]
+        layers=layers,
+        family="prefix",
+        run_latency_s=run,
+    )
+    result = plan(req)
+    n = -(-prompt // block)
+    e = min(engine, n)
+    cached_end = max(e, min(n, head + tail))
+    brute = [cost_of(req, e, k) for k in range(e, cached_end + 1)]
+    assert math.isclose(result.total_s, min(brute), rel_tol=1e-9, abs_tol=1e-15)
+    # The reported split costs what the plan says it costs.
+    assert math.isclose(brute[result.fetch_end - e], result.total_s, rel_tol=1e-9, abs_tol=1e-15)
+    assert result.fetch_start == result.engine_blocks == e
+    assert math.isclose(result.total_s, oracle_total(req), rel_tol=1e-9, abs_tol=1e-15)
+    if result.fetch_blocks:
+        assert result.reason.startswith("prefix-only plan: fetch blocks")
+    unrestricted = plan(replace(req, family="any"))
+    assert unrestricted.total_s <= result.total_s * (1 + 1e-12) + 1e-15
+
+
+def test_prefix_family_fetches_the_head_where_any_recomputes_it() -> None:
+    """The slow-network case: "any" recomputes the cheap front and fetches later blocks;
+    "prefix" cannot, so it fetches from the engine's end or recomputes everything."""
+    base = request(  # 70B over 25 GbE, as test_slow_network_recomputes_the_front
+        prompt_tokens=128 * 1024,
+        kv_bytes_per_token=320 << 10,
+        cached_tiers=["net"] * 256,
+        tier_costs={"net": TierCost(25e9 / 8, 50e-6)},
+        prefill=PrefillCost(a_s_per_token=44.2e-6, c_s_per_token2=8.3e-10),
+    )
+    anyplan = plan(base)
+    assert anyplan.fetch_start > 0  # the premise: the unrestricted plan recomputes the front
+    from dataclasses import replace
+
+    prefix = plan(replace(base, family="prefix"))
+    assert prefix.fetch_start == 0
+    assert prefix.total_s > anyplan.total_s
+    assert prefix.reason.startswith("prefix-only plan: ")
 
 
 def test_worked_case_8b_32k_prompt_28k_cached_on_one_nvme() -> None:
@@ -138,7 +235,15 @@ def test_nothing_cached_or_all_held_by_the_engine() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [dict(prompt_tokens=0), dict(tokens_per_block=0), dict(overlap="sideways"), dict(layers=0)],
+    [
+        dict(prompt_tokens=0),
+        dict(tokens_per_block=0),
+        dict(overlap="sideways"),
+        dict(layers=0),
+        dict(family="suffix"),
+        dict(run_latency_s=-1.0),
+        dict(run_latency_s=float("nan")),
+    ],
 )
 def test_bad_requests_are_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
@@ -292,3 +397,19 @@ def test_vectorised_none_search_makes_the_scans_choices_ties_included(
         np.array(front[e:]), np.array(loaded[e:]), np.array(tail[e:]), e, recompute_all_s
     )
     assert got == _scan_none(front, loaded, tail, e, recompute_all_s)
+
+
+def test_run_latency_is_paid_once_per_fetched_run() -> None:
+    """A run latency prices a fetch of k blocks at run + k * per-block: the plan's total
+    for fetch-all rises by exactly that once, and a large enough one makes recomputing
+    everything the plan."""
+    from dataclasses import replace
+
+    base = request(cached_tiers=["dram"] * 56, tier_costs={"dram": DRAM})
+    without = plan(base)
+    withrun = plan(replace(base, run_latency_s=0.01))
+    assert withrun.run_latency_s == 0.01
+    assert math.isclose(withrun.fetch_all_s, without.fetch_all_s + 0.01, rel_tol=1e-12)
+    assert withrun.recompute_all_s == without.recompute_all_s
+    huge = plan(replace(base, run_latency_s=10.0))
+    assert huge.fetch_blocks == 0 and huge.total_s == huge.recompute_all_s

@@ -101,9 +101,9 @@ def test_every_design_metric_is_exported_with_sensible_values(start_daemon: Star
         assert _value(m, "kvtier_transfer_seconds_count", src=src, dst=dst) > 0, (src, dst)
         assert _value(m, "kvtier_transfer_seconds_sum", src=src, dst=dst) > 0
         assert _value(m, "kvtier_transfer_bytes_total", src=src, dst=dst) >= size
-    assert _value(m, "kvtier_requests_total", method="Put", code="OK") == len(keys)
-    assert _value(m, "kvtier_requests_total", method="Get", code="INVALID_ARGUMENT") == 1
-    assert _value(m, "kvtier_requests_total", method="Get", code="NOT_FOUND") == len(lost)
+    assert _value(m, "kvtier_requests_total", method="PutBlock", code="OK") == len(keys)
+    assert _value(m, "kvtier_requests_total", method="GetBlock", code="INVALID_ARGUMENT") == 1
+    assert _value(m, "kvtier_requests_total", method="GetBlock", code="NOT_FOUND") == len(lost)
     assert _value(m, "kvtier_requests_total", method="session/ACQUIRE", code="OK") > 0
     assert _value(m, "kvtier_recompute_avoided_seconds_total") >= 0
     assert _value(m, "kvtier_fetch_regret_seconds_total") >= 0

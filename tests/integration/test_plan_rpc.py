@@ -6,6 +6,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import grpc
 import pytest
 
 import kvtier
@@ -143,7 +144,9 @@ def test_fetches_reported_by_clients_teach_the_dram_path(start_daemon: StartDaem
                 assert client.get_into(NS, key, sink) == size
                 measured[size].append(time.perf_counter() - started)
         for key, size in zip(keys, sizes, strict=True):
-            predicted = client.plan(NS, [key], TPB).fetch_s[0]
+            # Fetching one block alone: its share plus what the call costs once.
+            planned = client.plan(NS, [key], TPB)
+            predicted = planned.run_latency_s + planned.fetch_s[0]
             actual = statistics.median(measured[size])
             assert actual / 3 < predicted < actual * 3, (size, predicted, actual)
         assert seeded < statistics.median(measured[1 << 20]) / 100
@@ -203,3 +206,47 @@ def test_a_run_of_slow_nvme_blocks_is_read_in_parallel_and_priced_as_it_was_read
         assert taken_s[0] < run * delay_s / 2, taken_s  # overlapped, not serial (1.6 s)
         # The second run was planned with what the first taught.
         assert taken_s[1] / 2.5 < predicted_s < taken_s[1] * 2.5, (predicted_s, taken_s)
+
+
+def test_prefix_family_plans_only_loads_right_after_the_engines_blocks(
+    start_daemon: StartDaemon,
+) -> None:
+    """An engine that says family="prefix" (vLLM) gets a plan that fetches from its own
+    blocks on, or nothing; where the unrestricted plan recomputes a cheap front and fetches
+    a later run, the prefix plan costs more and says why."""
+    daemon = start_daemon(dram="128MiB", nvme="256MiB")
+    chain = kvtier.chain_keys(NS, [[i] * TPB for i in range(24)])
+    with daemon.client() as client:
+        for i in range(24):
+            client.put_from(NS, chain[i], block_bytes(i, TPB * (128 << 10)))
+        fetch_s = client.plan(NS, chain, TPB).fetch_s[0]
+        # Teach a prefill whose cost grows with position only (c, no a): recomputing block i
+        # costs about c * TPB^2 * i, which crosses a block's fetch time at block 8. Then the
+        # unrestricted plan recomputes blocks 0..7 and fetches the rest.
+        c = fetch_s / (TPB * TPB * 8)
+        for start in range(0, 24 * TPB, TPB):
+            for length in (TPB, 4 * TPB):
+                end = start + length
+                client.report_prefill(NS, start, end, c * (end * end - start * start) / 2)
+        anyplan = client.plan(NS, chain, TPB)
+        assert 4 <= anyplan.fetch_start <= 12 and anyplan.fetch_end == 24, anyplan.reason
+        prefix = client.plan(NS, chain, TPB, family="prefix")
+        assert prefix.fetch_start == prefix.engine_blocks == 0
+        assert prefix.total_s > anyplan.total_s
+        assert prefix.reason.startswith("prefix-only plan: "), prefix.reason
+        assert "prefix-only" not in anyplan.reason
+        # With blocks held by the engine, the run starts at the engine's end.
+        held = client.plan(NS, chain, TPB, engine_cached_blocks=3, family="prefix")
+        assert held.fetch_start == held.engine_blocks == 3
+        assert [b.action for b in held.blocks[:3]] == ["engine"] * 3
+        assert all(b.action == "recompute" for b in held.blocks[held.fetch_end :])
+        # The same over plain gRPC (no session), and an unknown family is the caller's error.
+        from kvtier.client._common import plan_request
+
+        raw = client._stub.Plan(plan_request(NS, chain, TPB, 0, "none", None, None, "prefix"))
+        assert (raw.fetch_start, raw.fetch_end) == (prefix.fetch_start, prefix.fetch_end)
+        with pytest.raises(kvtier.InvalidArgument, match="family must be one of any, prefix"):
+            client.plan(NS, chain, TPB, family="suffix")
+        with pytest.raises(grpc.RpcError) as err:
+            client._stub.Plan(plan_request(NS, chain, TPB, 0, "none", None, None, "suffix"))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -129,6 +129,7 @@ def generate(args: argparse.Namespace) -> None:
                 "timeout_s": args.timeout_s,
                 "fetch": args.fetch,
                 "device_path": args.device_path,
+                "prefetch": args.prefetch,
             },
         )
     started_s = time.perf_counter()
@@ -207,6 +208,7 @@ def main(argv: list[str]) -> None:
     g.add_argument("--multiprocess", action="store_true")
     g.add_argument("--fetch", choices=["plan", "always"], default="plan")
     g.add_argument("--device-path", choices=["auto", "emulate"], default="auto")
+    g.add_argument("--prefetch", type=int, default=1, help="announce waiting requests")
     g.add_argument("--warmup", type=int, default=0, help="throwaway prompts run first")
     g.add_argument("--timeout-s", type=float, default=2.0, help="the connector's RPC deadline")
     r = sub.add_parser("reference")

@@ -80,6 +80,11 @@ def widest(op: Op, limits: LimitsConfig) -> bytes:
                 blocks=blocks,
                 group_sizes=[(1 << 32) - 1] * n,
             )
+    elif op == Op.STAGE:
+        message = pb.StageRequest(session_id=big, size_bytes=big)
+    elif op == Op.PUT_STAGED:
+        staged = [pb.StagedPutItem(key=key, size_bytes=big, offset=big, xxh3_64=big)] * n
+        message = pb.StagedPutRequest(session_id=big, namespace=ns, items=staged, overwrite=True)
     else:
         message = pb.CudaWaitRequest(session_id=big, request_id=big, group=(1 << 32) - 1)
     assert isinstance(message, REQUEST_TYPES[op])

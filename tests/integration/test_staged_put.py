@@ -1,0 +1,203 @@
+"""One-exchange zero-copy puts (Stage + PutStaged) against a real daemon: the bytes that
+become visible are exactly what was hashed, and a request naming anything but its own
+staging range, or with a wrong checksum, stores nothing."""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+import xxhash
+
+import kvtier
+from kvtier._proto import kvtier_pb2 as pb
+from kvtier._session import Op
+from kvtier.client.zerocopy import SharedArena
+from tests.conftest import DaemonProcess, block_bytes
+
+NS = "llama3-8b/bf16-b16"
+StartDaemon = Callable[..., DaemonProcess]
+
+
+def attached(client: kvtier.Client) -> SharedArena:
+    arena = client._shared_arena()
+    assert arena is not None and arena.write_area is not None
+    return arena
+
+
+def stage(arena: SharedArena, size_bytes: int) -> tuple[int, int]:
+    reply = arena.call(Op.STAGE, pb.StageRequest(size_bytes=size_bytes), pb.StageResponse)
+    return reply.offset, reply.size_bytes
+
+
+def put_staged(arena: SharedArena, *items: pb.StagedPutItem) -> list[pb.CommitResult]:
+    request = pb.StagedPutRequest(namespace=NS, items=list(items))
+    return list(arena.call(Op.PUT_STAGED, request, pb.CommitResponse).results)
+
+
+@pytest.mark.parametrize("path", ["streamed", "staged", "reserve-commit"])
+def test_puts_are_bit_exact_on_every_path(start_daemon: StartDaemon, path: str) -> None:
+    daemon = start_daemon(dram="64MiB", nvme="256MiB")
+    with daemon.client() as client:
+        arena = attached(client)
+        assert arena.write_area is not None
+        one_exchange = path != "reserve-commit"
+        arena.write_area.one_exchange = one_exchange
+        arena.write_area.streams = path == "streamed"
+        blocks = {f"b{i}": block_bytes(i, size) for i, size in enumerate([1, 4095, 300_001])}
+        big = block_bytes(9, 5 << 20)  # over one copy piece, not a multiple of it
+        parts = [
+            memoryview(big)[:1000],
+            memoryview(big)[1000 : 3 << 20],
+            memoryview(big)[3 << 20 :],
+        ]
+        assert client.put_many(NS, list(blocks.items())) == [True] * 3
+        assert client.put_from(NS, "parts", parts) is True
+        assert client.put_from(NS, "parts", big) is False  # the same bytes: already there
+        for key, data in [*blocks.items(), ("parts", big)]:
+            sink = bytearray(len(data))
+            assert client.get_into(NS, key, sink, verify=True) == len(data)
+            assert bytes(sink) == data
+            assert client.get(NS, key) == data  # the gRPC path reads the same block
+        # Which path ran: only the one-exchange put asks for a staging range.
+        assert (arena.write_area.staging is not None) == one_exchange
+        assert client.stats()["leases"] == 0
+
+
+def test_a_staged_put_names_only_its_own_staging_range(start_daemon: StartDaemon) -> None:
+    daemon = start_daemon(dram="16MiB", nvme="64MiB")
+    with daemon.client() as client, daemon.client() as other:
+        arena = attached(client)
+        data = block_bytes(1, 8192)
+        item = pb.StagedPutItem(key=b"k", size_bytes=len(data), offset=0, xxh3_64=0)
+        (result,) = put_staged(arena, item)  # nothing staged yet
+        assert result.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "staging range" in result.message
+        offset, size = stage(arena, len(data))
+        assert size >= len(data)
+        for bad_offset, bad_size in [
+            (offset + 1, size),
+            (offset + size, 1),
+            (offset + size - 1, 2),
+            (1 << 62, 1),
+        ]:
+            bad = pb.StagedPutItem(key=b"k", size_bytes=bad_size, offset=bad_offset)
+            (result,) = put_staged(arena, bad)
+            assert result.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], (bad_offset, bad_size)
+        # Another session's staging range is not this one's, even at the same offset.
+        other_arena = attached(other)
+        assert other_arena.write_area is not None
+        (result,) = put_staged(
+            other_arena, item.__class__(key=b"k", size_bytes=8192, offset=offset)
+        )
+        assert result.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert client.get(NS, "k") is None
+        assert client.stats()["tiers"]["dram"]["used_bytes"] == 0
+        with pytest.raises(kvtier.InvalidArgument, match="staging range of"):
+            stage(arena, 1 << 40)  # more than the tenant's arena
+
+
+def test_a_wrong_checksum_or_a_scribble_after_hashing_stores_nothing(
+    start_daemon: StartDaemon,
+) -> None:
+    daemon = start_daemon(dram="16MiB", nvme="64MiB")
+    with daemon.client() as client:
+        arena = attached(client)
+        assert arena.write_area is not None
+        offset, _ = stage(arena, 1 << 20)
+        data = block_bytes(2, 1 << 20)
+        slot = arena.write_area.slot(offset, len(data))
+        slot[:] = data
+        digest = xxhash.xxh3_64_intdigest(data)
+        (result,) = put_staged(
+            arena, pb.StagedPutItem(key=b"bad", size_bytes=len(data), offset=offset, xxh3_64=12345)
+        )
+        assert result.code == grpc.StatusCode.DATA_LOSS.value[0]
+        slot[100:200] = b"\0" * 100  # changed after the client hashed it
+        (result,) = put_staged(
+            arena,
+            pb.StagedPutItem(key=b"torn", size_bytes=len(data), offset=offset, xxh3_64=digest),
+        )
+        assert result.code == grpc.StatusCode.DATA_LOSS.value[0]
+        assert client.get(NS, "bad") is None and client.get(NS, "torn") is None
+        slot[:] = data
+        (result,) = put_staged(
+            arena,
+            pb.StagedPutItem(key=b"good", size_bytes=len(data), offset=offset, xxh3_64=digest),
+        )
+        assert result.code == 0 and result.stored
+        slot[:] = b"\1" * len(data)  # after the commit: the stored block does not change
+        slot.release()
+        assert client.get(NS, "good") == data
+        assert client.stats()["leases"] == 0
+        assert client.stats()["tiers"]["dram"]["used_bytes"] == 1 << 20
+
+
+def streamed_request(offset: int, *sizes: int, ticket: int = 7) -> pb.StagedPutRequest:
+    items = []
+    for i, size in enumerate(sizes):
+        items.append(pb.StagedPutItem(key=f"s{i}".encode(), size_bytes=size, offset=offset))
+        offset += size
+    return pb.StagedPutRequest(namespace=NS, items=items, ticket=ticket)
+
+
+def test_a_streamed_put_whose_bytes_never_come_times_out_and_stores_nothing(
+    start_daemon: StartDaemon,
+) -> None:
+    daemon = start_daemon(dram="16MiB", nvme="64MiB")
+    with daemon.client() as client, daemon.client() as other:
+        arena = attached(client)
+        assert arena.write_area is not None
+        offset, _ = stage(arena, 2 << 20)
+        words = arena.write_area.slot(offset, 32)
+        words[:] = bytes(32)  # ticket 0: never this request's
+        assert other.put_from(NS, "other", b"served meanwhile") is True
+        started = time.monotonic()
+        request = streamed_request(offset + 4096, 1 << 20)
+        (result,) = arena.call(Op.PUT_STAGED, request, pb.CommitResponse).results
+        assert result.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        assert 1.5 < time.monotonic() - started < 10
+        # Abandoned by its client: answered at once.
+        struct.pack_into("<QQ", words, 0, 8, (1 << 64) - 1)
+        started = time.monotonic()
+        request = streamed_request(offset + 4096, 1 << 20, ticket=8)
+        (result,) = arena.call(Op.PUT_STAGED, request, pb.CommitResponse).results
+        assert result.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert time.monotonic() - started < 1.0
+        # Blocks over the progress words, or past the range: refused, nothing read.
+        for bad in [streamed_request(offset + 8, 4096), streamed_request(offset + 4096, 4 << 20)]:
+            (result,) = arena.call(Op.PUT_STAGED, bad, pb.CommitResponse).results
+            assert result.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        words.release()
+        assert client.get(NS, "s0") is None
+        assert other.get(NS, "other") == b"served meanwhile"
+        assert client.stats()["tiers"]["dram"]["used_bytes"] == 4096  # "other" alone
+
+
+def test_a_streamed_put_stores_what_the_daemon_hashed_and_checks_each_checksum(
+    start_daemon: StartDaemon,
+) -> None:
+    daemon = start_daemon(dram="16MiB", nvme="64MiB")
+    with daemon.client() as client:
+        arena = attached(client)
+        assert arena.write_area is not None
+        offset, _ = stage(arena, 3 << 20)
+        first, second = block_bytes(3, 1 << 20), block_bytes(4, 300_000)
+        view = arena.write_area.slot(offset, 3 << 20)
+        view[4096 : 4096 + len(first)] = first
+        view[4096 + len(first) : 4096 + len(first) + len(second)] = second
+        # Written before the request, as a client that lies about nothing: right checksum
+        # for the first, a wrong one for the second.
+        struct.pack_into(
+            "<QQQQ", view, 0, 9, len(first) + len(second), xxhash.xxh3_64_intdigest(first), 1
+        )
+        request = streamed_request(offset + 4096, len(first), len(second), ticket=9)
+        ok, bad = arena.call(Op.PUT_STAGED, request, pb.CommitResponse).results
+        assert ok.code == 0 and ok.stored
+        assert bad.code == grpc.StatusCode.DATA_LOSS.value[0]
+        view.release()
+        assert client.get(NS, "s0") == first and client.get(NS, "s1") is None
+        assert client.stats()["leases"] == 0
