@@ -46,8 +46,10 @@ from kvtier.engine.store import CommitOutcome, TierUsage
 from kvtier.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvtier.index.catalog import BlockId, TierName
 from kvtier.index.estimators import PathEstimator
+from kvtier.index.packed_policy import PackedPolicies
 from kvtier.index.planner import TierCost
 from kvtier.index.policy import BlockInfo, Key, TierPolicy
+from kvtier.index.slots import NO_SLOT, key_digest
 from kvtier.movers.cuda import Mover, Transfer
 from kvtier.tiers.allocator import Extent, ExtentAllocator
 
@@ -77,6 +79,82 @@ class CudaOpener(Protocol):
     def alloc(self, device: int, size: int) -> Any:
         """Device memory the daemon owns (the HBM pool), as a 1-D byte buffer."""
         ...
+
+
+class SlotOrder(TierPolicy):
+    """A packed policy's order (kvtier/index/packed_policy.py) for a tier that is not in
+    the catalog (HBM copies, a few thousand at most): each key gets a slot of its own
+    here, freed when it leaves and no copy names it as a parent."""
+
+    def __init__(
+        self, policies: PackedPolicies, tier: str, fallback: str | None, capacity_bytes: int
+    ) -> None:
+        self._slots: dict[Key, int] = {}
+        self._keys: list[Key | None] = []
+        self._digests: list[int] = []
+        self._free: list[int] = []
+        self._parked: list[int] = []  # gone, but still named as a parent
+        self._order = policies.new_tier(tier, fallback, capacity_bytes, self._digests.__getitem__)
+
+    def _slot(self, key: Key) -> int:
+        slot = self._slots.get(key)
+        if slot is not None:
+            return slot
+        if self._parked:
+            parked, self._parked = self._parked, []
+            for s in parked:
+                self._release(s)
+        if self._free:
+            slot = self._free.pop()
+            self._keys[slot], self._digests[slot] = key, key_digest(key)
+        else:
+            slot = len(self._keys)
+            self._keys.append(key)
+            self._digests.append(key_digest(key))
+        self._slots[key] = slot
+        return slot
+
+    def _release(self, slot: int) -> None:
+        if self._order.names_as_parent(slot):
+            self._parked.append(slot)
+        else:
+            self._free.append(slot)
+
+    def _gone(self, key: Key) -> None:
+        slot = self._slots.pop(key, None)
+        if slot is not None:
+            self._keys[slot] = None
+            self._release(slot)
+
+    def insert(self, key: Key, info: BlockInfo) -> None:
+        parent = NO_SLOT if info.parent is None else self._slots.get(info.parent, NO_SLOT)
+        self._order.insert(self._slot(key), info.size_bytes, info.position, parent)
+
+    def hit(self, key: Key) -> None:
+        slot = self._slots.get(key)
+        if slot is not None:
+            self._order.hit(slot)
+
+    def remove(self, key: Key) -> None:
+        slot = self._slots.get(key)
+        if slot is not None:
+            self._order.remove(slot)
+            self._gone(key)
+
+    def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
+        keys = self._keys
+        slot = self._order.victim(lambda s: evictable(keys[s]))
+        if slot is None:
+            return None
+        key = keys[slot]
+        self._gone(key)
+        return key
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slots
+
+    def __len__(self) -> int:
+        return len(self._order)
 
 
 @dataclass(eq=False)
@@ -207,7 +285,8 @@ class CudaPath:
             self.hbm = HbmCache(
                 opener.alloc(device, hbm_capacity_bytes),
                 hbm_capacity_bytes,
-                store.policies.new_tier(hbm, dram, hbm_capacity_bytes),  # falls back to DRAM
+                # Valued against DRAM, the tier an HBM copy falls back to.
+                SlotOrder(store.policies, hbm, dram, hbm_capacity_bytes),
             )
             store.add_tier_report(self._hbm_usage)
         self._buffers: dict[int, EngineBuffer] = {}

@@ -213,15 +213,15 @@ class NvmeRecovery:
         if (
             h.ns_id == CALIBRATION_NS_ID  # a crash during the last calibration
             or block_id in self._touched
-            or self._residency.get(block_id) is not None
+            or self._residency.contains(block_id)
         ):
             self._driver.schedule_removal(h)
             self.dropped += 1
             return
-        entry = Entry(
-            block_id, h.payload_bytes, h.xxh3_64, h.generation, nvme_record_bytes=h.record_bytes
+        # Into the catalog's arrays: no Entry (nor anything else) per record outlives this.
+        self._residency.add_recovered(
+            block_id, h.payload_bytes, h.xxh3_64, h.generation, h.record_bytes
         )
-        self._residency.add(entry)
         self.indexed += 1
 
     async def _finish(self, report: RecoveryReport, started_s: float) -> None:

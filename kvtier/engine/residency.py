@@ -7,6 +7,10 @@ only code that changes an `Entry`: the store's flows ask it (`add`, `used`, `pin
 `dram_victims`, `promoted`, `written`, ...) and get back what they must free or remove;
 the drivers never see an entry. Pure: no I/O, no event loop, tested without a daemon.
 
+Packed (issue 22): the eviction orders are kvtier/index/packed_policy.py's, over the
+catalog's slots, and each block's place in its chain is three arrays by slot, so nothing
+here is an object per block. A recovered record goes in by `add_recovered`, no `Entry`.
+
 Lifecycle of an entry here:
     add (a put, a recovered record, a remote fetch) -> visible to lookups
     pin / unpin            -> a pinned entry is never a victim and its memory never reused
@@ -18,13 +22,15 @@ Lifecycle of an entry here:
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import cast
 
 from kvtier.engine.results import Counters
 from kvtier.index.catalog import Catalog, Entry
-from kvtier.index.policy import BlockInfo, Policies, TierPolicy
+from kvtier.index.packed_policy import PackedPolicies, SlotPolicy
+from kvtier.index.policy import AdmissionMode, BlockInfo, ValueModel
+from kvtier.index.slots import NO_SLOT, extend, headroom
 from kvtier.keys import tenant_of
 from kvtier.types import BlockId, Extent, LookupResult, TierName
 
@@ -40,28 +46,132 @@ class Released:
     had_record: bool
 
 
+class DenseOrder(SlotPolicy):
+    """A packed order over the few catalog slots one small tier holds (a DRAM arena:
+    thousands of blocks, against the millions of slots of the NVMe tier). The packed
+    policies size their arrays by the largest slot they see, so the catalog's slots
+    would cost every tenant's arena ~50 B per block of the whole catalog; here each
+    block of the tier (and each parent its blocks name) gets a dense local slot instead,
+    given back once it is neither in the tier nor named as a parent."""
+
+    def __init__(
+        self, make: Callable[[Callable[[int], int]], SlotPolicy], digest_of: Callable[[int], int]
+    ) -> None:
+        self._local: dict[int, int] = {}  # catalog slot -> local slot
+        self._global = array("i")  # local slot -> catalog slot (NO_SLOT: free)
+        self._parent = array("i")  # local slot -> its parent's local slot
+        self._free: list[int] = []
+        glob = self._global
+        self._order = make(lambda local: digest_of(glob[local]))
+
+    def _local_of(self, slot: int) -> int:
+        local = self._local.get(slot)
+        if local is None:
+            if self._free:
+                local = self._free.pop()
+                self._global[local] = slot
+            else:
+                local = len(self._global)
+                self._global.append(slot)
+                self._parent.append(NO_SLOT)
+            self._local[slot] = local
+        return local
+
+    def _maybe_free(self, local: int) -> None:
+        order = self._order
+        if local in order or order.names_as_parent(local):
+            return
+        del self._local[self._global[local]]
+        self._global[local] = NO_SLOT
+        self._parent[local] = NO_SLOT
+        self._free.append(local)
+
+    def _left(self, local: int) -> None:
+        parent = self._parent[local]
+        self._maybe_free(local)
+        if parent != NO_SLOT and self._global[parent] != NO_SLOT:
+            self._maybe_free(parent)
+
+    def insert(self, slot: int, size_bytes: int, position: int = 0, parent: int = NO_SLOT) -> None:
+        local = self._local_of(slot)
+        up = self._local_of(parent) if parent != NO_SLOT and parent != slot else NO_SLOT
+        if local not in self._order:
+            self._parent[local] = up
+        self._order.insert(local, size_bytes, position, up)
+        if up != NO_SLOT:
+            self._maybe_free(up)  # not named after all (a policy without parents, a hit)
+
+    def hit(self, slot: int) -> None:
+        local = self._local.get(slot)
+        if local is not None:
+            self._order.hit(local)
+
+    def remove(self, slot: int) -> None:
+        local = self._local.get(slot)
+        if local is not None:
+            self._order.remove(local)
+            self._left(local)
+
+    def victim(self, evictable: Callable[[int], bool]) -> int | None:
+        glob = self._global
+        local = self._order.victim(lambda lo: evictable(glob[lo]))
+        if local is None:
+            return None
+        slot = glob[local]
+        self._left(local)
+        return slot
+
+    def names_as_parent(self, slot: int) -> bool:
+        local = self._local.get(slot)
+        return local is not None and self._order.names_as_parent(local)
+
+    def __contains__(self, slot: object) -> bool:
+        local = self._local.get(slot) if isinstance(slot, int) else None
+        return local is not None and local in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
 class Residency:
     def __init__(
         self,
-        policies: Policies,
+        policies: PackedPolicies,
+        catalog: Catalog,
         arena_capacities: dict[str, int],
         nvme_capacity_bytes: int,
         nvme_quota: Callable[[str], int],
         counters: Counters,
-        on_change: BlockEvents | None = None,
     ) -> None:
-        self.catalog = Catalog(on_change)
+        """`policies` must key blocks by `catalog`'s slots (`digest_of=catalog.digest_of`):
+        see `new_residency`."""
+        self.catalog = catalog
         self.policies = policies
         self._counters = counters
         self._nvme_capacity_bytes = nvme_capacity_bytes
         self._nvme_quota = nvme_quota  # 0: no quota (read per call: reloadable)
-        self.dram_order: dict[str, TierPolicy] = {
-            tenant: policies.new_tier("dram", "nvme", capacity)
+
+        def dram_tier(capacity: int) -> Callable[[Callable[[int], int]], SlotPolicy]:
+            def make(digest_of: Callable[[int], int]) -> SlotPolicy:
+                return policies.new_tier("dram", "nvme", capacity, digest_of)
+
+            return make
+
+        self.dram_order: dict[str, SlotPolicy] = {
+            tenant: DenseOrder(dram_tier(capacity), catalog.digest_of)
             for tenant, capacity in arena_capacities.items()
         }
         self.nvme_order = policies.new_tier("nvme", None, nvme_capacity_bytes)
-        # Where each block sits in its chain, learned from the chains engines look up.
-        self._infos: dict[BlockId, BlockInfo] = {}
+        self._orders = [*self.dram_order.values(), self.nvme_order]
+        # Where each block sits in its chain, learned from the chains engines look up, by
+        # slot: position (-1: never seen in a chain), blocks after it, the parent's slot
+        # and the parent slot's era then (a parent whose slot was reused is no parent).
+        self._pos = array("i")
+        self._from_end = array("h")  # at most 32767 (the policies look at 0..3)
+        self._parent = array("i")
+        self._parent_era = bytearray()
+        catalog.holds = self._named_as_parent
+        catalog.on_reuse = self._slot_reused
         # NVMe bytes promised to writes in flight (not yet in the catalog), for room.
         self._nvme_reserved_bytes = 0
         self._nvme_reserved_by_tenant: dict[str, int] = {}
@@ -73,9 +183,59 @@ class Residency:
         self.protected: Callable[[BlockId], bool] = _nothing_protected
         self.on_use: Callable[[BlockId], None] | None = None
 
+    # ---- chain positions by slot ----------------------------------------------------------
+    def _chain_room(self, slot: int) -> None:
+        size = len(self._pos)
+        if slot < size:
+            return
+        count = headroom(size, slot + 1) - size
+        extend(self._pos, count, -1)
+        extend(self._from_end, count, -1)
+        extend(self._parent, count, NO_SLOT)
+        self._parent_era.extend(bytes(count))
+
+    def _slot_reused(self, slot: int) -> None:
+        if slot < len(self._pos):
+            self._pos[slot] = -1
+            self._from_end[slot] = -1
+            self._parent[slot] = NO_SLOT
+
+    def _named_as_parent(self, slot: int) -> bool:
+        return any(order.names_as_parent(slot) for order in self._orders)
+
+    def _parent_of(self, slot: int) -> int:
+        """The slot of the block before `slot`'s in its chain, if it is still catalogued."""
+        if slot >= len(self._pos):
+            return NO_SLOT
+        parent = self._parent[slot]
+        catalog = self.catalog
+        if (
+            parent == NO_SLOT
+            or catalog.era_of(parent) != self._parent_era[slot]
+            or not catalog.is_live_slot(parent)
+        ):
+            return NO_SLOT
+        return parent
+
+    def _position(self, slot: int) -> int:
+        return max(self._pos[slot], 0) if slot < len(self._pos) else 0
+
+    def _from_end_of(self, slot: int) -> int:
+        return self._from_end[slot] if slot < len(self._from_end) else -1
+
+    def _insert(self, order: SlotPolicy, slot: int) -> None:
+        order.insert(slot, self.catalog.size_of(slot), self._position(slot), self._parent_of(slot))
+
+    def _accessed(self, slot: int) -> None:
+        self.policies.accessed(self.catalog.digest_of(slot), self._from_end_of(slot))
+
     # ---- reading --------------------------------------------------------------------------
     def get(self, block_id: BlockId) -> Entry | None:
         return self.catalog.get(block_id)
+
+    def contains(self, block_id: BlockId) -> bool:
+        """Whether `block_id` is catalogued (no handle made)."""
+        return self.catalog.slot_of(block_id) != NO_SLOT
 
     def is_live(self, entry: Entry) -> bool:
         return self.catalog.is_live(entry)
@@ -86,70 +246,99 @@ class Residency:
     def info(self, entry: Entry) -> BlockInfo:
         """What the policy knows of a block; one never looked up as part of a chain is
         valued as if it were first in its chain."""
-        return self._infos.get(entry.block_id) or BlockInfo(entry.size_bytes)
+        slot = entry.slot
+        if slot == NO_SLOT or slot >= len(self._pos) or self._pos[slot] < 0:
+            return BlockInfo(entry.size_bytes)
+        parent = self._parent_of(slot)
+        return BlockInfo(
+            entry.size_bytes,
+            self._pos[slot],
+            None if parent == NO_SLOT else self.catalog.block_id_of(parent),
+            self._from_end[slot],
+        )
+
+    def admit_on_evict(self, entry: Entry) -> bool:
+        """Whether a block leaving DRAM should be written to NVMe (admission)."""
+        return self.policies.admission.admit_on_evict(
+            self.catalog.digest_of(entry.slot), self._from_end_of(entry.slot)
+        )
 
     def lookup(self, ns_id: str, keys: list[bytes]) -> LookupResult:
         """Where each key of a chain lives; learns the chain (positions, lost reuse)."""
-        found = self.catalog.find(ns_id, keys)
-        self._learn_chain(ns_id, keys, found)
-        return LookupResult.of(
-            [
-                None
-                if e is None
-                else _DRAM
-                if e.dram_extent is not None
-                else _NVME
-                if e.nvme_record_bytes
-                else None
-                for e in found
-            ]
-        )
+        slots = self.catalog.slots_of(ns_id, keys)
+        self._learn_chain(ns_id, keys, slots)
+        return LookupResult.of([self.catalog.tier_of_slot(s) for s in slots])
 
     def dram_entries(self, tenant: str) -> Iterator[Entry]:
-        for entry in self.catalog.entries():
-            if entry.dram_extent is not None and tenant_of(entry.block_id[0]) == tenant:
-                yield entry
+        catalog = self.catalog
+        for slot in catalog.dram_slots():
+            if catalog.has_dram(slot) and catalog.tenant_of_slot(slot) == tenant:
+                yield catalog.handle(slot)
+
+    def dram_only_entries(self) -> list[Entry]:
+        """The live blocks with a DRAM copy and no record, oldest put first (from the DRAM
+        slots: no handle made for the millions of blocks on NVMe)."""
+        catalog = self.catalog
+        found = [
+            catalog.handle(slot)
+            for slot in catalog.dram_slots()
+            if catalog.is_live_slot(slot) and not catalog.record_bytes_of(slot)
+        ]
+        found.sort(key=lambda entry: entry.generation)
+        return found
 
     def dram_busy(self, tenant: str, arena_used_bytes: int) -> bool:
         """Whether some of `tenant`'s arena will free up by itself: bytes reserved for
         puts in flight (used beyond what the catalog holds), or blocks in use."""
         catalogued = 0
-        for entry in self.dram_entries(tenant):
-            if entry.pins or entry.demoting:
+        catalog = self.catalog
+        for slot in catalog.dram_slots():
+            if catalog.tenant_of_slot(slot) != tenant:
+                continue
+            if not catalog.evictable_slot(slot):
                 return True
-            assert entry.dram_extent is not None
-            catalogued += entry.dram_extent.size_bytes
+            extent = catalog.handle(slot).dram_extent
+            assert extent is not None
+            catalogued += extent.size_bytes
         return arena_used_bytes > catalogued
 
     def evictable(self, block_id: BlockId) -> bool:
-        entry = self.catalog.get(block_id)
-        return entry is not None and entry.pins == 0 and not entry.demoting
+        slot = self.catalog.slot_of(block_id)
+        return slot != NO_SLOT and self.catalog.evictable_slot(slot)
 
     # ---- uses -----------------------------------------------------------------------------
     def add(self, entry: Entry) -> None:
         """A new block: a put, a fetch from the remote tier (in DRAM), or a record
         recovered at start (on NVMe only; no use counted)."""
         self.catalog.add(entry)
-        info = self.info(entry)
+        slot = entry.slot
         if entry.dram_extent is not None:
-            self.policies.accessed(entry.block_id, info)
-            self.dram_order[tenant_of(entry.block_id[0])].insert(entry.block_id, info)
+            self._accessed(slot)
+            self._insert(self.dram_order[self.catalog.tenant_of_slot(slot)], slot)
         if entry.nvme_record_bytes:
-            self.nvme_order.insert(entry.block_id, info)
+            self._insert(self.nvme_order, slot)
+
+    def add_recovered(
+        self, block_id: BlockId, size_bytes: int, xxh3_64: int, generation: int, record_bytes: int
+    ) -> None:
+        """A record recovered at start: on NVMe only, no use counted, no `Entry` made."""
+        slot = self.catalog.add_record(block_id, size_bytes, xxh3_64, generation, record_bytes)
+        self._insert(self.nvme_order, slot)
 
     def used(self, entry: Entry) -> None:
         """A block was asked for and is here."""
         if self.on_use is not None:
             self.on_use(entry.block_id)
-        self.policies.accessed(entry.block_id, self.info(entry))
+        slot = entry.slot
+        self._accessed(slot)
         if entry.dram_extent is not None:
-            self.dram_order[tenant_of(entry.block_id[0])].hit(entry.block_id)
+            self.dram_order[self.catalog.tenant_of_slot(slot)].hit(slot)
         if entry.nvme_record_bytes:
-            self.nvme_order.hit(entry.block_id)
+            self.nvme_order.hit(slot)
 
     def missed(self, block_id: BlockId) -> None:
         self._counters.misses += 1
-        if self.policies.ghosts.take(block_id):
+        if self.policies.ghosts.take(self.catalog.digest(block_id)):
             self._counters.lost_reuse += 1
 
     @staticmethod
@@ -183,14 +372,15 @@ class Residency:
         """An NVMe-only block was read into `extent` of its arena."""
         self.catalog.set_dram(entry, extent)
         if self.catalog.is_live(entry):
-            self.dram_order[tenant_of(entry.block_id[0])].insert(entry.block_id, self.info(entry))
+            slot = entry.slot
+            self._insert(self.dram_order[self.catalog.tenant_of_slot(slot)], slot)
         self._counters.promotions += 1
 
     def written(self, entry: Entry, record_bytes: int) -> None:
         """A block's record reached NVMe."""
         self.catalog.set_nvme(entry, record_bytes)
         if self.catalog.is_live(entry):
-            self.nvme_order.insert(entry.block_id, self.info(entry))
+            self._insert(self.nvme_order, entry.slot)
 
     def dram_victims(self, tenant: str, shortfall_bytes: int, most: int) -> list[Entry]:
         """Blocks to evict from `tenant`'s arena for `shortfall_bytes` (at least one: free
@@ -199,20 +389,22 @@ class Residency:
         victims: list[Entry] = []
         freed = 0
         order = self.dram_order[tenant]
+        catalog = self.catalog
         while (freed < shortfall_bytes or not victims) and len(victims) < most:
-            block_id = cast(BlockId | None, order.victim(self._unprotected_key))
-            if block_id is None:
+            slot = order.victim(self._unprotected_slot)
+            if slot is None:
                 # Protection is a preference, never why a put or read finds no room.
-                block_id = cast(BlockId | None, order.victim(self._evictable_key))
-            if block_id is None:
+                slot = order.victim(catalog.evictable_slot)
+            if slot is None:
                 break
-            entry = self.catalog.get(block_id)
-            if entry is None or entry.dram_extent is None:
+            if not catalog.has_dram(slot):
                 continue  # stale: the policy's view lagged the catalog
+            entry = catalog.handle(slot)
+            entry.demoting = True  # claimed now: the next victim() must skip it
             victims.append(entry)
-            freed += entry.dram_extent.size_bytes
-        for entry in victims:
-            entry.demoting = True
+            extent = entry.dram_extent
+            assert extent is not None
+            freed += extent.size_bytes
         return victims
 
     def finish_dram_eviction(self, entry: Entry) -> tuple[Extent | None, Released | None]:
@@ -222,9 +414,8 @@ class Residency:
         entry.demoting = False
         if entry.pins:
             if self.catalog.is_live(entry):
-                self.dram_order[tenant_of(entry.block_id[0])].insert(
-                    entry.block_id, self.info(entry)
-                )
+                slot = entry.slot
+                self._insert(self.dram_order[self.catalog.tenant_of_slot(slot)], slot)
             return None, None
         self._counters.evictions["dram"] += 1
         live = self.catalog.is_live(entry)
@@ -241,7 +432,7 @@ class Residency:
         first within its tenant's quota (evicting its own blocks), then in the shared tier
         (evicting anyone's, by the policy). Returns whether there is room, and the blocks
         whose records were dropped trying (the store removes them from disk either way)."""
-        tenant = tenant_of(entry.block_id[0])
+        tenant = self._tenant(entry)
         room, dropped = self.make_nvme_room(need_bytes, tenant)
         if room:
             self._nvme_reserved_bytes += need_bytes
@@ -251,9 +442,13 @@ class Residency:
         return room, dropped
 
     def unreserve_nvme(self, entry: Entry, need_bytes: int) -> None:
-        tenant = tenant_of(entry.block_id[0])
+        tenant = self._tenant(entry)
         self._nvme_reserved_bytes -= need_bytes
         self._nvme_reserved_by_tenant[tenant] -= need_bytes
+
+    @staticmethod
+    def _tenant(entry: Entry) -> str:
+        return tenant_of(entry.block_id[0])
 
     def make_nvme_room(
         self, need_bytes: int, tenant: str | None = None
@@ -264,13 +459,14 @@ class Residency:
         quota = self._nvme_quota(tenant) if tenant is not None else 0
         if need_bytes > capacity or (quota and need_bytes > quota):
             return False, dropped
+        catalog = self.catalog
         if quota:
             assert tenant is not None
 
-            def own(block_id: BlockId) -> bool:
-                return self.evictable(block_id) and tenant_of(block_id[0]) == tenant
+            def own(slot: int) -> bool:
+                return catalog.evictable_slot(slot) and catalog.tenant_of_slot(slot) == tenant
 
-            used = self.catalog.nvme_used_by_tenant
+            used = catalog.nvme_used_by_tenant
             reserved = self._nvme_reserved_by_tenant.get(tenant, 0)
             while used[tenant] + reserved + need_bytes > quota:
                 if not self._evict_nvme(own, dropped):
@@ -278,28 +474,27 @@ class Residency:
         unindexed = self.nvme_unindexed_bytes
         if unindexed and self._nvme_reserved_bytes + unindexed + need_bytes > capacity:
             return False, dropped  # no room even with every indexed record evicted
-        while self.catalog.nvme_used_bytes + self._nvme_reserved_bytes + unindexed + need_bytes > (
+        while catalog.nvme_used_bytes + self._nvme_reserved_bytes + unindexed + need_bytes > (
             capacity
         ):
-            if not self._evict_nvme(self.evictable, dropped):
+            if not self._evict_nvme(catalog.evictable_slot, dropped):
                 return False, dropped
         return True, dropped
 
-    def _evict_nvme(self, evictable: Callable[[BlockId], bool], dropped: list[Entry]) -> bool:
+    def _evict_nvme(self, evictable: Callable[[int], bool], dropped: list[Entry]) -> bool:
         """Drop one NVMe record chosen by the policy; False when none may go."""
+        catalog = self.catalog
         while True:
-            block_id = cast(
-                BlockId | None, self.nvme_order.victim(lambda k: evictable(cast(BlockId, k)))
-            )
-            if block_id is None:
+            slot = self.nvme_order.victim(evictable)
+            if slot is None:
                 return False
-            victim = self.catalog.get(block_id)
-            if victim is None or not victim.nvme_record_bytes:
+            if not catalog.is_live_slot(slot) or not catalog.record_bytes_of(slot):
                 continue
-            self.catalog.drop_nvme(victim)
+            victim = catalog.handle(slot)
+            catalog.drop_nvme(victim)
             self._counters.evictions["nvme"] += 1
             self._counters.eviction_reasons["nvme", "capacity"] += 1
-            if not self.catalog.is_live(victim):
+            if not catalog.is_live(victim):
                 self._dropped(victim)
             dropped.append(victim)
             return True
@@ -315,7 +510,7 @@ class Residency:
         if self.catalog.is_live(entry) and entry.nvme_record_bytes:
             self.catalog.drop_nvme(entry)
             self._counters.eviction_reasons["nvme", "corrupt"] += 1
-            self.nvme_order.remove(entry.block_id)
+            self.nvme_order.remove(entry.slot)
             if not self.catalog.is_live(entry):
                 self._counters.dropped_blocks += 1
                 self._forget(entry)
@@ -338,9 +533,10 @@ class Residency:
         return Released(extent, had_record)
 
     # ---- chains and ghosts ------------------------------------------------------------------
-    def _learn_chain(self, ns_id: str, keys: list[bytes], found: list[Entry | None]) -> None:
+    def _learn_chain(self, ns_id: str, keys: list[bytes], slots: list[int]) -> None:
         """A chain an engine asked about: where each cached block sits in it (on every
-        Plan, so the common case — nothing changed since the last one — is a dict probe)."""
+        Plan, so the common case — nothing changed since the last one — is a few array
+        reads per block)."""
         last = len(keys) - 1
         if len(set(keys)) != len(keys):
             # A chain that names a block twice is not a chain past that point: a block
@@ -348,39 +544,51 @@ class Residency:
             seen: set[bytes] = set()
             for i, key in enumerate(keys):
                 if key in seen:
-                    keys, found = keys[:i], found[:i]
+                    keys, slots = keys[:i], slots[:i]
                     break
                 seen.add(key)
-        infos, ghosts = self._infos, self.policies.ghosts
-        parent: BlockId | None = None
-        for i, entry in enumerate(found):
-            if entry is None or (entry.dram_extent is None and not entry.nvme_record_bytes):
-                block_id = (ns_id, keys[i])
-                if ghosts.take(block_id):
+        catalog, ghosts = self.catalog, self.policies.ghosts
+        if slots:
+            top = max(slots)
+            if top >= len(self._pos):
+                self._chain_room(top)
+        pos, from_end, parents, parent_eras = (
+            self._pos,
+            self._from_end,
+            self._parent,
+            self._parent_era,
+        )
+        parent = NO_SLOT
+        for i, slot in enumerate(slots):
+            if slot == NO_SLOT or catalog.tier_of_slot(slot) is None:
+                if ghosts.take(catalog.digest((ns_id, keys[i]))):
                     self._counters.lost_reuse += 1
-            else:
-                block_id = entry.block_id
-                known = infos.get(block_id)
-                if known is None or known.position != i or known.from_end != last - i:
-                    infos[block_id] = BlockInfo(entry.size_bytes, i, parent, last - i)
-            parent = block_id
+                parent = NO_SLOT  # the next block's parent is not catalogued
+                continue
+            if pos[slot] != i or from_end[slot] != min(last - i, 0x7FFF) or parents[slot] != parent:
+                pos[slot] = i
+                from_end[slot] = min(last - i, 0x7FFF)
+                parents[slot] = parent
+                if parent != NO_SLOT:
+                    parent_eras[slot] = catalog.era_of(parent)
+            parent = slot
 
     def _dropped(self, entry: Entry) -> None:
         """Evicted from every tier: remember the key to count reuse lost to it."""
         self._counters.dropped_blocks += 1
-        self.policies.ghosts.add(entry.block_id)
+        self.policies.ghosts.add(self.catalog.digest_of(entry.slot))
         self._forget(entry)
 
     def _forget(self, entry: Entry) -> None:
-        self.dram_order[tenant_of(entry.block_id[0])].remove(entry.block_id)
-        self.nvme_order.remove(entry.block_id)
-        self._infos.pop(entry.block_id, None)
+        slot = entry.slot
+        if slot == NO_SLOT:
+            return
+        for order in self._orders:
+            order.remove(slot)
 
-    def _evictable_key(self, key: object) -> bool:
-        return self.evictable(cast(BlockId, key))
-
-    def _unprotected_key(self, key: object) -> bool:
-        return self.evictable(cast(BlockId, key)) and not self.protected(cast(BlockId, key))
+    def _unprotected_slot(self, slot: int) -> bool:
+        catalog = self.catalog
+        return catalog.evictable_slot(slot) and not self.protected(catalog.block_id_of(slot))
 
 
 def _nothing_protected(block_id: BlockId) -> bool:
@@ -388,3 +596,28 @@ def _nothing_protected(block_id: BlockId) -> bool:
 
 
 READ_ERRORS_BEFORE_DROP = 3
+
+
+def new_residency(
+    name: str,
+    admission: AdmissionMode,
+    model: ValueModel,
+    ghost_capacity: int,
+    arena_capacities: dict[str, int],
+    nvme_capacity_bytes: int,
+    nvme_quota: Callable[[str], int],
+    counters: Counters,
+    on_change: BlockEvents | None = None,
+    min_p_reuse: float = 0.1,
+) -> Residency:
+    """A residency over a new packed catalog, its policies keyed by that catalog's slots."""
+    catalog = Catalog(on_change)
+    policies = PackedPolicies(
+        name,
+        admission,
+        model,
+        ghost_capacity,
+        catalog.digest_of,
+        min_p_reuse,
+    )
+    return Residency(policies, catalog, arena_capacities, nvme_capacity_bytes, nvme_quota, counters)

@@ -40,7 +40,7 @@ from kvtier.engine.nvme import NvmeDriver, ReadStatus
 from kvtier.engine.prefetch import Prefetcher
 from kvtier.engine.recovery import NvmeRecovery
 from kvtier.engine.remote import RemoteLink
-from kvtier.engine.residency import Released, Residency
+from kvtier.engine.residency import Released, new_residency
 from kvtier.engine.results import (
     CommitOutcome,
     Counters,
@@ -61,8 +61,9 @@ from kvtier.errors import (
 )
 from kvtier.index.catalog import Entry
 from kvtier.index.estimators import PathEstimator, PrefillEstimator
+from kvtier.index.packed_policy import PackedPolicies
 from kvtier.index.planner import Family, Plan
-from kvtier.index.policy import BlockInfo, Policies, ValueModel
+from kvtier.index.policy import BlockInfo, ValueModel
 from kvtier.keys import tenant_of
 from kvtier.movers.io import IoPool
 from kvtier.profiles import MODELS
@@ -134,7 +135,7 @@ class Store:
         self.costs = CostModel(seeds, planner.default_model, self._streams, self.counters)
         profile = MODELS[planner.default_model]
         policy = cfg.policy
-        policies = Policies(
+        self.residency = new_residency(
             policy.name,
             policy.admission,
             ValueModel(
@@ -144,15 +145,12 @@ class Store:
                 self.costs.value_costs,
             ),
             policy.ghost_blocks,
-            policy.min_p_reuse,
-        )
-        self.residency = Residency(
-            policies,
             {tenant: arena.capacity_bytes for tenant, arena in self.space.arenas.items()},
             cfg.nvme.capacity_bytes,
             self._nvme_quota,
             self.counters,
             self.events.record,
+            policy.min_p_reuse,
         )
         self._tier_reports: list[Callable[[], TierUsage]] = []  # tiers kept elsewhere (HBM)
         # Queue prefetch (the Prefetch RPC): its hints protect DRAM blocks and learn of uses.
@@ -166,7 +164,7 @@ class Store:
         return self.space.arenas
 
     @property
-    def policies(self) -> Policies:
+    def policies(self) -> PackedPolicies:
         return self.residency.policies
 
     def arena(self, tenant: str) -> DramTier:
@@ -304,7 +302,7 @@ class Store:
                 except Exception:  # one block must not cost the others their flush
                     logger.exception("could not flush a block to NVMe")
 
-        dram_only = [e for e in self.residency.entries() if not e.nvme_record_bytes]
+        dram_only = self.residency.dram_only_entries()
         await self.tasks.run_to_end(*(one(e) for e in reversed(dram_only)))
         return written
 
@@ -685,9 +683,7 @@ class Store:
             if self.remote is not None and self.config.remote.admission == "on_evict":
                 await self.shared.put(entry)
             wanted = self.nvme is not None and not entry.nvme_record_bytes
-            if wanted and not self.policies.admission.admit_on_evict(
-                entry.block_id, self.residency.info(entry)
-            ):
+            if wanted and not self.residency.admit_on_evict(entry):
                 wanted = False
                 self.counters.not_admitted += 1
             if wanted and await self._write_nvme(entry, evicting=True):

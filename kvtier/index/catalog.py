@@ -2,7 +2,7 @@
 
 Pure bookkeeping, driven by the store's Residency (kvtier/engine/residency.py) and by the
 replay simulator, on one thread (so no locks). What to evict is the policy's business
-(kvtier/index/policy.py), not the catalog's.
+(kvtier/index/policy.py, kvtier/index/packed_policy.py), not the catalog's.
 
 Lifecycle of an entry:
     add(entry with a DRAM extent)          -> visible to lookup/get
@@ -13,49 +13,69 @@ Lifecycle of an entry:
     remove                                 -> gone from lookups at once; the caller frees its
                                               resources now, or when the last pin is released
                                               (entry.doomed tells it which)
+
+**Packed** (issue 22): a block is an integer *slot*, each of its fields one element of a
+typed array (kvtier/index/slots.py), so a catalog of millions of blocks is a few dozen
+arrays and nothing per block that the garbage collector walks. Per slot:
+
+    digest (uint64)  chain (int32: next slot in its hash bucket, or in the free list)
+    ns (uint32: interned namespace)  key_off (int64), key_len (uint16): the key in one
+    byte heap (a reused slot reuses its key's room when the new key is as long)
+    size, xxh3, generation, record bytes (uint64)  pins (uint32)  flags, read errors, era
+    (uint8)
+
+DRAM copies are few (an arena holds thousands of blocks, the NVMe tier millions), so
+their extents are a dict by slot rather than two more arrays for every block.
+
+The index is digest -> slot by linear hashing (Litwin): buckets are chains through
+`chain`, one bucket split per insert as the table grows, so no insert ever rehashes the
+whole table (a rehash of 10 M slots would stop the event loop for seconds). A bucket is
+walked comparing the digest, then the full id (namespace and key bytes): two blocks whose
+digests collide are two slots of one bucket, never one block.
+
+`Entry` is a handle (catalog, slot, block id) whose attributes read and write the arrays.
+The catalog hands out at most one live handle per slot (a weak-reference map), so `is`
+identity and `is_live` mean what they meant when entries were objects; a removed block's
+slot is reused only once its last handle is gone and no tier still names it as a parent
+(`holds`). An `Entry` built by its constructor holds its fields itself until `add`
+moves them into a slot (the simulator and the tests build entries that way).
 """
 
 from __future__ import annotations
 
+import mmap
+import weakref
+from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from typing import Literal
 
+import xxhash
+
+from kvtier.index.entry import DEMOTING, DOOMED, FREE, IN_REMOTE, LIVE, Entry
+from kvtier.index.slots import NO_SLOT, mapping, remap
 from kvtier.keys import tenant_of
 from kvtier.types import BlockId, Extent, LookupResult, TierName
 
-__all__ = ["BlockId", "Catalog", "Entry", "LookupResult", "TierName"]
+__all__ = ["NO_SLOT", "BlockId", "Catalog", "Entry", "LookupResult", "TierName"]
 
-
-@dataclass(slots=True, eq=False)
-class Entry:
-    """Mutable catalog state of one block (identity matters: compare with `is`)."""
-
-    block_id: BlockId
-    size_bytes: int
-    xxh3_64: int
-    generation: int
-    dram_extent: Extent | None = None
-    nvme_record_bytes: int = 0
-    pins: int = 0
-    doomed: bool = False
-    demoting: bool = False
-    read_errors: int = 0  # I/O errors reading its NVMe record (not checksum failures)
-    in_remote: bool = False  # this node put it in, or fetched it from, the remote tier
-
-    @property
-    def tiers(self) -> list[TierName]:
-        out = []
-        if self.dram_extent is not None:
-            out.append(TierName.DRAM)
-        if self.nvme_record_bytes:
-            out.append(TierName.NVME)
-        return out
-
-    @property
-    def fastest_tier(self) -> TierName | None:
-        tiers = self.tiers
-        return tiers[0] if tiers else None
+_LIVE, _DOOMED, _DEMOTING, _IN_REMOTE, _FREE = LIVE, DOOMED, DEMOTING, IN_REMOTE, FREE
+_MIN_BUCKETS = 16
+# The per-slot columns held as typed memoryviews: (attribute, typecode).
+_Code = Literal["Q", "i", "I", "H"]
+_COLUMNS: tuple[tuple[str, _Code], ...] = (
+    ("_digest", "Q"),
+    ("_chain", "i"),
+    ("_ns", "I"),
+    ("_key_off", "Q"),
+    ("_key_len", "H"),
+    ("_size", "Q"),
+    ("_xxh3", "Q"),
+    ("_gen", "Q"),
+    ("_record", "Q"),
+    ("_pins", "I"),
+)
+_RETRY_HELD = 16  # removed slots a tier still names, looked at again per add
 
 
 _DRAM, _NVME = TierName.DRAM, TierName.NVME
@@ -70,62 +90,436 @@ def tier_of(entry: Entry | None) -> TierName | None:
     return _NVME if entry.nvme_record_bytes else None
 
 
+def _never(slot: int) -> bool:
+    return False
+
+
 class Catalog:
     """key -> residency: copies, pins and byte accounting, reported as residency events."""
 
-    def __init__(self, on_change: Callable[[BlockId, list[TierName]], None] | None = None) -> None:
+    # The columns (_COLUMNS), set in __init__ and _grow.
+    _digest: memoryview[int]
+    _chain: memoryview[int]
+    _ns: memoryview[int]
+    _key_off: memoryview[int]
+    _key_len: memoryview[int]
+    _size: memoryview[int]
+    _xxh3: memoryview[int]
+    _gen: memoryview[int]
+    _record: memoryview[int]
+    _pins: memoryview[int]
+
+    def __init__(
+        self,
+        on_change: Callable[[BlockId, list[TierName]], None] | None = None,
+        digest: Callable[[BlockId], int] | None = None,
+    ) -> None:
         # Told each time a block's set of tiers changes (added, copied, dropped, removed:
         # then []), for the residency events routers index.
         self._on_change = on_change
-        self._entries: dict[BlockId, Entry] = {}
-        # Which blocks have a copy in each tier (for counts); the eviction order is the
-        # policy's (kvtier/index/policy.py), kept by the store's Residency.
-        self._in_dram: set[BlockId] = set()
-        self._in_nvme: set[BlockId] = set()
+        # A block's digest: by default xxh3-64 of the key seeded by its namespace's own
+        # xxh3-64 (0.1 µs; slots.key_digest, the replay's, hashes a repr: 0.6 µs, on every
+        # key of every Lookup and Plan). Tests force collisions with a tiny one.
+        self._seeds: dict[str, int] = {}
+        self._fast = digest is None
+        self._digest_fn = self._seeded_digest if digest is None else digest
+        # Whether a tier still names a removed slot (as a parent): then it is not reused.
+        self.holds: Callable[[int], bool] = _never
+        # Told (slot) when a slot is handed to a new block, for per-slot state kept
+        # elsewhere (the residency's chain positions).
+        self.on_reuse: Callable[[int], None] | None = None
+        # The columns: typed views of anonymous mappings (slots.mapping), grown by remap.
+        self._maps: dict[str, mmap.mmap] = {}
+        for name, code in _COLUMNS:
+            self._maps[name] = mapping(0)
+            setattr(self, name, memoryview(self._maps[name]).cast(code))
+        self._flags = mapping(0)  # one byte a slot: an mmap indexes as a bytearray does
+        self._errors = mapping(0)
+        self._era = mapping(0)  # bumped when a slot is freed: stale slot references tell
+        self._keys = mapping(0)  # the key heap
+        self._keys_used = 0
+        self._capacity = 0
+        self._grow()
+        self._slots = 0  # slots ever made (the arrays' used length)
+        self._free = NO_SLOT  # free slots, chained through _chain
+        self._to_free: list[int] = []  # removed slots to look at (handle gone, or none)
+        self._held: list[int] = []  # removed slots a tier still named when looked at
+        self._handles: dict[int, weakref.KeyedRef[int, Entry]] = {}
+        # Linear hashing: buckets [0, split) and [base, base + split) are split to the
+        # mask 2*base - 1, the others still at base - 1.
+        self._heads = array("i", [NO_SLOT]) * _MIN_BUCKETS
+        self._base = _MIN_BUCKETS
+        self._split = 0
+        self._len = 0
+        self._ns_ids: dict[str, int] = {}
+        self._ns_names: list[str] = []
+        self._ns_tenants: list[str] = []
+        self._dram: dict[int, Extent] = {}  # slot -> its DRAM copy (kept after a remove)
+        self._dram_slots: set[int] = set()  # the live ones
+        self._nvme_count = 0
         self.dram_used_bytes = 0
         self.nvme_used_bytes = 0
         self.nvme_used_by_tenant: Counter[str] = Counter()  # the shared tier's quota basis
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return self._len
 
-    def get(self, block_id: BlockId) -> Entry | None:
-        return self._entries.get(block_id)
+    # ---- slots -----------------------------------------------------------------------------
+    def _ns_id(self, ns_id: str) -> int:
+        n = self._ns_ids.get(ns_id)
+        if n is None:
+            n = len(self._ns_names)
+            if n > 0xFFFF_FFFF:
+                raise OverflowError("more than 2^32 namespaces")
+            self._ns_ids[ns_id] = n
+            self._ns_names.append(ns_id)
+            self._ns_tenants.append(tenant_of(ns_id))
+        return n
 
+    def _grow(self) -> None:
+        """Double every column. Untouched pages cost nothing, so doubling wastes no RAM,
+        and remap moves pages rather than bytes: no copy, no stall at any size."""
+        capacity = max(2 * self._capacity, 4096)
+        for name, code in _COLUMNS:
+            view: memoryview[int] = getattr(self, name)
+            itemsize = view.itemsize
+            view.release()
+            self._maps[name] = remap(self._maps[name], capacity * itemsize)
+            setattr(self, name, memoryview(self._maps[name]).cast(code))
+        self._flags = remap(self._flags, capacity)
+        self._errors = remap(self._errors, capacity)
+        self._era = remap(self._era, capacity)
+        self._capacity = capacity
+
+    def _new_slot(self) -> int:
+        if self._free == NO_SLOT:
+            self._reclaim()
+        slot = self._free
+        if slot != NO_SLOT:
+            self._free = self._chain[slot]
+            if self.on_reuse is not None:
+                self.on_reuse(slot)
+            return slot
+        if self._slots >= self._capacity:
+            self._grow()
+        slot = self._slots
+        self._slots += 1
+        return slot
+
+    def _reclaim(self) -> None:
+        """Free the removed slots nothing refers to any more."""
+        candidates, self._to_free = self._to_free, []
+        if self._held:
+            candidates += self._held[:_RETRY_HELD]
+            del self._held[:_RETRY_HELD]
+        flags, handles = self._flags, self._handles
+        for slot in candidates:
+            if flags[slot] & (_LIVE | _FREE):
+                continue
+            ref = handles.get(slot)
+            if ref is not None and ref() is not None:
+                continue  # its handle's death puts it back on _to_free
+            if self.holds(slot):
+                self._held.append(slot)
+                continue
+            handles.pop(slot, None)
+            self._dram.pop(slot, None)
+            flags[slot] = _FREE
+            self._era[slot] = (self._era[slot] + 1) & 0xFF
+            self._pins[slot] = 0
+            self._record[slot] = 0
+            self._errors[slot] = 0
+            self._chain[slot] = self._free
+            self._free = slot
+
+    def _handle_gone(self, ref: weakref.KeyedRef[int, Entry]) -> None:
+        # Called from wherever the last reference dropped: only note it (freeing now could
+        # run inside another catalog call); _new_slot frees it.
+        slot = ref.key
+        if self._handles.get(slot) is ref:
+            del self._handles[slot]
+            self._to_free.append(slot)
+
+    def handle(self, slot: int) -> Entry:
+        """The entry of a slot (the same object while any reference to it lives)."""
+        ref = self._handles.get(slot)
+        if ref is not None:
+            entry = ref()
+            if entry is not None:
+                return entry
+        entry = Entry.__new__(Entry)
+        entry.block_id = self.block_id_of(slot)
+        entry._catalog = self
+        entry._slot = slot
+        entry._own = None
+        self._handles[slot] = weakref.KeyedRef(entry, self._handle_gone, slot)
+        return entry
+
+    def block_id_of(self, slot: int) -> BlockId:
+        off = self._key_off[slot]
+        key = self._keys[off : off + self._key_len[slot]]  # an mmap slice is bytes
+        return self._ns_names[self._ns[slot]], key
+
+    def digest(self, block_id: BlockId) -> int:
+        """The key digest of `block_id` (slot or not)."""
+        return self._digest_fn(block_id)
+
+    def digest_of(self, slot: int) -> int:
+        """The key digest of the block in `slot` (what the packed policies key by)."""
+        return int(self._digest[slot])
+
+    def era_of(self, slot: int) -> int:
+        """Changes each time `slot` is freed: (slot, era) names one block for good."""
+        return self._era[slot]
+
+    def tenant_of_slot(self, slot: int) -> str:
+        return self._ns_tenants[self._ns[slot]]
+
+    def is_live_slot(self, slot: int) -> bool:
+        return bool(self._flags[slot] & _LIVE)
+
+    def has_dram(self, slot: int) -> bool:
+        return slot in self._dram
+
+    def record_bytes_of(self, slot: int) -> int:
+        return self._record[slot]
+
+    def size_of(self, slot: int) -> int:
+        return self._size[slot]
+
+    def evictable_slot(self, slot: int) -> bool:
+        """Live, unpinned and not being moved."""
+        return self._flags[slot] & (_LIVE | _DEMOTING) == _LIVE and not self._pins[slot]
+
+    # ---- the index -------------------------------------------------------------------------
+    def _bucket(self, digest: int) -> int:
+        b = digest & (self._base - 1)
+        if b < self._split:
+            b = digest & (2 * self._base - 1)
+        return b
+
+    def _find(self, ns: int, key: bytes, digest: int) -> int:
+        s = self._heads[self._bucket(digest)]
+        digests, nss, chain = self._digest, self._ns, self._chain
+        while s >= 0:
+            if digests[s] == digest and nss[s] == ns and self._key_is(s, key):
+                return s
+            s = chain[s]
+        return NO_SLOT
+
+    def _key_is(self, slot: int, key: bytes) -> bool:
+        n = self._key_len[slot]
+        if n != len(key):
+            return False
+        off = self._key_off[slot]
+        return self._keys[off : off + n] == key
+
+    def slot_of(self, block_id: BlockId) -> int:
+        """The live slot of `block_id`, or NO_SLOT."""
+        ns = self._ns_ids.get(block_id[0])
+        if ns is None:
+            return NO_SLOT
+        return self._find(ns, block_id[1], self._digest_fn(block_id))
+
+    def _seed(self, ns_id: str) -> int:
+        seed = self._seeds.get(ns_id)
+        if seed is None:
+            seed = self._seeds[ns_id] = xxhash.xxh3_64_intdigest(ns_id.encode())
+        return seed
+
+    def _seeded_digest(self, block_id: BlockId) -> int:
+        return xxhash.xxh3_64_intdigest(block_id[1], self._seed(block_id[0]))
+
+    def slots_of(self, ns_id: str, keys: list[bytes]) -> list[int]:
+        """The slot of each key (NO_SLOT: not cached), making no handle."""
+        ns = self._ns_ids.get(ns_id)
+        if ns is None:
+            return [NO_SLOT] * len(keys)
+        find = self._find
+        if self._fast:
+            seed, h = self._seed(ns_id), xxhash.xxh3_64_intdigest
+            return [find(ns, key, h(key, seed)) for key in keys]
+        digest = self._digest_fn
+        return [find(ns, key, digest((ns_id, key))) for key in keys]
+
+    def _link(self, slot: int) -> None:
+        b = self._bucket(self._digest[slot])
+        self._chain[slot] = self._heads[b]
+        self._heads[b] = slot
+        self._len += 1
+        if self._len > self._base + self._split:
+            self._split_one()
+
+    def _split_one(self) -> None:
+        """Grow the table by one bucket: bucket `split`'s chain is shared out between it
+        and its new image `split + base` by one more bit of the digest."""
+        heads, chain, digests = self._heads, self._chain, self._digest
+        base, split = self._base, self._split
+        s = heads[split]
+        stay, move = NO_SLOT, NO_SLOT
+        while s >= 0:
+            after = chain[s]
+            if digests[s] & base:
+                chain[s], move = move, s
+            else:
+                chain[s], stay = stay, s
+            s = after
+        heads[split] = stay
+        heads.append(move)
+        self._split += 1
+        if self._split == base:
+            self._base, self._split = 2 * base, 0
+
+    def _unlink(self, slot: int) -> None:
+        b = self._bucket(self._digest[slot])
+        heads, chain = self._heads, self._chain
+        s = heads[b]
+        if s == slot:
+            heads[b] = chain[slot]
+        else:
+            while chain[s] != slot:
+                s = chain[s]
+            chain[s] = chain[slot]
+        chain[slot] = NO_SLOT
+        self._len -= 1
+
+    def _store_key(self, slot: int, key: bytes) -> None:
+        n = len(key)
+        if n > 0xFFFF:
+            raise ValueError("keys are at most 65535 bytes")
+        if n and n == self._key_len[slot]:
+            off = self._key_off[slot]  # a reused slot: its last key's room, no heap growth
+            self._keys[off : off + n] = key
+        else:
+            off = self._keys_used
+            if off + n > len(self._keys):
+                self._keys = remap(self._keys, max(2 * len(self._keys), off + n))
+            self._keys[off : off + n] = key
+            self._keys_used = off + n
+            self._key_off[slot] = off
+            self._key_len[slot] = n
+
+    # ---- adding ----------------------------------------------------------------------------
     def add(self, entry: Entry) -> None:
-        if entry.block_id in self._entries:
+        if entry._catalog is self:
+            self._add_again(entry)
+            return
+        if entry._catalog is not None or entry._own is None:
+            raise ValueError("the entry belongs to another catalog")
+        block_id = entry.block_id
+        if self.slot_of(block_id) != NO_SLOT:
             raise KeyError("block already catalogued; remove the old entry first")
-        self._entries[entry.block_id] = entry
-        if entry.dram_extent is not None:
-            self._in_dram.add(entry.block_id)
-            self.dram_used_bytes += entry.dram_extent.size_bytes
-        if entry.nvme_record_bytes:
-            self._in_nvme.add(entry.block_id)
-            self._nvme_add(entry.block_id, entry.nvme_record_bytes)
-        self._changed(entry)
+        own = entry._own
+        size, xxh3, gen, extent, record, pins, doomed, demoting, errors, in_remote = own
+        slot = self._put(block_id, size, xxh3, gen, extent, record)
+        self._pins[slot] = pins
+        self._errors[slot] = min(errors, 255)
+        flags = self._flags[slot]
+        flags |= (_DOOMED if doomed else 0) | (_DEMOTING if demoting else 0)
+        flags |= _IN_REMOTE if in_remote else 0
+        self._flags[slot] = flags
+        entry._catalog, entry._slot, entry._own = self, slot, None
+        self._handles[slot] = weakref.KeyedRef(entry, self._handle_gone, slot)
+        self._changed_slot(slot)
 
-    def _changed(self, entry: Entry, gone: bool = False) -> None:
+    def add_record(
+        self, block_id: BlockId, size_bytes: int, xxh3_64: int, generation: int, record_bytes: int
+    ) -> int:
+        """Add an NVMe-only block without making an `Entry` (recovery: millions of them);
+        returns its slot. The block must not be catalogued already."""
+        slot = self._put(block_id, size_bytes, xxh3_64, generation, None, record_bytes)
+        self._changed_slot(slot)
+        return slot
+
+    def _put(
+        self,
+        block_id: BlockId,
+        size: int,
+        xxh3: int,
+        gen: int,
+        extent: Extent | None,
+        record: int,
+    ) -> int:
+        ns = self._ns_id(block_id[0])
+        digest = self._digest_fn(block_id)
+        slot = self._new_slot()
+        self._digest[slot] = digest
+        self._ns[slot] = ns
+        self._store_key(slot, block_id[1])
+        self._size[slot] = size
+        self._xxh3[slot] = xxh3
+        self._gen[slot] = gen
+        self._record[slot] = record
+        self._pins[slot] = 0
+        self._errors[slot] = 0
+        self._flags[slot] = _LIVE
+        if extent is not None:
+            self._put_extent(slot, extent)
+            self._dram_slots.add(slot)
+            self.dram_used_bytes += extent.size_bytes
+        if record:
+            self._nvme_count += 1
+            self._nvme_add(slot, record)
+        self._link(slot)
+        return slot
+
+    def _add_again(self, entry: Entry) -> None:
+        """An entry of this catalog that was removed, added back as it is."""
+        slot = entry._slot
+        if self._flags[slot] & _LIVE or self.slot_of(entry.block_id) != NO_SLOT:
+            raise KeyError("block already catalogued; remove the old entry first")
+        self._flags[slot] |= _LIVE
+        extent = entry.dram_extent
+        if extent is not None:
+            self._dram_slots.add(slot)
+            self.dram_used_bytes += extent.size_bytes
+        if self._record[slot]:
+            self._nvme_count += 1
+            self._nvme_add(slot, self._record[slot])
+        self._link(slot)
+        self._changed_slot(slot)
+
+    def _put_extent(self, slot: int, extent: Extent | None) -> None:
+        if extent is None:
+            self._dram.pop(slot, None)
+        else:
+            self._dram[slot] = extent
+
+    def _tiers(self, slot: int) -> list[TierName]:
+        out = []
+        if slot in self._dram:
+            out.append(_DRAM)
+        if self._record[slot]:
+            out.append(_NVME)
+        return out
+
+    def _changed_slot(self, slot: int, gone: bool = False) -> None:
         if self._on_change is not None:
-            self._on_change(entry.block_id, [] if gone else entry.tiers)
+            self._on_change(self.block_id_of(slot), [] if gone else self._tiers(slot))
 
+    def _mine(self, entry: Entry) -> bool:
+        """Whether `entry` is this catalog's and still in its index."""
+        return entry._catalog is self and bool(self._flags[entry._slot] & _LIVE)
+
+    # ---- copies ----------------------------------------------------------------------------
     def set_nvme(self, entry: Entry, record_bytes: int) -> None:
         if entry.nvme_record_bytes:
             raise ValueError("entry already has an NVMe record")
         entry.nvme_record_bytes = record_bytes
-        if self._entries.get(entry.block_id) is entry:
-            self._in_nvme.add(entry.block_id)
-            self._nvme_add(entry.block_id, record_bytes)
-            self._changed(entry)
+        if self._mine(entry):
+            self._nvme_count += 1
+            self._nvme_add(entry._slot, record_bytes)
+            self._changed_slot(entry._slot)
 
     def set_dram(self, entry: Entry, extent: Extent) -> None:
         """A copy was promoted into DRAM (the entry keeps its NVMe record too)."""
         if entry.dram_extent is not None:
             raise ValueError("entry already has a DRAM copy")
         entry.dram_extent = extent
-        if self._entries.get(entry.block_id) is entry:
-            self._in_dram.add(entry.block_id)
+        if self._mine(entry):
+            self._dram_slots.add(entry._slot)
             self.dram_used_bytes += extent.size_bytes
-            self._changed(entry)
+            self._changed_slot(entry._slot)
 
     def drop_dram(self, entry: Entry) -> Extent | None:
         """Forget the DRAM copy; returns its extent for the caller to free."""
@@ -133,12 +527,13 @@ class Catalog:
         if extent is None:
             return None
         entry.dram_extent = None
-        if self._entries.get(entry.block_id) is entry:
-            self._in_dram.discard(entry.block_id)
+        if self._mine(entry):
+            slot = entry._slot
+            self._dram_slots.discard(slot)
             self.dram_used_bytes -= extent.size_bytes
-            if not entry.nvme_record_bytes:
-                self._forget(entry)
-            self._changed(entry)
+            if not self._record[slot]:
+                self._forget(slot)
+            self._changed_slot(slot)
         return extent
 
     def drop_nvme(self, entry: Entry) -> int:
@@ -147,12 +542,13 @@ class Catalog:
         if not record_bytes:
             return 0
         entry.nvme_record_bytes = 0
-        if self._entries.get(entry.block_id) is entry:
-            self._in_nvme.discard(entry.block_id)
-            self._nvme_add(entry.block_id, -record_bytes)
-            if entry.dram_extent is None:
-                self._forget(entry)
-            self._changed(entry)
+        if self._mine(entry):
+            slot = entry._slot
+            self._nvme_count -= 1
+            self._nvme_add(slot, -record_bytes)
+            if slot not in self._dram:
+                self._forget(slot)
+            self._changed_slot(slot)
         return record_bytes
 
     def remove(self, entry: Entry) -> None:
@@ -160,27 +556,34 @@ class Catalog:
 
         Sets `doomed` when it is pinned: the last unpin must free its resources.
         """
-        if self._entries.get(entry.block_id) is not entry:
+        if not self._mine(entry):
             return
-        self._forget(entry)
-        if entry.dram_extent is not None:
-            self.dram_used_bytes -= entry.dram_extent.size_bytes
-        if entry.nvme_record_bytes:
-            self._nvme_add(entry.block_id, -entry.nvme_record_bytes)
-        entry.doomed = True
-        self._changed(entry, gone=True)
+        slot = entry._slot
+        extent = self._dram.get(slot)
+        if extent is not None:
+            self.dram_used_bytes -= extent.size_bytes
+        if self._record[slot]:
+            self._nvme_count -= 1
+            self._nvme_add(slot, -self._record[slot])
+        self._forget(slot)
+        self._flags[slot] |= _DOOMED
+        self._changed_slot(slot, gone=True)
 
-    def _nvme_add(self, block_id: BlockId, delta_bytes: int) -> None:
+    def _nvme_add(self, slot: int, delta_bytes: int) -> None:
         self.nvme_used_bytes += delta_bytes
-        self.nvme_used_by_tenant[tenant_of(block_id[0])] += delta_bytes
+        self.nvme_used_by_tenant[self._ns_tenants[self._ns[slot]]] += delta_bytes
 
     def is_live(self, entry: Entry) -> bool:
-        return self._entries.get(entry.block_id) is entry
+        return self._mine(entry)
 
-    def _forget(self, entry: Entry) -> None:
-        del self._entries[entry.block_id]
-        self._in_dram.discard(entry.block_id)
-        self._in_nvme.discard(entry.block_id)
+    def _forget(self, slot: int) -> None:
+        """Out of the index; the slot's fields stay for its handle, if any."""
+        self._unlink(slot)
+        self._flags[slot] &= ~_LIVE & 0xFF
+        self._dram_slots.discard(slot)
+        ref = self._handles.get(slot)
+        if ref is None or ref() is None:
+            self._to_free.append(slot)
 
     @staticmethod
     def pin(entry: Entry) -> None:
@@ -192,18 +595,44 @@ class Catalog:
             raise ValueError("unpin without pin")
         entry.pins -= 1
 
+    # ---- reading ---------------------------------------------------------------------------
+    def get(self, block_id: BlockId) -> Entry | None:
+        slot = self.slot_of(block_id)
+        return None if slot == NO_SLOT else self.handle(slot)
+
+    def __contains__(self, block_id: object) -> bool:
+        return isinstance(block_id, tuple) and self.slot_of(block_id) != NO_SLOT
+
+    def tier_of_slot(self, slot: int) -> TierName | None:
+        if slot == NO_SLOT:
+            return None
+        if slot in self._dram:
+            return _DRAM
+        return _NVME if self._record[slot] else None
+
     def lookup(self, ns_id: str, keys: list[bytes]) -> LookupResult:
-        return LookupResult.of([tier_of(e) for e in self.find(ns_id, keys)])
+        tier = self.tier_of_slot
+        return LookupResult.of([tier(s) for s in self.slots_of(ns_id, keys)])
 
     def find(self, ns_id: str, keys: list[bytes]) -> list[Entry | None]:
-        """The entry of each key (None: not cached). On the Plan path for every prompt
-        (hundreds of keys): one probe per key, nothing else."""
-        get = self._entries.get
-        return [get((ns_id, key)) for key in keys]
+        """The entry of each key (None: not cached)."""
+        handle = self.handle
+        return [None if s == NO_SLOT else handle(s) for s in self.slots_of(ns_id, keys)]
 
     def entries(self) -> Iterator[Entry]:
-        """Every live entry (a copy of the list: callers may await between items)."""
-        yield from list(self._entries.values())
+        """Every live entry (from a snapshot of the slots: callers may await between
+        items; a block removed meanwhile is skipped)."""
+        flags, era = self._flags, self._era
+        # 5 bytes a live slot, not a tuple each (a List of a 10 M catalog).
+        slots = array("i", (s for s in range(self._slots) if flags[s] & _LIVE))
+        eras = bytes(era[s] for s in slots)
+        for slot, was in zip(slots, eras, strict=True):
+            if flags[slot] & _LIVE and era[slot] == was:
+                yield self.handle(slot)
+
+    def dram_slots(self) -> list[int]:
+        """The slots with a DRAM copy now (a copy of the set)."""
+        return list(self._dram_slots)
 
     def count(self, tier: TierName) -> int:
-        return len(self._in_dram) if tier is TierName.DRAM else len(self._in_nvme)
+        return len(self._dram_slots) if tier is TierName.DRAM else self._nvme_count

@@ -761,11 +761,27 @@ class PackedPolicies:
     def uses_of(self, slot: int) -> int:
         return self.sketch.count(self.digest_of(slot))
 
-    def new_tier(self, tier: str, fallback: str | None, capacity_bytes: int) -> SlotPolicy:
+    def new_tier(
+        self,
+        tier: str,
+        fallback: str | None,
+        capacity_bytes: int,
+        digest_of: Callable[[int], int] | None = None,
+    ) -> SlotPolicy:
+        """One tier's order; `digest_of` for a tier whose slots are not the catalog's
+        (the GPU path's HBM copies)."""
+        uses_of = self.uses_of
+        if digest_of is not None:
+            own, sketch = digest_of, self.sketch
+
+            def uses_of(slot: int) -> int:
+                return sketch.count(own(slot))
+
+        digest_of = digest_of or self.digest_of
         if self.name == "lru":
             return PackedLru()
         if self.name == "s3fifo":
-            return PackedS3Fifo(capacity_bytes, self.digest_of)
+            return PackedS3Fifo(capacity_bytes, digest_of)
         return PackedValue(
-            tier, fallback, self.model, self.uses_of, self.digest_of, shadow=fallback is not None
+            tier, fallback, self.model, uses_of, digest_of, shadow=fallback is not None
         )

@@ -7,10 +7,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtier.engine.residency import READ_ERRORS_BEFORE_DROP, Residency
+from kvtier.engine.residency import READ_ERRORS_BEFORE_DROP, Residency, new_residency
 from kvtier.engine.results import Counters
 from kvtier.index.catalog import Entry
-from kvtier.index.policy import Policies, ValueModel
+from kvtier.index.policy import ValueModel
 from kvtier.types import Extent, PrefillCost, TierCost
 
 NS_A = "a|m/l"
@@ -23,11 +23,11 @@ def make(
 ) -> tuple[Residency, Counters]:
     counters = Counters()
     costs = {"dram": TierCost(10e9, 1e-5), "nvme": TierCost(1e9, 1e-4)}
-    policies = Policies(
-        policy, "write_back", ValueModel(0, 1024, PrefillCost(1e-4, 0.0), costs), 64
-    )
-    residency = Residency(
-        policies,
+    residency = new_residency(
+        policy,
+        "write_back",
+        ValueModel(0, 1024, PrefillCost(1e-4, 0.0), costs),
+        64,
         {"a": 1 << 30, "b": 1 << 30},
         nvme_capacity_bytes,
         lambda tenant: (quotas or {}).get(tenant, 0),
@@ -204,6 +204,30 @@ class ResidencyMachine(RuleBasedStateMachine):
         if self.residency.is_live(entry) and entry.dram_extent is None:
             self.offset += PAGE
             self.residency.promoted(entry, Extent(self.offset, PAGE))
+
+    @rule(keys=st.lists(KEYS, max_size=5))
+    def lookup(self, keys: list[bytes]) -> None:
+        """Chains teach the value policy parents (leaves go before them)."""
+        result = self.residency.lookup(NS_A, keys)
+        for key, tier in zip(keys, result.tiers, strict=True):
+            entry = self.residency.get((NS_A, key))
+            assert tier == (entry.fastest_tier if entry is not None else None)
+
+    @invariant()
+    def each_tier_orders_exactly_its_blocks(self) -> None:
+        """The packed orders name live blocks of their tier only, and every one that may be
+        evicted (a victim being moved is out of its order until it is back)."""
+        residency = self.residency
+        live = list(residency.entries())
+        dram = residency.dram_order["a"]
+        nvme = residency.nvme_order
+        for entry in live:
+            if entry.dram_extent is not None and not entry.demoting:
+                assert entry.slot in dram
+            if entry.nvme_record_bytes:
+                assert entry.slot in nvme
+        assert len(dram) <= sum(1 for e in live if e.dram_extent is not None)
+        assert len(nvme) == sum(1 for e in live if e.nvme_record_bytes)
 
     @invariant()
     def nvme_holds_no_more_than_its_capacity(self) -> None:

@@ -105,3 +105,206 @@ class CatalogMachine(RuleBasedStateMachine):
 
 TestCatalogMachine = CatalogMachine.TestCase
 TestCatalogMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+
+
+# ---- the packed catalog against a plain dict --------------------------------------------
+
+NAMESPACES = ("a|m/l", "b|m/l")
+
+
+def tiny_digest(block_id: BlockId) -> int:
+    """Three digests for every key there is: most blocks collide with others."""
+    return len(block_id[1]) % 3
+
+
+class PackedCatalogMachine(RuleBasedStateMachine):
+    """Random adds, removes, lookups, pins, dropped handles (so slots are reused) and
+    parents named by a tier, on a catalog whose digests nearly always collide, against a
+    dict of what each block should be."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.named: set[int] = set()  # slots a tier names as a parent
+        self.catalog = Catalog(digest=tiny_digest)
+        self.catalog.holds = self.named.__contains__
+        self.model: dict[
+            BlockId, tuple[int, int, int, int, int]
+        ] = {}  # size, xxh3, gen, dram, nvme
+        self.held: list[tuple[Entry, BlockId, tuple[int, int, int]]] = []  # removed, still held
+        self.pins: dict[BlockId, int] = {}
+        self.generation = 0
+
+    def _fields(self, entry: Entry) -> tuple[int, int, int, int, int]:
+        extent = entry.dram_extent
+        return (
+            entry.size_bytes,
+            entry.xxh3_64,
+            entry.generation,
+            extent.size_bytes if extent else 0,
+            entry.nvme_record_bytes,
+        )
+
+    def _check_new_slot(self, slot: int) -> None:
+        assert slot not in self.named, "a slot a tier names as a parent was reused"
+        assert all(e.slot != slot for e, _, _ in self.held), "a held slot was reused"
+
+    @rule(
+        ns=st.sampled_from(NAMESPACES),
+        key=KEYS,
+        size=st.integers(1, 1 << 40),
+        in_dram=st.booleans(),
+    )
+    def add(self, ns: str, key: bytes, size: int, in_dram: bool) -> None:
+        block_id = (ns, key)
+        if block_id in self.model:
+            return
+        self.generation += 1
+        xxh3 = hash((block_id, self.generation)) & (2**64 - 1)
+        if in_dram:
+            entry = Entry(block_id, size, xxh3, self.generation, dram_extent=Extent(0, 4096))
+            self.catalog.add(entry)
+            slot = entry.slot
+            self.model[block_id] = (size, xxh3, self.generation, 4096, 0)
+        else:
+            slot = self.catalog.add_record(block_id, size, xxh3, self.generation, size + 512)
+            self.model[block_id] = (size, xxh3, self.generation, 0, size + 512)
+        self._check_new_slot(slot)
+
+    @rule(ns=st.sampled_from(NAMESPACES), key=KEYS, keep=st.booleans(), name_it=st.booleans())
+    def remove(self, ns: str, key: bytes, keep: bool, name_it: bool) -> None:
+        block_id = (ns, key)
+        entry = self.catalog.get(block_id)
+        assert (entry is None) == (block_id not in self.model)
+        if entry is None:
+            return
+        if name_it:
+            self.named.add(entry.slot)
+        self.catalog.remove(entry)
+        assert entry.doomed and not self.catalog.is_live(entry)
+        del self.model[block_id]
+        self.pins.pop(block_id, None)
+        if keep:
+            self.held.append((entry, block_id, (entry.size_bytes, entry.xxh3_64, entry.generation)))
+
+    @rule(ns=st.sampled_from(NAMESPACES), key=KEYS)
+    def drop_copies(self, ns: str, key: bytes) -> None:
+        """Dropping every copy takes a block out as remove does."""
+        entry = self.catalog.get((ns, key))
+        if entry is None:
+            return
+        self.catalog.drop_dram(entry)
+        self.catalog.drop_nvme(entry)
+        assert not self.catalog.is_live(entry)
+        del self.model[(ns, key)]
+        self.pins.pop((ns, key), None)
+
+    @rule(data=st.data())
+    def let_go(self, data: st.DataObject) -> None:
+        if self.held:
+            self.held.pop(data.draw(st.integers(0, len(self.held) - 1)))
+
+    @rule()
+    def unname(self) -> None:
+        self.named.clear()
+
+    @rule(ns=st.sampled_from(NAMESPACES), key=KEYS)
+    def pin(self, ns: str, key: bytes) -> None:
+        entry = self.catalog.get((ns, key))
+        if entry is not None:
+            Catalog.pin(entry)
+            self.pins[(ns, key)] = self.pins.get((ns, key), 0) + 1
+
+    @rule(ns=st.sampled_from(NAMESPACES), key=KEYS)
+    def unpin(self, ns: str, key: bytes) -> None:
+        entry = self.catalog.get((ns, key))
+        if entry is not None and self.pins.get((ns, key)):
+            Catalog.unpin(entry)
+            self.pins[(ns, key)] -= 1
+
+    @rule(ns=st.sampled_from(NAMESPACES), keys=st.lists(KEYS, max_size=6))
+    def lookup(self, ns: str, keys: list[bytes]) -> None:
+        result = self.catalog.lookup(ns, keys)
+        for key, tier in zip(keys, result.tiers, strict=True):
+            want = self.model.get((ns, key))
+            expected = None if want is None else TierName.DRAM if want[3] else TierName.NVME
+            assert tier == expected
+
+    @invariant()
+    def the_catalog_is_the_model(self) -> None:
+        assert len(self.catalog) == len(self.model)
+        for block_id, fields in self.model.items():
+            entry = self.catalog.get(block_id)
+            assert entry is not None and entry.block_id == block_id
+            assert entry is self.catalog.get(block_id), "one handle per slot"
+            assert self._fields(entry) == fields
+            assert entry.pins == self.pins.get(block_id, 0)
+            assert self.catalog.is_live(entry)
+        listed = {e.block_id for e in self.catalog.entries()}
+        assert listed == set(self.model)
+
+    @invariant()
+    def a_held_handle_keeps_its_block(self) -> None:
+        for entry, block_id, fields in self.held:
+            assert entry.block_id == block_id
+            assert (entry.size_bytes, entry.xxh3_64, entry.generation) == fields
+            assert not self.catalog.is_live(entry)
+
+
+TestPackedCatalogMachine = PackedCatalogMachine.TestCase
+TestPackedCatalogMachine.settings = settings(
+    max_examples=200, stateful_step_count=60, deadline=None
+)
+
+
+def test_a_freed_slot_is_reused_once_its_handle_is_gone_and_no_tier_names_it() -> None:
+    catalog = Catalog()
+    named: set[int] = set()
+    catalog.holds = named.__contains__
+    first = Entry((NS, b"first"), 4096, 1, 1, dram_extent=Extent(0, 4096))
+    catalog.add(first)
+    slot = first.slot
+    catalog.remove(first)
+    catalog.add_record((NS, b"second"), 10, 2, 2, 522)
+    assert catalog.slot_of((NS, b"second")) != slot, "reused under a live handle"
+    named.add(slot)
+    del first
+    catalog.add_record((NS, b"third"), 10, 3, 3, 522)
+    assert catalog.slot_of((NS, b"third")) != slot, "reused while a tier names it"
+    named.clear()
+    catalog.add_record((NS, b"fourth"), 10, 4, 4, 522)
+    assert catalog.slot_of((NS, b"fourth")) == slot
+    assert catalog.get((NS, b"fourth")).generation == 4  # type: ignore[union-attr]
+    assert catalog.get((NS, b"first")) is None
+
+
+def test_colliding_digests_are_told_apart_by_the_full_id() -> None:
+    catalog = Catalog(digest=lambda block_id: 7)
+    for i in range(50):
+        catalog.add_record((NAMESPACES[i % 2], bytes([i])), i + 1, i, i, 600)
+    for i in range(50):
+        entry = catalog.get((NAMESPACES[i % 2], bytes([i])))
+        assert entry is not None and entry.size_bytes == i + 1
+        assert catalog.get((NAMESPACES[1 - i % 2], bytes([i]))) is None
+
+
+def test_columns_and_the_index_grow_without_losing_a_block() -> None:
+    """Past several doublings of the columns and splits of the index, with removals and
+    reused slots in between, every block reads back as it went in."""
+    catalog = Catalog()
+    kept: dict[bytes, int] = {}
+    for i in range(20_000):
+        key = i.to_bytes(4, "little") * (1 + i % 3)
+        catalog.add_record((NAMESPACES[i % 2], key), i + 1, i, i, 600 + i)
+        kept[key] = i
+        if i % 7 == 0:
+            gone = (i // 2).to_bytes(4, "little") * (1 + (i // 2) % 3)
+            entry = catalog.get((NAMESPACES[(i // 2) % 2], gone))
+            if entry is not None:
+                catalog.remove(entry)
+                del kept[gone]
+    assert len(catalog) == len(kept)
+    for key, i in kept.items():
+        entry = catalog.get((NAMESPACES[i % 2], key))
+        assert entry is not None
+        assert (entry.size_bytes, entry.xxh3_64, entry.nvme_record_bytes) == (i + 1, i, 600 + i)
+    assert catalog.nvme_used_bytes == sum(600 + i for i in kept.values())

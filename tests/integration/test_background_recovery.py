@@ -157,13 +157,15 @@ def test_serves_while_the_index_fills_and_a_put_and_a_delete_meanwhile_win(
         assert c.get(NS, b"fresh") == block_bytes(999_999, 3000)
         for i in late(50, skip=2):
             assert c.get(NS, key_of(i)) is None
-        for i in range(0, COUNT, 97):
-            assert c.get(NS, key_of(i)) in (None, data_of(i))
         assert c.get(NS, key_of(replaced)) is None
         c.put(NS, key_of(replaced), new_value, overwrite=True)
         assert not c.delete(NS, key_of(deleted))  # a miss, deleted all the same
         recovering, indexed = nvme_stats(c)
         assert recovering and 0 < indexed < COUNT  # all of the above while it recovers
+        # After them: a loaded machine scans the fans on 8 threads, and the index may be
+        # complete by the end of these reads (indexing is no longer the slow part).
+        for i in range(0, COUNT, 97):
+            assert c.get(NS, key_of(i)) in (None, data_of(i), new_value)
         assert any(v.startswith("recovering the NVMe index: ") for v in notify.values("STATUS"))
 
         assert "NVMe index recovered" in daemon.wait_recovered(60)
