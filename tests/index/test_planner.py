@@ -413,3 +413,99 @@ def test_run_latency_is_paid_once_per_fetched_run() -> None:
     assert withrun.recompute_all_s == without.recompute_all_s
     huge = plan(replace(base, run_latency_s=10.0))
     assert huge.fetch_blocks == 0 and huge.total_s == huge.recompute_all_s
+
+
+def _scan_overlapped(
+    overlap: str,
+    front: list[float],
+    loaded: list[float],
+    tail: list[float],
+    e: int,
+    recompute_all_s: float,
+    run_s: float,
+    inv: float,
+) -> tuple[float, int, int]:
+    """The scalar scans the vectorised layerwise and bidirectional searches replaced
+    (kept here as their specification: bisect, a prefix minimum and a monotonic deque)."""
+    import bisect
+    import collections
+
+    best_total, best_g, best_k = recompute_all_s, e, e
+    ks = range(e + 1, len(loaded))
+    if overlap == "bidirectional":
+        rising = [f + ld for f, ld in zip(front, loaded, strict=True)]
+        for k in ks:
+            cross = bisect.bisect_left(rising, loaded[k] + run_s - tail[k] * (1 - inv), e, k + 1)
+            for g in (cross - 1, cross):
+                if e <= g <= k:
+                    total = max(front[g] + tail[k], loaded[k] + run_s - loaded[g] + tail[k] * inv)
+                    if total < best_total:
+                        best_total, best_g, best_k = total, g, k
+        return best_total, best_g, best_k
+    over = [f - (1 + inv) * ld for f, ld in zip(front, loaded, strict=True)]
+    under = [f - ld * inv for f, ld in zip(front, loaded, strict=True)]
+    prefix_best, best_so_far = [], e
+    for g in range(len(over)):
+        if g >= e and over[g] < over[best_so_far]:
+            best_so_far = g
+        prefix_best.append(best_so_far)
+    window: collections.deque[int] = collections.deque()
+    added = e
+    for k in ks:
+        split = bisect.bisect_right(loaded, loaded[k] + run_s - tail[k], e, k + 1) - 1
+        while added <= k:
+            while window and under[window[-1]] >= under[added]:
+                window.pop()
+            window.append(added)
+            added += 1
+        while window and window[0] <= split:
+            window.popleft()
+        for g in (prefix_best[split] if split >= e else -1, window[0] if window else -1):
+            if g >= e:
+                load = loaded[k] + run_s - loaded[g]
+                total = front[g] + (load if load > tail[k] else tail[k]) + load * inv
+                if total < best_total:
+                    best_total, best_g, best_k = total, g, k
+    return best_total, best_g, best_k
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.sampled_from(["layerwise", "bidirectional"]),
+    st.lists(
+        st.tuples(st.integers(0, 6), st.integers(0, 6), st.integers(0, 6)),
+        min_size=2,
+        max_size=70,
+    ),
+    st.integers(0, 5),
+    st.floats(0.0, 40.0),
+    st.sampled_from([0.0, 1.0, 0.5, 3.0]),
+    st.sampled_from([1, 2, 4, 32]),
+)
+def test_vectorised_overlapped_searches_make_the_scans_choices_ties_included(
+    overlap: str,
+    rows: list[tuple[int, int, int]],
+    e: int,
+    recompute_all_s: float,
+    run_s: float,
+    layers: int,
+) -> None:
+    """Small integers as costs make ties common; the arrays have the planner's shapes
+    (loaded a running sum from e, front rising from 0 at e, tail falling)."""
+    import itertools
+
+    import numpy as np
+
+    from kvtier.index.planner import _best_split_bidirectional, _best_split_layerwise
+
+    e = min(e, len(rows) - 2)
+    n = len(rows)
+    loaded = [0.0] * (e + 1) + [float(x) for x in itertools.accumulate(r[0] for r in rows[e + 1 :])]
+    front = [0.0] * (e + 1) + [float(x) for x in itertools.accumulate(r[1] for r in rows[e + 1 :])]
+    tail = [float(x) for x in itertools.accumulate(r[2] for r in reversed(rows))][::-1]
+    assert len(loaded) == len(front) == len(tail) == n
+    inv = 1 / layers
+    search = _best_split_layerwise if overlap == "layerwise" else _best_split_bidirectional
+    got = search(np.array(front), np.array(loaded), np.array(tail), e, recompute_all_s, run_s, inv)
+    want = _scan_overlapped(overlap, front, loaded, tail, e, recompute_all_s, run_s, inv)
+    assert got == want
