@@ -33,7 +33,7 @@ tested) at O(N log N); with estimated parameters it is only as good as the estim
 
 from __future__ import annotations
 
-import itertools
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -189,37 +189,41 @@ class _Arrays:
     tail_np: np.ndarray
 
 
-def _arrays(req: PlanRequest) -> _Arrays:
-    b = req.tokens_per_block
-    n = -(-req.prompt_tokens // b)
-    engine = min(req.engine_cached_blocks, n)
-    cached_end = engine  # end of the leading run of fetchable blocks after the engine's
-    costs = req.tier_costs
-    for tier in itertools.islice(req.cached_tiers, engine, n):
+def _cached_end(
+    tiers: Sequence[str | None], engine: int, n: int, costs: dict[str, TierCost]
+) -> int:
+    """The end of the leading run of fetchable blocks from `engine` (a tier in `costs`)."""
+    run = tiers[engine:n]
+    if isinstance(run, list):
+        # C-level for the usual chain (a run of known tiers, then misses as None).
+        end = run.index(None) if None in run else len(run)
+        if set(run[:end]) <= costs.keys():
+            return engine + end
+    cached_end = engine
+    for tier in run:
         if tier not in costs:
             break
         cached_end += 1
+    return cached_end
+
+
+@functools.lru_cache(maxsize=256)
+def _prefill_bounds(
+    prompt_tokens: int, b: int, engine: int, cached_end: int, a: float, c: float, step: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[float], list[float]]:
+    """tokens, front and tail (arrays and lists) of a chain's prefill model: the same for
+    every Plan of a prompt until the fit or the chain's cached run changes, so kept (read-
+    only arrays) rather than rebuilt on each scheduler step."""
+    n = -(-prompt_tokens // b)
     tokens = np.arange(n + 1, dtype=np.float64) * b
-    tokens[n] = req.prompt_tokens
-    # Every block but a partial last one has b tokens: one fetch cost per tier.
-    whole = {
-        name: cost.fetch_s(b * req.kv_bytes_per_token) for name, cost in req.tier_costs.items()
-    }
-    fetch_cost = [whole[t] for t in req.cached_tiers[engine:cached_end]]  # type: ignore[index]
-    last_tokens = req.prompt_tokens - (n - 1) * b
-    if cached_end > engine and cached_end == n and last_tokens != b:
-        fetch_cost[-1] = req.tier_costs[str(req.cached_tiers[n - 1])].fetch_s(
-            last_tokens * req.kv_bytes_per_token
-        )
-    loaded = np.zeros(cached_end + 1)
-    np.cumsum(fetch_cost, out=loaded[engine + 1 :])  # a running sum, as itertools.accumulate
-    a, half_c, step = req.prefill.a_s_per_token, req.prefill.c_s_per_token2 / 2, req.prefill.step_s
-    # span(s, e) = a (e - s) + c (e^2 - s^2) / 2 + step, or 0 when e <= s, vectorised (this
-    # runs on every Plan). Token counts as doubles are exact below 2^26 tokens, so these are
-    # the values integer arithmetic gives. A split never goes past the cached run: only
-    # its boundaries 0..cached_end are priced.
+    tokens[n] = prompt_tokens
+    half_c = c / 2
+    # span(s, e) = a (e - s) + c (e^2 - s^2) / 2 + step, or 0 when e <= s, vectorised.
+    # Token counts as doubles are exact below 2^26 tokens, so these are the values integer
+    # arithmetic gives. A split never goes past the cached run: only its boundaries
+    # 0..cached_end are priced.
     bounds = tokens[: cached_end + 1]
-    start, end = float(tokens[engine]), float(req.prompt_tokens)
+    start, end = float(tokens[engine]), float(prompt_tokens)
     front = np.where(
         bounds > start,
         a * (bounds - start) + half_c * (bounds * bounds - start * start) + step,
@@ -228,6 +232,37 @@ def _arrays(req: PlanRequest) -> _Arrays:
     tail = np.where(
         end > bounds, a * (end - bounds) + half_c * (end * end - bounds * bounds) + step, 0.0
     )
+    for array in (tokens, front, tail):
+        array.flags.writeable = False
+    return tokens, front, tail, front.tolist(), tail.tolist()
+
+
+def _arrays(req: PlanRequest) -> _Arrays:
+    b = req.tokens_per_block
+    n = -(-req.prompt_tokens // b)
+    engine = min(req.engine_cached_blocks, n)
+    cached_end = _cached_end(req.cached_tiers, engine, n, req.tier_costs)
+    # Every block but a partial last one has b tokens: one fetch cost per tier.
+    whole = {
+        name: cost.fetch_s(b * req.kv_bytes_per_token) for name, cost in req.tier_costs.items()
+    }
+    run = req.cached_tiers[engine:cached_end]
+    first = run[0] if len(run) else None
+    if first is not None and isinstance(run, list) and run.count(first) == len(run):
+        fetch_cost = [whole[first]] * len(run)
+    else:
+        fetch_cost = [whole[t] for t in run]  # type: ignore[index]
+    last_tokens = req.prompt_tokens - (n - 1) * b
+    if cached_end > engine and cached_end == n and last_tokens != b:
+        fetch_cost[-1] = req.tier_costs[str(req.cached_tiers[n - 1])].fetch_s(
+            last_tokens * req.kv_bytes_per_token
+        )
+    loaded = np.zeros(cached_end + 1)
+    np.cumsum(fetch_cost, out=loaded[engine + 1 :])  # a running sum, as itertools.accumulate
+    pre = req.prefill
+    tokens, front, tail, front_list, tail_list = _prefill_bounds(
+        req.prompt_tokens, b, engine, cached_end, pre.a_s_per_token, pre.c_s_per_token2, pre.step_s
+    )
     return _Arrays(
         engine,
         cached_end,
@@ -235,8 +270,8 @@ def _arrays(req: PlanRequest) -> _Arrays:
         tokens,
         fetch_cost,
         loaded.tolist(),
-        front.tolist(),
-        tail.tolist(),
+        front_list,
+        tail_list,
         loaded,
         front,
         tail,

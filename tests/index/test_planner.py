@@ -509,3 +509,65 @@ def test_vectorised_overlapped_searches_make_the_scans_choices_ties_included(
     got = search(np.array(front), np.array(loaded), np.array(tail), e, recompute_all_s, run_s, inv)
     want = _scan_overlapped(overlap, front, loaded, tail, e, recompute_all_s, run_s, inv)
     assert got == want
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    n=st.integers(1, 80),
+    block=st.sampled_from([1, 16, 64, 512]),
+    partial=st.integers(0, 511),
+    kv=st.sampled_from([1, 4096, 128 << 10]),
+    tiers=st.lists(st.sampled_from(["dram", "nvme", None, "hbm"]), max_size=80),
+    uniform=st.sampled_from([None, "dram", "nvme"]),
+    engine=st.integers(0, 10),
+    overlap=st.sampled_from(OVERLAPS),
+    a=st.floats(1e-6, 1e-4),
+    c=st.floats(1e-11, 1e-8),
+    step=st.floats(0, 0.01),
+    bw=st.floats(1e8, 1e11),
+    lat=st.floats(0, 1e-3),
+    layers=st.sampled_from([1, 2, 32, 80]),
+    run=st.one_of(st.just(0.0), st.floats(0, 0.05)),
+    family=st.sampled_from(["any", "prefix"]),
+)
+def test_plan_decides_exactly_as_the_planner_before_issue_25(
+    n: int,
+    block: int,
+    partial: int,
+    kv: int,
+    tiers: list[str | None],
+    uniform: str | None,
+    engine: int,
+    overlap: str,
+    a: float,
+    c: float,
+    step: float,
+    bw: float,
+    lat: float,
+    layers: int,
+    run: float,
+    family: str,
+) -> None:
+    """Same split, totals, reason and per-block costs, bit for bit, as the scans and the
+    per-Plan arrays the fast path replaced (a whole chain of one tier is the common case)."""
+    from . import planner_before
+
+    chain = [uniform] * n if uniform else (tiers + ["dram"] * n)[:n]
+    kw: dict[str, object] = dict(
+        prompt_tokens=(n - 1) * block + 1 + partial % block,
+        tokens_per_block=block,
+        kv_bytes_per_token=kv,
+        cached_tiers=chain,
+        tier_costs={"dram": TierCost(bw * 8, lat / 10), "nvme": TierCost(bw, lat)},
+        prefill=PrefillCost(a, c, step),
+        engine_cached_blocks=engine,
+        overlap=overlap,
+        layers=layers,
+        run_latency_s=run,
+        family=family,
+    )
+    was = planner_before.plan(planner_before.PlanRequest(**kw))  # type: ignore[arg-type]
+    now = plan(PlanRequest(**kw))  # type: ignore[arg-type]
+    fields = ("total_s", "fetch_start", "fetch_end", "recompute_all_s", "fetch_all_s", "reason")
+    assert [getattr(now, f) for f in fields] == [getattr(was, f) for f in fields]
+    assert now.block_costs() == was.block_costs()
