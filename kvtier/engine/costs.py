@@ -197,7 +197,7 @@ class CostModel:
         # One C-level update per plan (an engine re-plans a waiting prompt every step): a
         # block planned again keeps its place, so the oldest first planned go first.
         planned.update(
-            zip([(ns_id, key) for key in keys[start:end]], recompute[start:end], strict=True)
+            zip(zip(itertools.repeat(ns_id), keys[start:end]), recompute[start:end], strict=True)
         )
         if len(planned) > PLANNED_BLOCKS_KEPT:
             for block_id in list(itertools.islice(planned, len(planned) - PLANNED_BLOCKS_KEPT)):

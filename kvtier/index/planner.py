@@ -428,6 +428,19 @@ def _range_argmin_last(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndar
     least rank names that index; a sparse table of rank minima (log2(len) levels) answers
     each query with two lookups."""
     m = len(x)
+    if len(lo) and lo.min() == lo.max():
+        # Every range starts at one place (the usual case: loading never outlasts the
+        # tail's compute, so no g is in the prefix region): a running minimum from there,
+        # a tie going to the later index.
+        start = int(lo[0])
+        run = x[start:]
+        best = np.minimum.accumulate(run)
+        new_min = np.empty(len(run), dtype=bool)
+        new_min[0] = True
+        new_min[1:] = run[1:] <= best[:-1]
+        last: np.ndarray = np.maximum.accumulate(np.where(new_min, np.arange(len(run)), 0))
+        found: np.ndarray = last[hi - start] + start
+        return found
     order = np.lexsort((-np.arange(m), x))  # rank r -> index
     rank = np.empty(m, dtype=np.intp)
     rank[order] = np.arange(m)
