@@ -172,6 +172,16 @@ class Residency:
         self._from_end = array("h")  # at most 32767 (the policies look at 0..3)
         self._parent = array("i")
         self._parent_era = bytearray()
+        # The chains learned last, by (namespace, last key): (epoch, last index asked,
+        # keys, slots, tiers).
+        # A chain seen again with the same slots and tiers while nothing was relearned
+        # or reused (the epoch) has nothing to learn: the common re-Plan of a waiting
+        # prompt costs a few comparisons, not an array pass.
+        self._learned: dict[
+            tuple[str, bytes],
+            tuple[int, int, tuple[bytes, ...], tuple[int, ...], tuple[object, ...]],
+        ] = {}
+        self._learn_epoch = 0
         catalog.holds = self._named_as_parent
         catalog.on_reuse = self._slot_reused
         # NVMe bytes promised to writes in flight (not yet in the catalog), for room.
@@ -197,6 +207,7 @@ class Residency:
         self._parent_era.extend(bytes(count))
 
     def _slot_reused(self, slot: int) -> None:
+        self._learn_epoch += 1  # a learned chain may name this slot: relearn it
         if slot < len(self._pos):
             self._pos[slot] = -1
             self._from_end[slot] = -1
@@ -540,10 +551,11 @@ class Residency:
     def _learn_chain(
         self, ns_id: str, keys: list[bytes], slots: list[int], tiers: list[TierName | None]
     ) -> None:
-        """A chain an engine asked about: where each cached block sits in it (on every
-        Plan, so the common case — nothing changed since the last one — is one array
-        comparison over the chain, and Python only for the blocks that moved). `tiers`:
-        each slot's tier (None: not cached)."""
+        """A chain an engine asked about: where each cached block sits in it. On every
+        Plan, so the common case — the same chain again, nothing relearned or reused
+        since — is a few tuple comparisons (`_learned`), and otherwise one array
+        comparison over the chain, Python only for the blocks that moved. `tiers`: each
+        slot's tier (None: not cached)."""
         last = len(keys) - 1
         if len(set(keys)) != len(keys):
             # A chain that names a block twice is not a chain past that point: a block
@@ -557,12 +569,28 @@ class Residency:
         if not slots:
             return
         catalog, ghosts = self.catalog, self.policies.ghosts
-        n = len(slots)
-        cached = np.fromiter((t is not None for t in tiers), dtype=bool, count=n)
         if len(ghosts):  # an empty ghost table takes nothing: skip a digest per miss
-            for i in np.flatnonzero(~cached).tolist():
+            for i in [i for i, t in enumerate(tiers) if t is None]:
                 if ghosts.take(catalog.digest((ns_id, keys[i]))):
                     self._counters.lost_reuse += 1
+        memo_key = (ns_id, keys[-1])
+        seen_now = (last, tuple(keys), tuple(slots), tuple(tiers))
+        memo = self._learned.pop(memo_key, None)
+        if len(self._learned) >= LEARNED_CHAINS_KEPT:
+            del self._learned[next(iter(self._learned))]  # the least recently planned
+        if memo is not None and memo[0] == self._learn_epoch and memo[1:] == seen_now:
+            self._learned[memo_key] = memo
+            return
+        cached = np.fromiter((t is not None for t in tiers), dtype=bool, count=len(tiers))
+        self._learn_positions(last, slots, cached)
+        self._learned[memo_key] = (self._learn_epoch, *seen_now)
+
+    def _learn_positions(self, last: int, slots: list[int], cached: np.ndarray) -> None:
+        """Write each cached block's position, blocks after it (`last`: the chain's last
+        index as asked) and parent where they differ from what is learned (bumping the
+        epoch when anything is written)."""
+        catalog = self.catalog
+        n = len(slots)
         where = np.flatnonzero(cached)
         if not len(where):
             return
@@ -584,6 +612,7 @@ class Residency:
         moved = (pos_np[at] != want_pos) | (end_np[at] != want_end) | (par_np[at] != want_parent)
         if not moved.any():
             return
+        self._learn_epoch += 1
         pos, from_end, parents, parent_eras = (
             self._pos,
             self._from_end,
@@ -621,6 +650,7 @@ def _nothing_protected(block_id: BlockId) -> bool:
 
 
 READ_ERRORS_BEFORE_DROP = 3
+LEARNED_CHAINS_KEPT = 1024  # chains remembered for the re-Plan fast path (_learn_chain)
 
 
 def new_residency(

@@ -72,6 +72,8 @@ ops = st.lists(
 @given(ops)
 # Block 1 keeps its place but changes parent (rarely drawn at random).
 @example([("put", 0), ("put", 1), ("put", 2), ("lookup", [0, 1]), ("lookup", [2, 1])])
+# A chain seen again after another chain moved its block: relearned, not remembered.
+@example([("put", 1), ("put", 2), ("lookup", [0, 1]), ("lookup", [1, 2]), ("lookup", [0, 1])])
 def test_learned_positions_and_lost_reuse_match_the_scan(script: list[tuple[str, object]]) -> None:
     fast, fast_counters = make("lru")
     slow, slow_counters = make("lru")
@@ -111,3 +113,24 @@ def _learned(residency: Residency) -> dict[bytes, tuple[int, int, bytes | None]]
             None if parent == NO_SLOT else catalog.block_id_of(parent)[1],
         )
     return found
+
+
+def test_a_chain_is_relearned_when_its_block_comes_back_in_a_reused_slot() -> None:
+    """The same keys, slots and tiers as last time, but the slot was freed and handed out
+    again meanwhile (its position forgotten): the chain must be learned again."""
+    import gc
+
+    residency, _ = make("lru")
+    key, chain = b"\0", [b"\x09", b"\0"]
+    put(residency, NS_A, key, 0)
+    residency.lookup(NS_A, chain)
+    slot = residency.catalog.slot_of((NS_A, key))
+    assert residency._position(slot) == 1
+    for victim in residency.dram_victims("a", PAGE, most=8):
+        residency.finish_dram_eviction(victim)
+    del victim
+    gc.collect()
+    put(residency, NS_A, key, PAGE)
+    assert residency.catalog.slot_of((NS_A, key)) == slot  # the slot was reused
+    residency.lookup(NS_A, chain)
+    assert residency._position(slot) == 1 and residency._from_end_of(slot) == 0
