@@ -182,6 +182,7 @@ class Residency:
             tuple[int, int, tuple[bytes, ...], tuple[int, ...], tuple[object, ...]],
         ] = {}
         self._learn_epoch = 0
+        self._learned_blocks = 0  # keys held by _learned
         catalog.holds = self._named_as_parent
         catalog.on_reuse = self._slot_reused
         # NVMe bytes promised to writes in flight (not yet in the catalog), for room.
@@ -575,15 +576,22 @@ class Residency:
                     self._counters.lost_reuse += 1
         memo_key = (ns_id, keys[-1])
         seen_now = (last, tuple(keys), tuple(slots), tuple(tiers))
-        memo = self._learned.pop(memo_key, None)
-        if len(self._learned) >= LEARNED_CHAINS_KEPT:
-            del self._learned[next(iter(self._learned))]  # the least recently planned
-        if memo is not None and memo[0] == self._learn_epoch and memo[1:] == seen_now:
-            self._learned[memo_key] = memo
-            return
+        learned = self._learned
+        memo = learned.pop(memo_key, None)
+        if memo is not None:
+            self._learned_blocks -= len(memo[2])
+            if memo[0] == self._learn_epoch and memo[1:] == seen_now:
+                learned[memo_key] = memo  # now the most recently planned
+                self._learned_blocks += len(memo[2])
+                return
         cached = np.fromiter((t is not None for t in tiers), dtype=bool, count=len(tiers))
         self._learn_positions(last, slots, cached)
-        self._learned[memo_key] = (self._learn_epoch, *seen_now)
+        learned[memo_key] = (self._learn_epoch, *seen_now)
+        self._learned_blocks += len(keys)
+        # Bounded by blocks, not chains (a chain may be max_plan_blocks long).
+        while self._learned_blocks > LEARNED_BLOCKS_KEPT:
+            oldest = learned.pop(next(iter(learned)))
+            self._learned_blocks -= len(oldest[2])
 
     def _learn_positions(self, last: int, slots: list[int], cached: np.ndarray) -> None:
         """Write each cached block's position, blocks after it (`last`: the chain's last
@@ -650,7 +658,8 @@ def _nothing_protected(block_id: BlockId) -> bool:
 
 
 READ_ERRORS_BEFORE_DROP = 3
-LEARNED_CHAINS_KEPT = 1024  # chains remembered for the re-Plan fast path (_learn_chain)
+# Keys of the chains remembered for the re-Plan fast path (_learn_chain): ~100 B each.
+LEARNED_BLOCKS_KEPT = 1 << 17
 
 
 def new_residency(
