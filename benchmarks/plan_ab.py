@@ -2,13 +2,14 @@
 revision, each with its own real daemon, taking turns round by round.
 
     python benchmarks/plan_ab.py --baseline-rev 890b437 [--rounds 8] [--plans 200]
-        [--json out.json]
+        [--overlaps none,layerwise,bidirectional] [--transports uds,tcp] [--json out.json]
 
 The chain is the one an engine re-plans every scheduler step while a prompt waits: 256
 blocks of 16 tokens, the first 192 cached in DRAM, the model's prefill estimate warmed by
-20 ReportPrefill calls, planned through the attached session (the zero-copy socket) as
-`Client.plan` does. Per overlap mode it reports the wall-clock p50 and p99 of a plan (each
-over a round) and the CPU time per plan of the client and of the daemon (from the daemon
+20 ReportPrefill calls, planned as `Client.plan` does: on "uds" through the attached session
+(the zero-copy socket), on "tcp" over gRPC (a client without the shared arena). Per
+transport and overlap mode it reports the wall-clock p50 and p99 of a plan (each over a
+round) and the CPU time per plan of the client and of the daemon (from the daemon
 process's own counters):
 on a loaded machine the wall clock mostly measures the scheduler, the CPU times do not.
 Each figure is the median over rounds; the ratio is this checkout / baseline.
@@ -40,11 +41,11 @@ import psutil
 import kvtier
 from kvtier.bench.daemon import daemon
 
-overlap, plans = sys.argv[1], int(sys.argv[2])
+overlap, plans, transport = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 ns = "llama3-8b/bench"
 with (
     tempfile.TemporaryDirectory(prefix="kvtier-plan-ab-") as tmp,
-    daemon(Path(tmp), "uds", 64 << 20) as target,
+    daemon(Path(tmp), transport, 64 << 20) as target,
     kvtier.Client(target) as client,
 ):
     client.wait_ready()
@@ -71,10 +72,12 @@ with (
 """
 
 
-def measure(trees: dict[str, Path], overlap: str, args: argparse.Namespace) -> dict[str, Any]:
+def measure(
+    trees: dict[str, Path], overlap: str, transport: str, args: argparse.Namespace
+) -> dict[str, Any]:
     workers = {
         name: subprocess.Popen(
-            [sys.executable, "-c", _WORKER, overlap, str(args.plans)],
+            [sys.executable, "-c", _WORKER, overlap, str(args.plans), transport],
             cwd=tree,  # `-c` puts the working directory first on sys.path
             env={**os.environ, "PYTHONPATH": str(tree)},
             stdin=subprocess.PIPE,
@@ -102,7 +105,7 @@ def measure(trees: dict[str, Path], overlap: str, args: argparse.Namespace) -> d
             assert worker.stdin is not None
             worker.stdin.close()
             worker.wait(60)
-    row: dict[str, Any] = {"overlap": overlap}
+    row: dict[str, Any] = {"overlap": overlap, "transport": transport}
     for col, field in enumerate(FIELDS):
         this, base = (statistics.median(r[col] for r in rounds[n]) for n in ("this", "baseline"))
         row[field] = {"this": this, "baseline": base, "ratio": round(this / base, 3)}
@@ -114,7 +117,10 @@ def main() -> None:
     parser.add_argument("--baseline-rev", required=True)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--plans", type=int, default=200, help="plans per round")
-    parser.add_argument("--overlaps", default="none,layerwise")
+    parser.add_argument("--overlaps", default="none,layerwise,bidirectional")
+    parser.add_argument(
+        "--transports", default="uds", help="uds (the session socket), tcp (gRPC), or both"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     with (
@@ -122,12 +128,17 @@ def main() -> None:
         baseline_tree(args.baseline_rev, Path(scratch)) as base,
     ):
         trees = {"this": ROOT, "baseline": base}
-        report = [measure(trees, overlap, args) for overlap in args.overlaps.split(",")]
+        report = [
+            measure(trees, overlap, transport, args)
+            for transport in args.transports.split(",")
+            for overlap in args.overlaps.split(",")
+        ]
     for row in report:
         for field in FIELDS:
             f = row[field]
             print(
-                f"{row['overlap']:>10} {field:>13}: baseline {f['baseline'] * 1e6:6.0f} µs -> "
+                f"{row['transport']:>3} {row['overlap']:>13} {field:>13}: "
+                f"baseline {f['baseline'] * 1e6:6.0f} µs -> "
                 f"this {f['this'] * 1e6:6.0f} µs  ({f['ratio']:.2f}x)"
             )
     if args.json:

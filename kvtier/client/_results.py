@@ -185,7 +185,7 @@ def plan_result(resp: pb.PlanResponse) -> PlanResult:
         fetch_start=resp.fetch_start,
         fetch_end=resp.fetch_end,
         reason=resp.reason,
-        tiers=[PB_TO_TIER[t] for t in resp.tiers],
+        tiers=list(map(PB_TO_TIER.__getitem__, resp.tiers)),
         fetch_s=list(resp.fetch_s),
         recompute_s=list(resp.recompute_s),
         run_latency_s=resp.run_latency_s,

@@ -41,6 +41,7 @@ from kvtier.profiles import MODELS
 from kvtier.types import BlockCosts, BlockId, Overlap, PrefillCost, TierCost, TierName
 
 PLANNED_BLOCKS_KEPT = 1 << 16
+PLANS_KEPT = 256  # distinct plan inputs remembered (a waiting prompt's re-Plans hit)
 
 
 def model_of(ns_id: str, default_model: str) -> str:
@@ -72,6 +73,10 @@ class CostModel:
         # Read by the policy's value model (shared dict: refreshed in place).
         self.value_costs: dict[str, TierCost] = {}
         self.planned: dict[BlockId, float] = {}  # in the order first planned
+        # Plans by every input the planner reads (its request, as a tuple): an engine
+        # re-plans a waiting prompt each scheduler step with nothing changed, and a new
+        # fit or observation changes the key, so nothing needs invalidating.
+        self._plans: dict[tuple[object, ...], tuple[Plan, BlockCosts]] = {}
         # Whole calls, as the engine waits for them (module docstring): a lease's copies,
         # a lease's NVMe promotions.
         self.dram_runs = RunEstimator(min_observations=4)
@@ -177,27 +182,47 @@ class CostModel:
         tier_costs, run_s = self.plan_costs(
             kv_bytes_per_token * tokens_per_block, TierName.NVME in tiers
         )
-        request = PlanRequest(
-            prompt_tokens=prompt_tokens or len(keys) * tokens_per_block,
-            tokens_per_block=tokens_per_block,
-            kv_bytes_per_token=kv_bytes_per_token,
-            cached_tiers=tiers,
-            tier_costs=tier_costs,
-            prefill=self.prefill_estimator(ns_id).estimate(),
-            engine_cached_blocks=engine_cached_blocks,
-            overlap=overlap,
-            family=family,
-            run_latency_s=run_s,
+        prompt = prompt_tokens or len(keys) * tokens_per_block
+        prefill = self.prefill_estimator(ns_id).estimate()
+        memo_key = (
+            prompt,
+            tokens_per_block,
+            kv_bytes_per_token,
+            tuple(tiers),
+            tuple(tier_costs.items()),
+            prefill,
+            engine_cached_blocks,
+            overlap,
+            family,
+            run_s,
         )
-        result = make_plan(request)
-        costs = result.block_costs()
+        memo = self._plans.pop(memo_key, None)
+        if memo is None:
+            request = PlanRequest(
+                prompt_tokens=prompt,
+                tokens_per_block=tokens_per_block,
+                kv_bytes_per_token=kv_bytes_per_token,
+                cached_tiers=list(tiers),
+                tier_costs=tier_costs,
+                prefill=prefill,
+                engine_cached_blocks=engine_cached_blocks,
+                overlap=overlap,
+                family=family,
+                run_latency_s=run_s,
+            )
+            plan_made = make_plan(request)
+            memo = (plan_made, plan_made.block_costs())
+            if len(self._plans) >= PLANS_KEPT:
+                del self._plans[next(iter(self._plans))]  # the least recently asked
+        self._plans[memo_key] = memo
+        result, costs = memo
         recompute = costs[2]
         planned = self.planned
         start, end = result.fetch_start, min(result.fetch_end, len(keys))
         # One C-level update per plan (an engine re-plans a waiting prompt every step): a
         # block planned again keeps its place, so the oldest first planned go first.
         planned.update(
-            zip([(ns_id, key) for key in keys[start:end]], recompute[start:end], strict=True)
+            zip(zip(itertools.repeat(ns_id), keys[start:end]), recompute[start:end], strict=True)
         )
         if len(planned) > PLANNED_BLOCKS_KEPT:
             for block_id in list(itertools.islice(planned, len(planned) - PLANNED_BLOCKS_KEPT)):

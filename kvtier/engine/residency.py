@@ -26,6 +26,8 @@ from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvtier.engine.results import Counters
 from kvtier.index.catalog import Catalog, Entry
 from kvtier.index.packed_policy import PackedPolicies, SlotPolicy
@@ -170,6 +172,17 @@ class Residency:
         self._from_end = array("h")  # at most 32767 (the policies look at 0..3)
         self._parent = array("i")
         self._parent_era = bytearray()
+        # The chains learned last, by (namespace, last key): (epoch, last index asked,
+        # keys, slots, tiers).
+        # A chain seen again with the same slots and tiers while nothing was relearned
+        # or reused (the epoch) has nothing to learn: the common re-Plan of a waiting
+        # prompt costs a few comparisons, not an array pass.
+        self._learned: dict[
+            tuple[str, bytes],
+            tuple[int, int, tuple[bytes, ...], tuple[int, ...], tuple[object, ...]],
+        ] = {}
+        self._learn_epoch = 0
+        self._learned_blocks = 0  # keys held by _learned
         catalog.holds = self._named_as_parent
         catalog.on_reuse = self._slot_reused
         # NVMe bytes promised to writes in flight (not yet in the catalog), for room.
@@ -195,6 +208,7 @@ class Residency:
         self._parent_era.extend(bytes(count))
 
     def _slot_reused(self, slot: int) -> None:
+        self._learn_epoch += 1  # a learned chain may name this slot: relearn it
         if slot < len(self._pos):
             self._pos[slot] = -1
             self._from_end[slot] = -1
@@ -266,8 +280,10 @@ class Residency:
     def lookup(self, ns_id: str, keys: list[bytes]) -> LookupResult:
         """Where each key of a chain lives; learns the chain (positions, lost reuse)."""
         slots = self.catalog.slots_of(ns_id, keys)
-        self._learn_chain(ns_id, keys, slots)
-        return LookupResult.of([self.catalog.tier_of_slot(s) for s in slots])
+        tier_of = self.catalog.tier_of_slot
+        tiers = [tier_of(s) for s in slots]
+        self._learn_chain(ns_id, keys, slots, tiers)
+        return LookupResult.of(tiers)
 
     def dram_entries(self, tenant: str) -> Iterator[Entry]:
         catalog = self.catalog
@@ -533,10 +549,14 @@ class Residency:
         return Released(extent, had_record)
 
     # ---- chains and ghosts ------------------------------------------------------------------
-    def _learn_chain(self, ns_id: str, keys: list[bytes], slots: list[int]) -> None:
-        """A chain an engine asked about: where each cached block sits in it (on every
-        Plan, so the common case — nothing changed since the last one — is a few array
-        reads per block)."""
+    def _learn_chain(
+        self, ns_id: str, keys: list[bytes], slots: list[int], tiers: list[TierName | None]
+    ) -> None:
+        """A chain an engine asked about: where each cached block sits in it. On every
+        Plan, so the common case — the same chain again, nothing relearned or reused
+        since — is a few tuple comparisons (`_learned`), and otherwise one array
+        comparison over the chain, Python only for the blocks that moved. `tiers`: each
+        slot's tier (None: not cached)."""
         last = len(keys) - 1
         if len(set(keys)) != len(keys):
             # A chain that names a block twice is not a chain past that point: a block
@@ -544,34 +564,76 @@ class Residency:
             seen: set[bytes] = set()
             for i, key in enumerate(keys):
                 if key in seen:
-                    keys, slots = keys[:i], slots[:i]
+                    keys, slots, tiers = keys[:i], slots[:i], tiers[:i]
                     break
                 seen.add(key)
+        if not slots:
+            return
         catalog, ghosts = self.catalog, self.policies.ghosts
-        if slots:
-            top = max(slots)
-            if top >= len(self._pos):
-                self._chain_room(top)
+        if len(ghosts):  # an empty ghost table takes nothing: skip a digest per miss
+            for i in [i for i, t in enumerate(tiers) if t is None]:
+                if ghosts.take(catalog.digest((ns_id, keys[i]))):
+                    self._counters.lost_reuse += 1
+        memo_key = (ns_id, keys[-1])
+        seen_now = (last, tuple(keys), tuple(slots), tuple(tiers))
+        learned = self._learned
+        memo = learned.pop(memo_key, None)
+        if memo is not None:
+            self._learned_blocks -= len(memo[2])
+            if memo[0] == self._learn_epoch and memo[1:] == seen_now:
+                learned[memo_key] = memo  # now the most recently planned
+                self._learned_blocks += len(memo[2])
+                return
+        cached = np.fromiter((t is not None for t in tiers), dtype=bool, count=len(tiers))
+        self._learn_positions(last, slots, cached)
+        learned[memo_key] = (self._learn_epoch, *seen_now)
+        self._learned_blocks += len(keys)
+        # Bounded by blocks, not chains (a chain may be max_plan_blocks long).
+        while self._learned_blocks > LEARNED_BLOCKS_KEPT:
+            oldest = learned.pop(next(iter(learned)))
+            self._learned_blocks -= len(oldest[2])
+
+    def _learn_positions(self, last: int, slots: list[int], cached: np.ndarray) -> None:
+        """Write each cached block's position, blocks after it (`last`: the chain's last
+        index as asked) and parent where they differ from what is learned (bumping the
+        epoch when anything is written)."""
+        catalog = self.catalog
+        n = len(slots)
+        where = np.flatnonzero(cached)
+        if not len(where):
+            return
+        slot_np = np.array(slots, dtype=np.int64)
+        top = int(slot_np[where].max())
+        if top >= len(self._pos):
+            self._chain_room(top)
+        # The parent of block i is block i-1's slot if that one is cached (else none).
+        parent_np = np.full(n, NO_SLOT, dtype=np.int64)
+        parent_np[1:] = np.where(cached[:-1], slot_np[:-1], NO_SLOT)
+        at = slot_np[where]
+        want_pos = where
+        want_end = np.minimum(last - where, 0x7FFF)
+        want_parent = parent_np[where]
+        # Zero-copy views of the position arrays (released on return, before any resize).
+        pos_np = np.frombuffer(self._pos, dtype=np.int32)
+        end_np = np.frombuffer(self._from_end, dtype=np.int16)
+        par_np = np.frombuffer(self._parent, dtype=np.int32)
+        moved = (pos_np[at] != want_pos) | (end_np[at] != want_end) | (par_np[at] != want_parent)
+        if not moved.any():
+            return
+        self._learn_epoch += 1
         pos, from_end, parents, parent_eras = (
             self._pos,
             self._from_end,
             self._parent,
             self._parent_era,
         )
-        parent = NO_SLOT
-        for i, slot in enumerate(slots):
-            if slot == NO_SLOT or catalog.tier_of_slot(slot) is None:
-                if ghosts.take(catalog.digest((ns_id, keys[i]))):
-                    self._counters.lost_reuse += 1
-                parent = NO_SLOT  # the next block's parent is not catalogued
-                continue
-            if pos[slot] != i or from_end[slot] != min(last - i, 0x7FFF) or parents[slot] != parent:
-                pos[slot] = i
-                from_end[slot] = min(last - i, 0x7FFF)
-                parents[slot] = parent
-                if parent != NO_SLOT:
-                    parent_eras[slot] = catalog.era_of(parent)
-            parent = slot
+        for j in np.flatnonzero(moved).tolist():
+            slot, parent = int(at[j]), int(want_parent[j])
+            pos[slot] = int(want_pos[j])
+            from_end[slot] = int(want_end[j])
+            parents[slot] = parent
+            if parent != NO_SLOT:
+                parent_eras[slot] = catalog.era_of(parent)
 
     def _dropped(self, entry: Entry) -> None:
         """Evicted from every tier: remember the key to count reuse lost to it."""
@@ -596,6 +658,8 @@ def _nothing_protected(block_id: BlockId) -> bool:
 
 
 READ_ERRORS_BEFORE_DROP = 3
+# Keys of the chains remembered for the re-Plan fast path (_learn_chain): ~100 B each.
+LEARNED_BLOCKS_KEPT = 1 << 17
 
 
 def new_residency(

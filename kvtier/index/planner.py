@@ -33,9 +33,7 @@ tested) at O(N log N); with estimated parameters it is only as good as the estim
 
 from __future__ import annotations
 
-import bisect
-import collections
-import itertools
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -191,37 +189,41 @@ class _Arrays:
     tail_np: np.ndarray
 
 
-def _arrays(req: PlanRequest) -> _Arrays:
-    b = req.tokens_per_block
-    n = -(-req.prompt_tokens // b)
-    engine = min(req.engine_cached_blocks, n)
-    cached_end = engine  # end of the leading run of fetchable blocks after the engine's
-    costs = req.tier_costs
-    for tier in itertools.islice(req.cached_tiers, engine, n):
+def _cached_end(
+    tiers: Sequence[str | None], engine: int, n: int, costs: dict[str, TierCost]
+) -> int:
+    """The end of the leading run of fetchable blocks from `engine` (a tier in `costs`)."""
+    run = tiers[engine:n]
+    if isinstance(run, list):
+        # C-level for the usual chain (a run of known tiers, then misses as None).
+        end = run.index(None) if None in run else len(run)
+        if set(run[:end]) <= costs.keys():
+            return engine + end
+    cached_end = engine
+    for tier in run:
         if tier not in costs:
             break
         cached_end += 1
+    return cached_end
+
+
+@functools.lru_cache(maxsize=256)
+def _prefill_bounds(
+    prompt_tokens: int, b: int, engine: int, cached_end: int, a: float, c: float, step: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[float], list[float]]:
+    """tokens, front and tail (arrays and lists) of a chain's prefill model: the same for
+    every Plan of a prompt until the fit or the chain's cached run changes, so kept (read-
+    only arrays) rather than rebuilt on each scheduler step."""
+    n = -(-prompt_tokens // b)
     tokens = np.arange(n + 1, dtype=np.float64) * b
-    tokens[n] = req.prompt_tokens
-    # Every block but a partial last one has b tokens: one fetch cost per tier.
-    whole = {
-        name: cost.fetch_s(b * req.kv_bytes_per_token) for name, cost in req.tier_costs.items()
-    }
-    fetch_cost = [whole[t] for t in req.cached_tiers[engine:cached_end]]  # type: ignore[index]
-    last_tokens = req.prompt_tokens - (n - 1) * b
-    if cached_end > engine and cached_end == n and last_tokens != b:
-        fetch_cost[-1] = req.tier_costs[str(req.cached_tiers[n - 1])].fetch_s(
-            last_tokens * req.kv_bytes_per_token
-        )
-    loaded = np.zeros(cached_end + 1)
-    np.cumsum(fetch_cost, out=loaded[engine + 1 :])  # a running sum, as itertools.accumulate
-    a, half_c, step = req.prefill.a_s_per_token, req.prefill.c_s_per_token2 / 2, req.prefill.step_s
-    # span(s, e) = a (e - s) + c (e^2 - s^2) / 2 + step, or 0 when e <= s, vectorised (this
-    # runs on every Plan). Token counts as doubles are exact below 2^26 tokens, so these are
-    # the values integer arithmetic gives. A split never goes past the cached run: only
-    # its boundaries 0..cached_end are priced.
+    tokens[n] = prompt_tokens
+    half_c = c / 2
+    # span(s, e) = a (e - s) + c (e^2 - s^2) / 2 + step, or 0 when e <= s, vectorised.
+    # Token counts as doubles are exact below 2^26 tokens, so these are the values integer
+    # arithmetic gives. A split never goes past the cached run: only its boundaries
+    # 0..cached_end are priced.
     bounds = tokens[: cached_end + 1]
-    start, end = float(tokens[engine]), float(req.prompt_tokens)
+    start, end = float(tokens[engine]), float(prompt_tokens)
     front = np.where(
         bounds > start,
         a * (bounds - start) + half_c * (bounds * bounds - start * start) + step,
@@ -230,6 +232,37 @@ def _arrays(req: PlanRequest) -> _Arrays:
     tail = np.where(
         end > bounds, a * (end - bounds) + half_c * (end * end - bounds * bounds) + step, 0.0
     )
+    for array in (tokens, front, tail):
+        array.flags.writeable = False
+    return tokens, front, tail, front.tolist(), tail.tolist()
+
+
+def _arrays(req: PlanRequest) -> _Arrays:
+    b = req.tokens_per_block
+    n = -(-req.prompt_tokens // b)
+    engine = min(req.engine_cached_blocks, n)
+    cached_end = _cached_end(req.cached_tiers, engine, n, req.tier_costs)
+    # Every block but a partial last one has b tokens: one fetch cost per tier.
+    whole = {
+        name: cost.fetch_s(b * req.kv_bytes_per_token) for name, cost in req.tier_costs.items()
+    }
+    run = req.cached_tiers[engine:cached_end]
+    first = run[0] if len(run) else None
+    if first is not None and isinstance(run, list) and run.count(first) == len(run):
+        fetch_cost = [whole[first]] * len(run)
+    else:
+        fetch_cost = [whole[t] for t in run]  # type: ignore[index]
+    last_tokens = req.prompt_tokens - (n - 1) * b
+    if cached_end > engine and cached_end == n and last_tokens != b:
+        fetch_cost[-1] = req.tier_costs[str(req.cached_tiers[n - 1])].fetch_s(
+            last_tokens * req.kv_bytes_per_token
+        )
+    loaded = np.zeros(cached_end + 1)
+    np.cumsum(fetch_cost, out=loaded[engine + 1 :])  # a running sum, as itertools.accumulate
+    pre = req.prefill
+    tokens, front, tail, front_list, tail_list = _prefill_bounds(
+        req.prompt_tokens, b, engine, cached_end, pre.a_s_per_token, pre.c_s_per_token2, pre.step_s
+    )
     return _Arrays(
         engine,
         cached_end,
@@ -237,8 +270,8 @@ def _arrays(req: PlanRequest) -> _Arrays:
         tokens,
         fetch_cost,
         loaded.tolist(),
-        front.tolist(),
-        tail.tolist(),
+        front_list,
+        tail_list,
         loaded,
         front,
         tail,
@@ -259,7 +292,6 @@ def plan(req: PlanRequest) -> Plan:
     """The cheapest split of the chain under `req`'s costs (matches the brute-force oracle)."""
     arr = _arrays(req)
     e, n = arr.engine, arr.n
-    loaded, front, tail = arr.loaded, arr.front, arr.tail
     inv = 1 / req.layers
     # Every candidate below with g < k fetches: each pays the run latency once. A candidate
     # with g == k is charged it too, which only makes it dearer than recompute-all (its
@@ -279,46 +311,19 @@ def plan(req: PlanRequest) -> Plan:
             best_total, best_g, best_k = _best_split_none(
                 arr.front_np[e:], arr.loaded_np[e:], arr.tail_np[e:], e, best_total, run_s
             )
-    elif req.overlap == "bidirectional":
+    elif len(ks) and req.overlap == "bidirectional":
         # max(front[g] + tail[k], load(g, k) + tail[k]/layers): the first rises with g, the
         # second falls, so the best g is where front[g] + loaded[g] crosses a k-threshold.
-        rising = [f + ld for f, ld in zip(front, loaded, strict=True)]
-        for k in ks:
-            cross = bisect.bisect_left(rising, loaded[k] + run_s - tail[k] * (1 - inv), e, k + 1)
-            for g in (cross - 1, cross):
-                if e <= g <= k:
-                    total = max(front[g] + tail[k], loaded[k] + run_s - loaded[g] + tail[k] * inv)
-                    if total < best_total:
-                        best_total, best_g, best_k = total, g, k
-    else:
+        best_total, best_g, best_k = _best_split_bidirectional(
+            arr.front_np, arr.loaded_np, arr.tail_np, e, best_total, run_s, inv
+        )
+    elif len(ks):
         # layerwise: where load(g, k) >= tail[k] (g up to `split`) the cost is
         # front[g] - (1 + 1/layers) loaded[g] + const: a prefix minimum. Beyond it,
-        # front[g] - loaded[g]/layers + const over the window (split, k], whose ends only
-        # move right as k grows: a monotonic deque.
-        over = [f - (1 + inv) * ld for f, ld in zip(front, loaded, strict=True)]
-        under = [f - ld * inv for f, ld in zip(front, loaded, strict=True)]
-        prefix_best, best_so_far = [], e
-        for g in range(len(over)):
-            if g >= e and over[g] < over[best_so_far]:
-                best_so_far = g
-            prefix_best.append(best_so_far)
-        window: collections.deque[int] = collections.deque()
-        added = e  # next g to push into the window
-        for k in ks:
-            split = bisect.bisect_right(loaded, loaded[k] + run_s - tail[k], e, k + 1) - 1
-            while added <= k:
-                while window and under[window[-1]] >= under[added]:
-                    window.pop()
-                window.append(added)
-                added += 1
-            while window and window[0] <= split:
-                window.popleft()
-            for g in (prefix_best[split] if split >= e else -1, window[0] if window else -1):
-                if g >= e:
-                    load = loaded[k] + run_s - loaded[g]
-                    total = front[g] + (load if load > tail[k] else tail[k]) + load * inv
-                    if total < best_total:
-                        best_total, best_g, best_k = total, g, k
+        # front[g] - loaded[g]/layers + const over the window (split, k]: a range minimum.
+        best_total, best_g, best_k = _best_split_layerwise(
+            arr.front_np, arr.loaded_np, arr.tail_np, e, best_total, run_s, inv
+        )
     recompute_all = split_cost(req, arr, e, e)
     fetch_all = split_cost(req, arr, e, arr.cached_end)
     if best_k == best_g:  # nothing fetched: everything after the engine's is recomputed
@@ -391,6 +396,132 @@ def _best_split_none(
     if totals[k] < recompute_all_s:
         return float(totals[k]), int(g[k]) + e, k + 1 + e
     return recompute_all_s, e, e
+
+
+def _first_best(
+    totals: np.ndarray, g: np.ndarray, e: int, recompute_all_s: float
+) -> tuple[float, int, int]:
+    """The first least of `totals` (k-major, candidates of k = e+1, e+2, ... in the order a
+    scan tries them; row i holds k = e + 1 + i) if it beats recompute-all: a scan with
+    `total < best` makes exactly this choice."""
+    i = int(np.argmin(totals))
+    total = float(totals.flat[i])
+    if total < recompute_all_s:
+        row = i // totals.shape[1]
+        return total, int(g.flat[i]), e + 1 + row
+    return recompute_all_s, e, e
+
+
+def _prefix_argmin(x: np.ndarray) -> np.ndarray:
+    """For each i, the first index of the least of x[0..i]."""
+    prefix_min = np.minimum.accumulate(x)
+    new_min = np.empty(len(x), dtype=bool)
+    new_min[0] = True
+    new_min[1:] = x[1:] < prefix_min[:-1]
+    result: np.ndarray = np.maximum.accumulate(np.where(new_min, np.arange(len(x)), 0))
+    return result
+
+
+def _range_argmin_last(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """For each (lo, hi) with lo <= hi, the last index of the least of x[lo..hi]. Each x
+    gets a distinct rank (by value, a tie ranked lower the later it sits), so a range's
+    least rank names that index; a sparse table of rank minima (log2(len) levels) answers
+    each query with two lookups."""
+    m = len(x)
+    if len(lo) and lo.min() == lo.max():
+        # Every range starts at one place (the usual case: loading never outlasts the
+        # tail's compute, so no g is in the prefix region): a running minimum from there,
+        # a tie going to the later index.
+        start = int(lo[0])
+        run = x[start:]
+        best = np.minimum.accumulate(run)
+        new_min = np.empty(len(run), dtype=bool)
+        new_min[0] = True
+        new_min[1:] = run[1:] <= best[:-1]
+        last: np.ndarray = np.maximum.accumulate(np.where(new_min, np.arange(len(run)), 0))
+        found: np.ndarray = last[hi - start] + start
+        return found
+    order = np.lexsort((-np.arange(m), x))  # rank r -> index
+    rank = np.empty(m, dtype=np.intp)
+    rank[order] = np.arange(m)
+    levels = [rank]
+    width = 1
+    while 2 * width <= m:
+        prev = levels[-1]
+        nxt = prev.copy()  # entries past m - 2*width are never read at this level
+        np.minimum(
+            prev[: m - 2 * width + 1], prev[width : m - width + 1], out=nxt[: m - 2 * width + 1]
+        )
+        levels.append(nxt)
+        width *= 2
+    table = np.stack(levels)
+    j = np.frexp(hi - lo + 1)[1] - 1  # floor(log2(span)), exact for integers
+    best = np.minimum(table[j, lo], table[j, hi - (1 << j) + 1])
+    out: np.ndarray = order[best]
+    return out
+
+
+def _best_split_layerwise(
+    front: np.ndarray,
+    loaded: np.ndarray,
+    tail: np.ndarray,
+    e: int,
+    recompute_all_s: float,
+    run_s: float,
+    inv: float,
+) -> tuple[float, int, int]:
+    """(total, g, k) of the cheapest split with k > e under overlap "layerwise", or
+    (recompute_all_s, e, e) when none beats it; arrays indexed by boundary 0..cached_end.
+    Per k two candidates, as the scan it replaced tried them (tests keep that scan): the
+    first prefix minimum of `over` up to `split`, then the last minimum of `under` over
+    (split, k]; the first least total wins, ties included."""
+    end = len(loaded) - 1
+    k = np.arange(e + 1, end + 1)
+    lk, tk = loaded[k], tail[k]
+    # split: the last g in [e, k] with loaded[g] <= loaded[k] + run - tail[k] (or e - 1);
+    # loaded is a running sum of costs >= 0, so sorted.
+    split = np.minimum(np.searchsorted(loaded[e:], lk + run_s - tk, side="right") + e, k + 1) - 1
+    over = front[e:] - (1 + inv) * loaded[e:]
+    under = front[e:] - loaded[e:] * inv
+    has_over = split >= e
+    g_over = np.where(has_over, _prefix_argmin(over)[np.maximum(split - e, 0)] + e, e)
+    has_under = split < k
+    lo = np.where(has_under, split + 1 - e, 0)
+    hi = np.where(has_under, k - e, 0)
+    g_under = np.where(has_under, _range_argmin_last(under, lo, hi) + e, e)
+    g = np.stack([g_over, g_under], axis=1)
+    load = (lk + run_s)[:, None] - loaded[g]
+    tk2 = tk[:, None]
+    totals = front[g] + np.where(load > tk2, load, tk2) + load * inv
+    totals[~np.stack([has_over, has_under], axis=1)] = np.inf
+    return _first_best(totals, g, e, recompute_all_s)
+
+
+def _best_split_bidirectional(
+    front: np.ndarray,
+    loaded: np.ndarray,
+    tail: np.ndarray,
+    e: int,
+    recompute_all_s: float,
+    run_s: float,
+    inv: float,
+) -> tuple[float, int, int]:
+    """(total, g, k) of the cheapest split with k > e under overlap "bidirectional", or
+    (recompute_all_s, e, e); arrays indexed by boundary 0..cached_end. Per k the two g
+    either side of where front + loaded (rising: both are sorted from e) crosses the
+    k-threshold, in that order, as the scan it replaced tried them (tests keep it)."""
+    end = len(loaded) - 1
+    k = np.arange(e + 1, end + 1)
+    lk, tk = loaded[k], tail[k]
+    rising = front[e:] + loaded[e:]
+    cross = np.minimum(np.searchsorted(rising, lk + run_s - tk * (1 - inv), side="left") + e, k + 1)
+    g = np.stack([cross - 1, cross], axis=1)
+    valid = (g >= e) & (g <= k[:, None])
+    g = np.where(valid, g, e)
+    tk2 = tk[:, None]
+    totals = np.maximum(front[g] + tk2, (lk + run_s)[:, None] - loaded[g] + tk2 * inv)
+    totals[~valid] = np.inf
+    return _first_best(totals, g, e, recompute_all_s)
 
 
 def oracle_total(req: PlanRequest) -> float:

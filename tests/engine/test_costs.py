@@ -4,6 +4,8 @@ served block settles it."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.engine.costs import CostModel
 from kvtier.engine.results import Counters
@@ -109,3 +111,67 @@ def test_a_plan_prices_a_run_as_the_calls_measured_it() -> None:
             # per run, so rounds are spread over blocks): here 0.5 of 8 reads.
             assert want(blocks) <= predicted * (1 + 1e-9)
             assert predicted == pytest.approx(want(blocks), rel=0.05), (tier, blocks)
+
+
+def _fields(plan: object) -> tuple[object, ...]:
+    names = (
+        "total_s",
+        "fetch_start",
+        "fetch_end",
+        "recompute_all_s",
+        "fetch_all_s",
+        "reason",
+        "run_latency_s",
+    )
+    return tuple(getattr(plan, n) for n in names)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("plan"), st.integers(0, 24), st.sampled_from(["none", "layerwise"])),
+            st.tuples(st.just("prefill"), st.integers(100, 4000), st.floats(0.01, 2.0)),
+            st.tuples(st.just("fetch"), st.integers(1, 8), st.floats(1e-4, 0.05)),
+            st.tuples(st.just("nvme"), st.integers(1, 4), st.floats(1e-4, 0.05)),
+        ),
+        max_size=25,
+    )
+)
+def test_a_remembered_plan_is_the_plan_the_inputs_make_now(
+    script: list[tuple[str, int, object]],
+) -> None:
+    """Plans are remembered by their inputs: whatever was observed between two Plans of a
+    chain (a prefill report, a fetch report), the answer equals one made from scratch, and
+    each call still counts and remembers its fetches for settlement."""
+    model, counters = make()
+    keys = [bytes([i]) * 16 for i in range(24)]
+    calls = 0
+    for op, number, arg in script:
+        if op == "plan":
+            half = number // 2
+            tiers: list[TierName | None] = (
+                [TierName.DRAM] * half + [TierName.NVME] * (number - half) + [None] * (24 - number)
+            )
+            args = (NS, keys, tiers, 16, 0, 0, arg, 0, 64 * 1024)
+            plan, costs = model.plan(*args)  # type: ignore[arg-type]
+            calls += 1
+            model._plans.clear()
+            fresh, fresh_costs = model.plan(*args)  # type: ignore[arg-type]
+            calls += 1
+            assert _fields(plan) == _fields(fresh) and costs == fresh_costs
+            again, _ = model.plan(*args)  # type: ignore[arg-type]
+            calls += 1
+            assert again is fresh  # remembered: the same inputs give the same object
+        elif op == "prefill":
+            # A burst: the estimators keep their seeds until 8 observations.
+            for j in range(8):
+                model.prefill_estimator(NS).observe(0, number + 100 * j, float(arg) * (1 + j / 8))  # type: ignore[arg-type]
+        elif op == "nvme":  # the NVMe path's own fit: only the tier costs change
+            for j in range(8):
+                model.observe("nvme", number * MIB * (1 + j % 3), float(arg) * (1 + j % 3))  # type: ignore[arg-type]
+        else:
+            for j in range(8):
+                size = 64 * 1024 * (1 + j % 3)
+                model.engine_fetch([size] * number, 0.0, float(arg) * (1 + j % 3), size * number)  # type: ignore[arg-type]
+    assert counters.planned_fetch_blocks + counters.planned_recompute_blocks == 24 * calls

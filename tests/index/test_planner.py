@@ -6,7 +6,7 @@ import math
 import time
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvtier.index.planner import (
@@ -413,3 +413,164 @@ def test_run_latency_is_paid_once_per_fetched_run() -> None:
     assert withrun.recompute_all_s == without.recompute_all_s
     huge = plan(replace(base, run_latency_s=10.0))
     assert huge.fetch_blocks == 0 and huge.total_s == huge.recompute_all_s
+
+
+def _scan_overlapped(
+    overlap: str,
+    front: list[float],
+    loaded: list[float],
+    tail: list[float],
+    e: int,
+    recompute_all_s: float,
+    run_s: float,
+    inv: float,
+) -> tuple[float, int, int]:
+    """The scalar scans the vectorised layerwise and bidirectional searches replaced
+    (kept here as their specification: bisect, a prefix minimum and a monotonic deque)."""
+    import bisect
+    import collections
+
+    best_total, best_g, best_k = recompute_all_s, e, e
+    ks = range(e + 1, len(loaded))
+    if overlap == "bidirectional":
+        rising = [f + ld for f, ld in zip(front, loaded, strict=True)]
+        for k in ks:
+            cross = bisect.bisect_left(rising, loaded[k] + run_s - tail[k] * (1 - inv), e, k + 1)
+            for g in (cross - 1, cross):
+                if e <= g <= k:
+                    total = max(front[g] + tail[k], loaded[k] + run_s - loaded[g] + tail[k] * inv)
+                    if total < best_total:
+                        best_total, best_g, best_k = total, g, k
+        return best_total, best_g, best_k
+    over = [f - (1 + inv) * ld for f, ld in zip(front, loaded, strict=True)]
+    under = [f - ld * inv for f, ld in zip(front, loaded, strict=True)]
+    prefix_best, best_so_far = [], e
+    for g in range(len(over)):
+        if g >= e and over[g] < over[best_so_far]:
+            best_so_far = g
+        prefix_best.append(best_so_far)
+    window: collections.deque[int] = collections.deque()
+    added = e
+    for k in ks:
+        split = bisect.bisect_right(loaded, loaded[k] + run_s - tail[k], e, k + 1) - 1
+        while added <= k:
+            while window and under[window[-1]] >= under[added]:
+                window.pop()
+            window.append(added)
+            added += 1
+        while window and window[0] <= split:
+            window.popleft()
+        for g in (prefix_best[split] if split >= e else -1, window[0] if window else -1):
+            if g >= e:
+                load = loaded[k] + run_s - loaded[g]
+                total = front[g] + (load if load > tail[k] else tail[k]) + load * inv
+                if total < best_total:
+                    best_total, best_g, best_k = total, g, k
+    return best_total, best_g, best_k
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.sampled_from(["layerwise", "bidirectional"]),
+    st.lists(
+        st.tuples(st.integers(0, 6), st.integers(0, 6), st.integers(0, 6)),
+        min_size=2,
+        max_size=70,
+    ),
+    st.integers(0, 5),
+    st.floats(0.0, 40.0),
+    st.sampled_from([0.0, 1.0, 0.5, 3.0]),
+    st.sampled_from([1, 2, 4, 32]),
+)
+# Every g of each window ties (front and loaded rise together, the tail outlasts loading):
+# the scan's deque keeps the last of them.
+@example("layerwise", [(1, 1, 6)] * 4, 0, 40.0, 0.0, 1)
+def test_vectorised_overlapped_searches_make_the_scans_choices_ties_included(
+    overlap: str,
+    rows: list[tuple[int, int, int]],
+    e: int,
+    recompute_all_s: float,
+    run_s: float,
+    layers: int,
+) -> None:
+    """Small integers as costs make ties common; the arrays have the planner's shapes
+    (loaded a running sum from e, front rising from 0 at e, tail falling)."""
+    import itertools
+
+    import numpy as np
+
+    from kvtier.index.planner import _best_split_bidirectional, _best_split_layerwise
+
+    e = min(e, len(rows) - 2)
+    n = len(rows)
+    loaded = [0.0] * (e + 1) + [float(x) for x in itertools.accumulate(r[0] for r in rows[e + 1 :])]
+    front = [0.0] * (e + 1) + [float(x) for x in itertools.accumulate(r[1] for r in rows[e + 1 :])]
+    tail = [float(x) for x in itertools.accumulate(r[2] for r in reversed(rows))][::-1]
+    assert len(loaded) == len(front) == len(tail) == n
+    inv = 1 / layers
+    search = _best_split_layerwise if overlap == "layerwise" else _best_split_bidirectional
+    got = search(np.array(front), np.array(loaded), np.array(tail), e, recompute_all_s, run_s, inv)
+    want = _scan_overlapped(overlap, front, loaded, tail, e, recompute_all_s, run_s, inv)
+    assert got == want
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    n=st.integers(1, 80),
+    block=st.sampled_from([1, 16, 64, 512]),
+    partial=st.integers(0, 511),
+    kv=st.sampled_from([1, 4096, 128 << 10]),
+    tiers=st.lists(st.sampled_from(["dram", "nvme", None, "hbm"]), max_size=80),
+    uniform=st.sampled_from([None, "dram", "nvme"]),
+    engine=st.integers(0, 10),
+    overlap=st.sampled_from(OVERLAPS),
+    a=st.floats(1e-6, 1e-4),
+    c=st.floats(1e-11, 1e-8),
+    step=st.floats(0, 0.01),
+    bw=st.floats(1e8, 1e11),
+    lat=st.floats(0, 1e-3),
+    layers=st.sampled_from([1, 2, 32, 80]),
+    run=st.one_of(st.just(0.0), st.floats(0, 0.05)),
+    family=st.sampled_from(["any", "prefix"]),
+)
+def test_plan_decides_exactly_as_the_planner_before_issue_25(
+    n: int,
+    block: int,
+    partial: int,
+    kv: int,
+    tiers: list[str | None],
+    uniform: str | None,
+    engine: int,
+    overlap: str,
+    a: float,
+    c: float,
+    step: float,
+    bw: float,
+    lat: float,
+    layers: int,
+    run: float,
+    family: str,
+) -> None:
+    """Same split, totals, reason and per-block costs, bit for bit, as the scans and the
+    per-Plan arrays the fast path replaced (a whole chain of one tier is the common case)."""
+    from . import planner_before
+
+    chain = [uniform] * n if uniform else (tiers + ["dram"] * n)[:n]
+    kw: dict[str, object] = dict(
+        prompt_tokens=(n - 1) * block + 1 + partial % block,
+        tokens_per_block=block,
+        kv_bytes_per_token=kv,
+        cached_tiers=chain,
+        tier_costs={"dram": TierCost(bw * 8, lat / 10), "nvme": TierCost(bw, lat)},
+        prefill=PrefillCost(a, c, step),
+        engine_cached_blocks=engine,
+        overlap=overlap,
+        layers=layers,
+        run_latency_s=run,
+        family=family,
+    )
+    was = planner_before.plan(planner_before.PlanRequest(**kw))  # type: ignore[arg-type]
+    now = plan(PlanRequest(**kw))  # type: ignore[arg-type]
+    fields = ("total_s", "fetch_start", "fetch_end", "recompute_all_s", "fetch_all_s", "reason")
+    assert [getattr(now, f) for f in fields] == [getattr(was, f) for f in fields]
+    assert now.block_costs() == was.block_costs()
