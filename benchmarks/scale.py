@@ -126,7 +126,13 @@ class Daemon:
     """`kvtier serve` with a config file of its own; restarted on the same NVMe tier."""
 
     def __init__(
-        self, run_dir: Path, nvme_dir: Path, dram: str, nvme_bytes: int, policy: str
+        self,
+        run_dir: Path,
+        nvme_dir: Path,
+        dram: str,
+        nvme_bytes: int,
+        policy: str,
+        layout: str = "files",
     ) -> None:
         self.run_dir = run_dir
         self.socket_path = run_dir / "s.sock"
@@ -138,6 +144,7 @@ class Daemon:
             f'metrics_listen = "127.0.0.1:{self.metrics_port}"\n'
             f'[dram]\ncapacity_bytes = "{dram}"\n'
             f'[nvme]\npath = "{nvme_dir}"\ncapacity_bytes = {nvme_bytes}\n'
+            f'layout = "{layout}"\n'
             f'[policy]\nname = "{policy}"\n[log]\nlevel = "warning"\n'
         )
         self.log_path = run_dir / "daemon.log"
@@ -274,7 +281,7 @@ def fill_and_restart(args: argparse.Namespace, root: Path, run_dir: Path) -> dic
     n, size = args.blocks, args.block_bytes
     record_bytes = -(-size // 4096) * 4096 + 4096
     nvme_bytes = int(n * record_bytes * 1.25) + (256 << 20)
-    daemon = Daemon(run_dir, root / "nvme", args.dram, nvme_bytes, args.policy)
+    daemon = Daemon(run_dir, root / "nvme", args.dram, nvme_bytes, args.policy, args.layout)
     rng = random.Random(7)
     keys = list(chain_keys(n))
     sample = rng.sample(keys, min(args.sample, n))
@@ -582,6 +589,9 @@ def main() -> int:
     parser.add_argument("--stream-bytes", type=parse_size, default=512 << 20)
     parser.add_argument("--skip-stream", action="store_true")
     parser.add_argument("--policy", default="kvtier", choices=("kvtier", "lru", "s3fifo"))
+    parser.add_argument(
+        "--layout", default="files", choices=("files", "segments"), help="nvme.layout"
+    )
     parser.add_argument("--in-process-memory", type=int, default=0, metavar="N")
     parser.add_argument("--tracemalloc", action="store_true", help="with --in-process-memory")
     parser.add_argument("--json", type=Path, default=None)

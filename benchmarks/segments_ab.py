@@ -12,6 +12,15 @@ interleaved (segments, files, fio, then again), medians, ratios to fio.
 recovery: --records records of 4 KiB written once into each layout, then `open()` of a
 fresh tier (page cache warm) timed per round, interleaved: the footers against one header
 per file (--cold: the page cache dropped before each open; needs root).
+
+    python benchmarks/segments_ab.py --directory /var/tmp/kvseg --records 1000000 \
+        --daemon-restart /work/main --daemon-restart . [--rounds 3]
+
+daemon restart: `kvtier serve` of each given checkout in turn (rounds interleaved) on the
+segments tier the recovery mode wrote, timed from its start until its Stats say the NVMe
+index is complete (every record served), with the longest event-loop stall the daemon's
+probe saw and its RssAnon then (both from the same Stats call; the tier is only read:
+the same records every round).
 """
 
 from __future__ import annotations
@@ -20,8 +29,10 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -200,6 +211,68 @@ def recovery(args: argparse.Namespace) -> None:
         )
 
 
+def _daemon_restart(tree: Path, root: Path, records: int, run_dir: Path) -> dict[str, float]:
+    import kvtier
+
+    sock = run_dir / "s.sock"
+    config = run_dir / "kvtier.toml"
+    config.write_text(
+        f'[server]\nlisten = "unix://{sock}"\n[dram]\ncapacity_bytes = "32MiB"\n'
+        f'[nvme]\npath = "{root}"\ncapacity_bytes = {records * 16384 + (1 << 30)}\n'
+        f'layout = "segments"\n[log]\nlevel = "warning"\n'
+    )
+    env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
+    with (run_dir / "daemon.log").open("ab") as log:
+        started = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier", "serve", "--config", str(config)],
+            stdout=log,
+            stderr=log,
+            env=env,
+        )
+    try:
+        while not sock.exists():
+            time.sleep(0.01)
+        with kvtier.Client(f"unix://{sock}", timeout_s=60) as client:
+            while True:
+                try:
+                    stats = client.stats()
+                except kvtier.KVTierError:
+                    time.sleep(0.01)
+                    continue
+                nvme = stats.tiers["nvme"]
+                if not nvme.recovering and nvme.blocks >= records:
+                    break
+                time.sleep(0.02)
+            served_s = time.perf_counter() - started
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        rss = int(next(x for x in status.splitlines() if x.startswith("RssAnon:")).split()[1])
+        return {
+            "served_s": served_s,
+            "stall_max_ms": stats.event_loop_stall_max_s * 1e3,
+            "rss_anon_mib": rss / 1024,
+        }
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+
+
+def daemon_restart(args: argparse.Namespace) -> None:
+    root = args.directory / "recover-segments"
+    _populate(SegmentTier, root, args.records)
+    run_dir = _fresh(args.directory / "daemon-run")
+    trees = [Path(t) for t in args.daemon_restart]
+    results: dict[str, list[dict[str, float]]] = {str(t): [] for t in trees}
+    for round_ in range(args.rounds):
+        for tree in trees:
+            got = _daemon_restart(tree, root, args.records, run_dir)
+            results[str(tree)].append(got)
+            print(f"round {round_ + 1} {tree}: {json.dumps(got)}", flush=True)
+    for tree, rows in results.items():
+        medians = {k: round(statistics.median(r[k] for r in rows), 2) for k in rows[0]}
+        print(f"daemon restart {tree} {args.records} records: medians {json.dumps(medians)}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -214,7 +287,17 @@ def main() -> int:
     p.add_argument("--skip-recovery", action="store_true")
     p.add_argument("--skip-files-recovery", action="store_true")
     p.add_argument("--cold", action="store_true", help="drop the page cache before each open")
+    p.add_argument(
+        "--daemon-restart",
+        action="append",
+        default=[],
+        metavar="CHECKOUT",
+        help="time a daemon of this checkout's code restarting on the records (repeatable)",
+    )
     args = p.parse_args()
+    if args.daemon_restart:
+        daemon_restart(args)
+        return 0
     if not args.skip_stream:
         stream(args)
     if not args.skip_recovery:
