@@ -15,8 +15,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 import kvtier
+
+# Property tests are judged by what they check, not by how long one example took: on a
+# shared 2-core machine Hypothesis' default 200 ms deadline fails them at random.
+settings.register_profile("kvtier", deadline=None)
+settings.load_profile("kvtier")
 
 _POOL = os.urandom(48 << 20)
 
