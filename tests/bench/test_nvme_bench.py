@@ -215,6 +215,9 @@ def test_ctrl_c_leaves_nothing_behind(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C as in a terminal: a job started in the background (nohup ... &) inherits
+        # SIGINT ignored, and Python then never raises KeyboardInterrupt.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 30
     while not any(tmp_path.iterdir()):
