@@ -240,7 +240,9 @@ def test_the_engine_reports_what_its_prefills_take(
     lengths = [3 * BLOCK_SIZE + 20, 5 * BLOCK_SIZE + 40, 7 * BLOCK_SIZE + 60]
     prompts = [[rng.randrange(4, vocab) for _ in range(n)] for n in lengths]
     daemon = start_daemon(env={"KVTIER_LOG__LEVEL": "debug"})
-    flags = ("--max-tokens", "1", "--save", "0", "--warmup", "1")
+    # Without queue prefetch: its announcement is an RPC on the scheduler's path, in the
+    # time to first token but not in the forward pass this test compares it with.
+    flags = ("--max-tokens", "1", "--save", "0", "--warmup", "1", "--prefetch", "0")
     run = run_vllm(vllm_python, tiny_model, prompts, workdir, "timed", daemon.target, extra=flags)
     reported = {
         int(m.group(1)): float(m.group(2))
