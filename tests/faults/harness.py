@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import kvtier
+from tests.conftest import block_bytes
 
 _MISS = None
 
@@ -128,3 +130,55 @@ def fired(log_text: str, point: str = "") -> int:
     name = re.escape(point) if point else r"\S+"
     pattern = rf"failpoint {name} fired"
     return len(re.findall(pattern, log_text))
+
+
+def put_blocks(
+    client: kvtier.Client,
+    shadow: Shadow,
+    prefix: str,
+    count: int,
+    size_bytes: int,
+    seed: int,
+    *,
+    ns: str,
+) -> list[str]:
+    """Put `count` blocks `prefix0`.. into `ns` (each acknowledged, so each must survive);
+    their names."""
+    keys = []
+    for i in range(count):
+        key = f"{prefix}{i}"
+        data = block_bytes(seed * 100_000 + i, size_bytes)
+        client.put(ns, key, data, overwrite=True)
+        shadow.put(ns, key, data, acknowledged=True)
+        keys.append(key)
+    return keys
+
+
+def random_workload(
+    client: kvtier.Client, shadow: Shadow, rng: random.Random, row: Row, *, ns: str, ops: int
+) -> bool:
+    """Random puts/overwrites/deletes of 24 w* keys in `ns`, a get checked every fifth op,
+    until the daemon dies (True) or `ops` are done (False). The op that failed is recorded
+    as unacknowledged: either outcome is right for it."""
+    for step in range(ops):
+        key = f"w{rng.randrange(24)}"
+        size = rng.choice([64 << 10, 256 << 10, 700_000])
+        data = block_bytes(rng.randrange(1 << 30), size)
+        deleting = rng.random() < 0.25
+        try:
+            if deleting:
+                client.delete(ns, key)
+                shadow.delete(ns, key, acknowledged=True)
+            else:
+                client.put(ns, key, data, overwrite=True)
+                shadow.put(ns, key, data, acknowledged=True)
+            if step % 5 == 0:
+                probe = f"w{rng.randrange(24)}"
+                shadow.check(row, ns, probe, client.get(ns, probe))
+        except kvtier.KVTierError:
+            if deleting:
+                shadow.delete(ns, key, acknowledged=False)
+            else:
+                shadow.put(ns, key, data, acknowledged=False)
+            return True
+    return False

@@ -13,9 +13,15 @@ from collections.abc import Callable
 
 import pytest
 
-import kvtier
 from tests.conftest import DaemonProcess, block_bytes
-from tests.faults.harness import Report, Row, Shadow, check_all, fired, still_serves
+from tests.faults.harness import (
+    Report,
+    Shadow,
+    check_all,
+    fired,
+    random_workload,
+    still_serves,
+)
 
 StartDaemon = Callable[..., DaemonProcess]
 NS = "faults/crash"
@@ -27,34 +33,6 @@ KILL_POINTS = (
     "nvme.tombstone",  # a delete or overwrite about to be made durable
     "nvme.remove",  # an old record being removed
 )
-
-
-def _workload(
-    client: kvtier.Client, shadow: Shadow, rng: random.Random, ops: int, row: Row
-) -> bool:
-    """Random puts/overwrites/deletes on w* keys until the daemon dies; True if it did."""
-    for step in range(ops):
-        key = f"w{rng.randrange(24)}"
-        size = rng.choice([64 << 10, 256 << 10, 700_000])
-        data = block_bytes(rng.randrange(1 << 30), size)
-        deleting = rng.random() < 0.25
-        try:
-            if deleting:
-                client.delete(NS, key)
-                shadow.delete(NS, key, acknowledged=True)
-            else:
-                client.put(NS, key, data, overwrite=True)
-                shadow.put(NS, key, data, acknowledged=True)
-            if step % 5 == 0:
-                probe = f"w{rng.randrange(24)}"
-                shadow.check(row, NS, probe, client.get(NS, probe))
-        except kvtier.KVTierError:
-            if deleting:
-                shadow.delete(NS, key, acknowledged=False)
-            else:
-                shadow.put(NS, key, data, acknowledged=False)
-            return True
-    return False
 
 
 @pytest.mark.parametrize("point", KILL_POINTS)
@@ -80,7 +58,7 @@ def test_sigkill_at(point: str, start_daemon: StartDaemon, report: Report) -> No
         }
         daemon.start()
         with daemon.client(timeout_s=10) as c:
-            died = _workload(c, shadow, rng, 120, row)
+            died = random_workload(c, shadow, rng, row, ns=NS, ops=120)
         if died:
             assert daemon.proc is not None
             assert daemon.proc.wait(10) == -9, "the client failed but the daemon did not die"

@@ -9,6 +9,7 @@ was lost.
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 import shutil
@@ -19,27 +20,15 @@ from pathlib import Path
 
 import pytest
 
-import kvtier
 from kvtier.keys import hash_token
 from tests.conftest import DaemonProcess, block_bytes
+from tests.faults import harness
 from tests.faults.harness import Report, Shadow, check_all, fired, still_serves
 
 StartDaemon = Callable[..., DaemonProcess]
 NS = "faults/nvme"
+put_blocks = functools.partial(harness.put_blocks, ns=NS)
 MiB = 1 << 20
-
-
-def put_blocks(
-    client: kvtier.Client, shadow: Shadow, prefix: str, count: int, size_bytes: int, seed: int
-) -> list[str]:
-    keys = []
-    for i in range(count):
-        key = f"{prefix}{i}"
-        data = block_bytes(seed * 100_000 + i, size_bytes)
-        client.put(NS, key, data, overwrite=True)
-        shadow.put(NS, key, data, acknowledged=True)
-        keys.append(key)
-    return keys
 
 
 def without_faults(daemon: DaemonProcess) -> DaemonProcess:

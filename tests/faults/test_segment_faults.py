@@ -6,6 +6,7 @@ must survive checked after a restart."""
 
 from __future__ import annotations
 
+import functools
 import random
 import struct
 from collections.abc import Callable
@@ -15,12 +16,22 @@ import pytest
 import xxhash
 
 import kvtier
-from tests.conftest import DaemonProcess, block_bytes
-from tests.faults.harness import Report, Row, Shadow, check_all, fired, still_serves
+from tests.conftest import DaemonProcess
+from tests.faults import harness
+from tests.faults.harness import (
+    Report,
+    Row,
+    Shadow,
+    check_all,
+    fired,
+    random_workload,
+    still_serves,
+)
 from tests.faults.test_nvme_faults import can_unshare
 
 StartDaemon = Callable[..., DaemonProcess]
 NS = "faults/segments"
+put_blocks = functools.partial(harness.put_blocks, ns=NS)
 MiB = 1 << 20
 SEGMENTS = {"KVTIER_NVME__LAYOUT": "segments", "KVTIER_PLANNER__CALIBRATION_S": "0"}
 KILL_POINTS = (
@@ -39,44 +50,6 @@ def env(**extra: str) -> dict[str, str]:
 
 def segment_files(daemon: DaemonProcess) -> list[Path]:
     return sorted((daemon.nvme_path / "segments").glob("*.kvs"))
-
-
-def put_blocks(
-    client: kvtier.Client, shadow: Shadow, prefix: str, count: int, size_bytes: int, seed: int
-) -> list[str]:
-    keys = []
-    for i in range(count):
-        key = f"{prefix}{i}"
-        data = block_bytes(seed * 100_000 + i, size_bytes)
-        client.put(NS, key, data, overwrite=True)
-        shadow.put(NS, key, data, acknowledged=True)
-        keys.append(key)
-    return keys
-
-
-def _workload(client: kvtier.Client, shadow: Shadow, rng: random.Random, row: Row) -> bool:
-    """Random puts/overwrites/deletes until the daemon dies; True if it did."""
-    for step in range(160):
-        key = f"w{rng.randrange(24)}"
-        data = block_bytes(rng.randrange(1 << 30), rng.choice([64 << 10, 256 << 10, 700_000]))
-        deleting = rng.random() < 0.25
-        try:
-            if deleting:
-                client.delete(NS, key)
-                shadow.delete(NS, key, acknowledged=True)
-            else:
-                client.put(NS, key, data, overwrite=True)
-                shadow.put(NS, key, data, acknowledged=True)
-            if step % 5 == 0:
-                probe = f"w{rng.randrange(24)}"
-                shadow.check(row, NS, probe, client.get(NS, probe))
-        except kvtier.KVTierError:
-            if deleting:
-                shadow.delete(NS, key, acknowledged=False)
-            else:
-                shadow.put(NS, key, data, acknowledged=False)
-            return True
-    return False
 
 
 @pytest.mark.parametrize(("point", "action"), KILL_POINTS, ids=[p for p, _ in KILL_POINTS])
@@ -99,7 +72,7 @@ def test_sigkill_at(point: str, action: str, start_daemon: StartDaemon, report: 
             died = True
         else:
             with daemon.client(timeout_s=10) as c:
-                died = _workload(c, shadow, rng, row)
+                died = random_workload(c, shadow, rng, row, ns=NS, ops=160)
         if died:
             assert daemon.proc is not None
             assert daemon.proc.wait(10) == -9, "the client failed but the daemon did not die"
