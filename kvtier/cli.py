@@ -347,6 +347,7 @@ def cmd_wipe(args: argparse.Namespace) -> int:
                     "temporary_files": report.temporary_files,
                     "overwritten_bytes": report.overwritten_bytes,
                     "tombstones_dropped": report.tombstones_dropped,
+                    "segments_rewritten": report.segments_rewritten,
                 },
                 indent=2,
             )

@@ -41,6 +41,7 @@ __all__ = [
     "encode_segment_header",
     "encode_trailer",
     "entry_bytes",
+    "footer_extent",
     "read_footer",
     "scan_records",
     "segment_id_of",
@@ -140,16 +141,10 @@ def encode_trailer(seg_id: int, footer_at: int, footer: bytes) -> bytes:
 def read_footer(fd: int, seg_id: int, size_bytes: int) -> list[tuple[int, RecordHeader]] | None:
     """A sealed segment's records from its footer; None if its trailer or footer fails
     its checksum (the segment is then scanned)."""
-    tail = os.pread(fd, ALIGN_BYTES, size_bytes - ALIGN_BYTES)
-    if len(tail) < _TRAILER.size + _XXH3.size:
+    trailer = _trailer(fd, seg_id, size_bytes)
+    if trailer is None:
         return None
-    fixed = tail[: _TRAILER.size]
-    (digest,) = _XXH3.unpack_from(tail, _TRAILER.size)
-    magic, stored_id, footer_at, footer_bytes, footer_xxh3 = _TRAILER.unpack(fixed)
-    if magic != _TRAILER_MAGIC or digest != xxhash.xxh3_64_intdigest(fixed):
-        return None
-    if stored_id != seg_id or footer_at + footer_bytes > size_bytes - ALIGN_BYTES:
-        return None
+    footer_at, footer_bytes, footer_xxh3 = trailer
     footer = os.pread(fd, footer_bytes, footer_at)
     if len(footer) != footer_bytes or xxhash.xxh3_64_intdigest(footer) != footer_xxh3:
         return None
@@ -180,6 +175,28 @@ def read_footer(fd: int, seg_id: int, size_bytes: int) -> list[tuple[int, Record
     except (struct.error, UnicodeDecodeError):
         return None
     return out
+
+
+def footer_extent(fd: int, seg_id: int, size_bytes: int) -> tuple[int, int] | None:
+    """Where a sealed segment's footer lies (offset, bytes) by its trailer; None if the
+    trailer fails its checks (the footer itself is not read: `read_footer` checks it)."""
+    trailer = _trailer(fd, seg_id, size_bytes)
+    return None if trailer is None else (trailer[0], trailer[1])
+
+
+def _trailer(fd: int, seg_id: int, size_bytes: int) -> tuple[int, int, int] | None:
+    """The trailer's (footer offset, footer bytes, footer xxh3) if it verifies."""
+    tail = os.pread(fd, ALIGN_BYTES, size_bytes - ALIGN_BYTES)
+    if len(tail) < _TRAILER.size + _XXH3.size:
+        return None
+    fixed = tail[: _TRAILER.size]
+    (digest,) = _XXH3.unpack_from(tail, _TRAILER.size)
+    magic, stored_id, footer_at, footer_bytes, footer_xxh3 = _TRAILER.unpack(fixed)
+    if magic != _TRAILER_MAGIC or digest != xxhash.xxh3_64_intdigest(fixed):
+        return None
+    if stored_id != seg_id or footer_at + footer_bytes > size_bytes - ALIGN_BYTES:
+        return None
+    return int(footer_at), int(footer_bytes), int(footer_xxh3)
 
 
 def scan_records(fd: int, size_bytes: int) -> SegmentScan:

@@ -12,6 +12,7 @@ from kvtier.keys import tenant_of
 from kvtier.tiers.nvme import RECORD_SUFFIX, TOMBSTONE_LOG, lock_tier, tombstone_entries
 from kvtier.tiers.record import parse_header, read_header_region
 from kvtier.tiers.safe_open import open_regular, open_subdir, remove_entry
+from kvtier.tiers.segment_wipe import SEGMENTS_DIR, wipe_segments
 from kvtier.tiers.startup import is_tombstone_log
 
 
@@ -28,6 +29,7 @@ class WipeReport:
     temporary_files: int  # tmp/: records being written when a daemon stopped
     overwritten_bytes: int  # every byte overwritten, all of the above together
     tombstones_dropped: int  # the tenant's entries taken out of the tombstone log
+    segments_rewritten: int = 0  # segments (nvme.layout "segments") left without its records
 
 
 _ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC  # the path given: a link is fine
@@ -44,8 +46,10 @@ def wipe(root: Path, tenant: str | None) -> WipeReport:
     file system that writes in place (ext4, XFS) the zeros replace the blocks; what the
     SSD's flash translation layer keeps of them is out of reach (docs/security.md).
     """
-    if not (root / "v1").is_dir():
-        raise ConfigError(f"nvme.path: {root} holds no NVMe tier (no v1/ directory there)")
+    if not (root / "v1").is_dir() and not (root / SEGMENTS_DIR).is_dir():
+        raise ConfigError(
+            f"nvme.path: {root} holds no NVMe tier (no v1/ or {SEGMENTS_DIR}/ directory there)"
+        )
     try:
         lock_fd = lock_tier(root)
     except BlockingIOError:
@@ -57,33 +61,43 @@ def wipe(root: Path, tenant: str | None) -> WipeReport:
     root_fd = os.open(root, _ROOT_FLAGS)
     try:
         records = record_bytes = unreadable = overwritten = 0
+        for subdir in ("v1", SEGMENTS_DIR):
+            path = root / subdir
+            if path.is_symlink() or (path.exists() and not path.is_dir()):
+                raise ConfigError(
+                    f"nvme.path: {root}/{subdir} is not a directory (a link?): not wiped"
+                )
         v1_fd = open_subdir(root_fd, "v1")
-        if v1_fd is None:
-            raise ConfigError(f"nvme.path: {root}/v1 is not a directory (a link?): not wiped")
-        try:
-            for fan in sorted(os.listdir(v1_fd)):
-                fan_fd = open_subdir(v1_fd, fan)
-                if fan_fd is None:
-                    continue
-                try:
-                    for name in sorted(os.listdir(fan_fd)):
-                        if not name.endswith(RECORD_SUFFIX):
-                            continue
-                        owner = _record_tenant(fan_fd, name)
-                        if owner is not None and tenant is not None and owner != tenant:
-                            continue
-                        size = _shred(fan_fd, name, zeros)
-                        overwritten += size
-                        if owner is None:
-                            unreadable += 1
-                        else:
-                            records += 1
-                            record_bytes += size
-                    os.fsync(fan_fd)
-                finally:
-                    os.close(fan_fd)
-        finally:
-            os.close(v1_fd)
+        if v1_fd is not None:
+            try:
+                for fan in sorted(os.listdir(v1_fd)):
+                    fan_fd = open_subdir(v1_fd, fan)
+                    if fan_fd is None:
+                        continue
+                    try:
+                        for name in sorted(os.listdir(fan_fd)):
+                            if not name.endswith(RECORD_SUFFIX):
+                                continue
+                            owner = _record_tenant(fan_fd, name)
+                            if owner is not None and tenant is not None and owner != tenant:
+                                continue
+                            size = _shred(fan_fd, name, zeros)
+                            overwritten += size
+                            if owner is None:
+                                unreadable += 1
+                            else:
+                                records += 1
+                                record_bytes += size
+                        os.fsync(fan_fd)
+                    finally:
+                        os.close(fan_fd)
+            finally:
+                os.close(v1_fd)
+        segments = wipe_segments(root_fd, tenant, zeros, _shred)
+        records += segments.records
+        record_bytes += segments.record_bytes
+        unreadable += segments.unreadable
+        overwritten += segments.overwritten_bytes
         spare_counts = []
         for name in ("free", "tmp"):
             count = 0
@@ -117,6 +131,7 @@ def wipe(root: Path, tenant: str | None) -> WipeReport:
         spare_counts[1],
         overwritten,
         dropped,
+        segments.rewritten,
     )
 
 

@@ -42,8 +42,9 @@ def blocks_of(tenant: str) -> dict[bytes, bytes]:
     return {f"{tenant}-{i}".encode(): marker + block_bytes(seed + i, 200_000 + i) for i in range(8)}
 
 
+@pytest.mark.parametrize("layout", ["files", "segments"])
 def test_wipe_removes_one_tenant_and_a_restart_serves_only_the_other(
-    start_daemon: StartDaemon, workdir: Path
+    start_daemon: StartDaemon, workdir: Path, layout: str
 ) -> None:
     config = workdir / "kvtier.toml"
     config.write_text(
@@ -52,7 +53,12 @@ def test_wipe_removes_one_tenant_and_a_restart_serves_only_the_other(
         + '[tenants.alice]\ndram_capacity_bytes = "16MiB"\n'
         + '[tenants.bob]\ndram_capacity_bytes = "16MiB"\n'
     )
-    daemon = start_daemon(dram="16MiB", nvme="256MiB", extra=["--config", str(config)])
+    # In the segment layout both tenants' records share a segment: the wipe must rewrite
+    # it, not remove it.
+    layout_env = {"KVTIER_NVME__LAYOUT": layout}
+    daemon = start_daemon(
+        dram="16MiB", nvme="256MiB", extra=["--config", str(config)], env=layout_env
+    )
     data = {tenant: blocks_of(tenant) for tenant in TOKENS}
     for tenant, token in TOKENS.items():
         with kvtier.Client(daemon.target, token=token) as client:
@@ -74,6 +80,8 @@ def test_wipe_removes_one_tenant_and_a_restart_serves_only_the_other(
     on_disk = everything_under(daemon.nvme_path)
     assert b"<prompt of alice>" not in on_disk and b"alice|" not in on_disk
     assert on_disk.count(b"<prompt of bob>") == len(data["bob"])
+    if layout == "segments":
+        assert report["segments_rewritten"] >= 1
 
     daemon.start()
     with kvtier.Client(daemon.target, token=TOKENS["alice"]) as alice:
