@@ -186,24 +186,24 @@ class Demoter:
         if nvme is None or not entries or not nvme.online:
             return []
         residency = store.residency
-        batch: list[tuple[Entry, int]] = []
+        headers, batch, views = [], [], []
         for entry in entries:
-            if entry.dram_extent is None:
+            extent = entry.dram_extent
+            if extent is None:
                 continue
-            need = record_header(entry).record_bytes
+            header = record_header(entry)
+            need = header.record_bytes
             room, dropped = residency.reserve_nvme(entry, need)
             store.remove_records(dropped)
             if room:
+                headers.append(header)
                 batch.append((entry, need))
+                views.append(store.arena_of(entry.block_id).view(extent))
         if not batch:
             return []
-        views = []
-        for entry, _ in batch:
-            assert entry.dram_extent is not None
-            views.append(store.arena_of(entry.block_id).view(entry.dram_extent))
         try:
             result = await nvme.write_batch(
-                [record_header(entry) for entry, _ in batch],
+                headers,
                 [[payload_of(view, entry)] for view, (entry, _) in zip(views, batch, strict=True)],
                 then,
             )
