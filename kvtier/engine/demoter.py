@@ -85,11 +85,13 @@ class Demoter:
         self._through: list[Entry] = []  # new blocks waiting for a write-through batch
         self._through_batches = 0
         self.batches_written = 0  # batches that reached the I/O pool (for tests, metrics)
-
-    def _marks(self, tenant: str) -> Watermarks:
-        store = self._store
+        # Arenas and `dram` settings are fixed for the daemon's life (a reload keeps them).
         fraction = store.config.dram.demote_free_fraction
-        return watermarks(store.arena(tenant).capacity_bytes, fraction)
+        self._marks = {
+            tenant: watermarks(arena.capacity_bytes, fraction)
+            for tenant, arena in store.space.arenas.items()
+        }
+        self._none = Watermarks(0, 0)
 
     def _ahead(self) -> bool:
         # Demoting ahead of need only pays when the victims go somewhere: else it drops.
@@ -102,7 +104,12 @@ class Demoter:
         reservation lacks `wanted_bytes`); whether a batch is in flight after."""
         store = self._store
         arena = store.arena(tenant)
-        marks = self._marks(tenant) if self._ahead() else Watermarks(0, 0)
+        marks = self._marks[tenant]
+        free = arena.capacity_bytes - arena.used_bytes
+        if not wanted_bytes and free + self._claimed_bytes[tenant] >= marks.low_bytes:
+            return self._batches[tenant] > 0  # the common case, after every put: nothing
+        if not self._ahead():
+            marks = self._none
         most = store.io.threads
         while self._batches[tenant] < most:
             free = arena.capacity_bytes - arena.used_bytes
@@ -186,19 +193,27 @@ class Demoter:
         if nvme is None or not entries or not nvme.online:
             return []
         residency = store.residency
+        entries = [e for e in entries if e.dram_extent is not None]
+        if not entries:
+            return []
+        wanted = [record_header(entry) for entry in entries]
+        # Room on NVMe for the whole batch at once (the victims of one arena are one
+        # tenant's); record by record only if it does not all fit.
+        total = sum(h.record_bytes for h in wanted)
+        room, dropped = residency.reserve_nvme(entries[0], total)
+        store.remove_records(dropped)
         headers, batch, views = [], [], []
-        for entry in entries:
-            extent = entry.dram_extent
-            if extent is None:
-                continue
-            header = record_header(entry)
+        for entry, header in zip(entries, wanted, strict=True):
             need = header.record_bytes
-            room, dropped = residency.reserve_nvme(entry, need)
-            store.remove_records(dropped)
-            if room:
-                headers.append(header)
-                batch.append((entry, need))
-                views.append(store.arena_of(entry.block_id).view(extent))
+            if not room:
+                fits, dropped = residency.reserve_nvme(entry, need)
+                store.remove_records(dropped)
+                if not fits:
+                    continue
+            assert entry.dram_extent is not None
+            headers.append(header)
+            batch.append((entry, need))
+            views.append(store.arena_of(entry.block_id).view(entry.dram_extent))
         if not batch:
             return []
         try:
@@ -210,8 +225,11 @@ class Demoter:
         finally:
             for view in views:
                 view.release()
-            for entry, need in batch:
-                residency.unreserve_nvme(entry, need)
+            if room:
+                residency.unreserve_nvme(entries[0], total)
+            else:
+                for entry, need in batch:
+                    residency.unreserve_nvme(entry, need)
         self.batches_written += 1
         written: list[Entry] = []
         total = 0
