@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtier.config import Config
+from kvtier.engine import nvme as nvme_engine
 from kvtier.engine.demoter import Watermarks, claim_bytes, watermarks
 from kvtier.engine.store import Store
 from kvtier.tiers.nvme import NvmeTier
@@ -146,6 +147,14 @@ async def test_a_put_waits_for_a_batch_in_flight_and_never_writes_itself(
         return real(self, headers, payloads)  # type: ignore[arg-type]
 
     monkeypatch.setattr(NvmeTier, "write_many", slow)
+    checked_on: set[str] = set()
+    real_check = nvme_engine._payload_intact
+
+    def check(header: object, payload: object) -> bool:
+        checked_on.add(threading.current_thread().name)
+        return real_check(header, payload)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(nvme_engine, "_payload_intact", check)
     await put(store, b"a", block_bytes(1, 1 << 20))
     await put(store, b"b", block_bytes(2, 1 << 20))
     third = asyncio.ensure_future(put(store, b"c", block_bytes(3, 1 << 20)))
@@ -154,7 +163,9 @@ async def test_a_put_waits_for_a_batch_in_flight_and_never_writes_itself(
     assert not third.done()  # DRAM is full of a block being written: the put waits
     release.set()
     await asyncio.wait_for(third, 10)
+    # The bytes were checked and written on I/O threads, not on the event loop.
     assert writers and all(name.startswith("kvtier-io") for name in writers)
+    assert checked_on and all(name.startswith("kvtier-io") for name in checked_on)
     assert [await get(store, k) for k in (b"a", b"b", b"c")] == [
         block_bytes(i, 1 << 20) for i in (1, 2, 3)
     ]
