@@ -31,7 +31,9 @@ of 256 chained SHA-256 keys (as an engine's prefix keys), each value derived fro
   after, fio writing as many bytes at the same block size (iodepth 8, direct=1 where the
   directory supports O_DIRECT, libaio) in the same directory, and the ratio; with
   --rounds, round after round, and with --baseline another checkout's daemon (main's, for
-  an A/B) streaming in each round between this one's and fio.
+  an A/B) streaming in each round between this one's and fio; --ceiling adds, in each
+  round, the same stream into a DRAM arena that holds all of it (every byte counted: the
+  put path's own rate, which bounds what any demotion can reach).
 
 `--in-process-memory N` measures instead the index alone: a `Store` (with the configured
 policy) not started, N NVMe-only entries added to its residency as recovery adds them
@@ -388,12 +390,14 @@ def stream(args: argparse.Namespace, root: Path, run_dir: Path) -> list[dict[str
     sides: list[tuple[str, Path | None]] = [("kvtier", None)]
     if args.baseline is not None:
         sides.append(("baseline", args.baseline.resolve()))
+    if args.ceiling:
+        sides.append(("ceiling", None))
     rows = []
     for round_ in range(args.rounds):
         for size in (64 << 10, 2 << 20):
             row: dict[str, Any] = {"round": round_, "block_bytes": size}
             for side, code in sides:
-                got = stream_once(args, root, run_dir, size, code)
+                got = stream_once(args, root, run_dir, size, code, side == "ceiling")
                 row.update({f"{side}_{k}": v for k, v in got.items()})
                 print(f"round {round_} {human_size(size)} {side}: {got}", flush=True)
             if have_fio:
@@ -410,17 +414,25 @@ def stream(args: argparse.Namespace, root: Path, run_dir: Path) -> list[dict[str
 
 
 def stream_once(
-    args: argparse.Namespace, root: Path, run_dir: Path, size: int, code: Path | None
+    args: argparse.Namespace,
+    root: Path,
+    run_dir: Path,
+    size: int,
+    code: Path | None,
+    ceiling: bool = False,
 ) -> dict[str, Any]:
     """--stream-bytes of `size`-byte blocks put through the client (put_many of ~1 MiB)
     into a fresh daemon (of `code`'s checkout) whose DRAM is tiny; MB/s of the bytes that
-    reached NVMe over the whole put, and the longest event-loop stall meanwhile."""
+    reached NVMe over the whole put, and the longest event-loop stall meanwhile. With
+    `ceiling`, DRAM holds the whole stream instead and MB/s counts every byte put: what
+    the put path alone reaches, with nothing demoted."""
     total = args.stream_bytes
     # A fresh daemon and tier each time: blocks of one size still in DRAM must not be
     # counted as the next size's demotions.
     nvme_dir = root / "stream-nvme"
     nvme_bytes = 2 * total + (256 << 20)
-    daemon = Daemon(run_dir, nvme_dir, STREAM_DRAM, nvme_bytes, args.policy, args.layout, code)
+    dram = str(total + (64 << 20)) if ceiling else STREAM_DRAM
+    daemon = Daemon(run_dir, nvme_dir, dram, nvme_bytes, args.policy, args.layout, code)
     keys = list(chain_keys(total // size, salt=size.to_bytes(8, "little")))
     try:
         daemon.start()
@@ -436,10 +448,11 @@ def stream_once(
         daemon.kill()
         shutil.rmtree(nvme_dir, ignore_errors=True)
     reached = after.tiers["nvme"].blocks - before.tiers["nvme"].blocks
+    counted = len(keys) if ceiling else reached
     return {
         "blocks_put": len(keys),
         "blocks_on_nvme": reached,
-        "mb_per_s": round(reached * size / put_s / 1e6, 1),
+        "mb_per_s": round(counted * size / put_s / 1e6, 1),
         "stall_max_ms": round(after.event_loop_stall_recent_max_s * 1e3, 1),
         "direct_io": after.nvme_direct_io,
     }
@@ -538,7 +551,7 @@ def stream_report(stream_rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for size in sorted({r["block_bytes"] for r in stream_rows}):
         rounds = [r for r in stream_rows if r["block_bytes"] == size]
-        for side in ("kvtier", "baseline"):
+        for side in ("kvtier", "baseline", "ceiling"):
             if f"{side}_mb_per_s" not in rounds[0]:
                 continue
             mbs = [r[f"{side}_mb_per_s"] for r in rounds]
@@ -652,6 +665,11 @@ def main() -> int:
         "--stream-only", action="store_true", help="only the streaming phase (no fill/restart)"
     )
     parser.add_argument("--rounds", type=int, default=1, help="streaming rounds (interleaved)")
+    parser.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="also stream into a DRAM that holds it all (the put path alone, no demotion)",
+    )
     parser.add_argument(
         "--baseline",
         type=Path,
