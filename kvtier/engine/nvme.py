@@ -282,3 +282,67 @@ class NvmeDriver:
         headers, self._unremoved = self._unremoved, []
         for header in headers:
             await self._remove(header)
+
+    # ---- batches (the demoter: kvtier/engine/demoter.py) -----------------------------------
+    async def write_batch(
+        self, headers: list[RecordHeader], payloads: list[list[memoryview]], then: str
+    ) -> BatchWritten:
+        """Write several records as one I/O-pool job, so a batch costs the event loop one
+        wake-up, not one per record. On the I/O thread each payload is first checked
+        against its header's xxh3 (a block whose DRAM bytes were damaged is never written:
+        `damaged`), then the rest go to the tier's `write_many` (segments: one reservation,
+        one pwritev). `then` says in the log what becomes of blocks not written."""
+        count = len(headers)
+        if not self.health.online or not count:
+            return BatchWritten((0,) * count, (False,) * count, 0.0)
+
+        def job() -> tuple[list[int | OSError], list[bool]]:
+            damaged = [not _payload_intact(h, p) for h, p in zip(headers, payloads, strict=True)]
+            keep = [i for i in range(count) if not damaged[i]]
+            written = self.tier.write_many([headers[i] for i in keep], [payloads[i] for i in keep])
+            results: list[int | OSError] = [0] * count
+            for i, result in zip(keep, written, strict=True):
+                results[i] = result
+            return results, damaged
+
+        (results, damaged), service_s = await self.io.run_timed(job)
+        errors = {id(r): r for r in results if isinstance(r, OSError)}
+        for err in errors.values():  # one failed pwritev is one error, not one per record
+            self.failed(err)
+        if errors:
+            failed = sum(isinstance(r, OSError) for r in results)
+            logger.warning(
+                "could not write %d of %d records to NVMe (%s); the blocks %s",
+                failed,
+                count,
+                ", ".join(sorted({e.strerror or str(e) for e in errors.values()})),
+                then,
+            )
+        if any(isinstance(r, int) and r for r in results):
+            self.health.succeeded()
+        return BatchWritten(
+            tuple(r if isinstance(r, int) else 0 for r in results), tuple(damaged), service_s
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BatchWritten:
+    """What `write_batch` did, per record in order: its size on disk (0: not written) and
+    whether its payload failed its checksum (so it was not written); the batch's seconds
+    on its I/O thread."""
+
+    record_bytes: tuple[int, ...]
+    damaged: tuple[bool, ...]
+    service_s: float
+
+
+def _payload_intact(header: RecordHeader, payload: list[memoryview]) -> bool:
+    """Whether a payload (views of DRAM) still holds the bytes its header's xxh3 names."""
+    hasher = xxhash.xxh3_64()
+    left = header.payload_bytes
+    for view in payload:
+        if left <= 0:
+            break
+        hasher.update(view[:left])
+        left -= len(view)
+    return bool(hasher.intdigest() == header.xxh3_64)

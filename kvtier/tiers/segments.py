@@ -54,7 +54,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +110,7 @@ _LOAD_THREADS = 8  # segments whose footers (or records) are read at once at sta
 _RECLAIM_POLL_S = 1.0  # the reclaimer also looks this often without being woken
 _SPACE_WAIT_S = 5.0  # a write at the limit waits this long for the reclaimer, then ENOSPC
 _SPACE_POLL_S = 0.005
+_IOV_MAX = 1024  # buffers one pwritev takes (Linux's IOV_MAX); a batch writes in pieces
 
 
 def segment_bytes_for(capacity_bytes: int) -> int:
@@ -387,6 +388,120 @@ class SegmentTier(NvmeTier):
         with self._mu:
             self.written_bytes += total
         return total
+
+    def write_many(
+        self, headers: Sequence[RecordHeader], payloads: Sequence[Sequence[memoryview | mmap.mmap]]
+    ) -> list[int | OSError]:
+        """Append several records (a demotion batch) back to back: consecutive extents of
+        the active segment reserved together, written by as few `pwritev` calls as IOV_MAX
+        allows and marked written as one extent, so with sync_writes one fdatasync covers
+        the batch. The visibility rule is `write`'s: a record is visible (returned here)
+        only once every extent before it is written. Per record its size on disk or the
+        OSError that failed it; `payloads` as for `write`."""
+        results: list[int | OSError] = [0] * len(headers)
+        todo: list[int] = []
+        for i, (header, payload) in enumerate(zip(headers, payloads, strict=True)):
+            total = header.header_bytes + sum(len(b) for b in payload)
+            if total != header.record_bytes:
+                raise ValueError(
+                    f"payload buffers add up to {total}, expected {header.record_bytes}"
+                )
+            try:
+                if failpoints.ACTIVE:
+                    failpoints.fire("nvme.write")
+            except OSError as err:
+                results[i] = err
+                continue
+            todo.append(i)
+        # The batch's record headers side by side in one aligned buffer (the thread's
+        # scratch holds one header: each record of the batch needs its own until written).
+        starts, at = [], 0
+        for header in headers:
+            starts.append(at)
+            at += header.header_bytes
+        heads = memoryview(aligned_buffer(max(at, ALIGN_BYTES)))
+        iovs: list[list[memoryview | mmap.mmap]] = []
+        for header, start, payload in zip(headers, starts, payloads, strict=True):
+            head = encode_header(header, heads[start : start + header.header_bytes])
+            iovs.append([head, *payload])
+        pos = 0
+        while pos < len(todo):
+            try:  # the first extent as `write` takes it: rotating, waiting for room
+                seg, offset = self._reserve(headers[todo[pos]], relocating=False)
+            except OSError as err:  # no room for this one: none for those after it either
+                for i in todo[pos:]:
+                    results[i] = err
+                break
+            run = [(todo[pos], offset)]
+            pos += 1
+            with self._mu:  # the rest of the batch while it fits, without rotating
+                while pos < len(todo) and self._active is seg and not seg.full:
+                    header = headers[todo[pos]]
+                    entry = entry_bytes(header)
+                    if not seg.fits(header.record_bytes, entry):
+                        break
+                    run.append((todo[pos], seg.reserve(header, entry)))
+                    pos += 1
+            for piece in _contiguous(run, headers):
+                self._write_piece(seg, piece, headers, iovs, results)
+        return results
+
+    def _write_piece(
+        self,
+        seg: Segment,
+        piece: list[tuple[int, int]],
+        headers: Sequence[RecordHeader],
+        iovs: list[list[memoryview | mmap.mmap]],
+        results: list[int | OSError],
+    ) -> None:
+        """Write and publish records reserved back to back in `seg` ((index, offset) in
+        order), finishing them as one extent (see `write_many`)."""
+        first_offset = piece[0][1]
+        size = sum(headers[i].record_bytes for i, _ in piece)
+        with seg.cond:  # reserved one by one, finished as one
+            seg.inflight -= len(piece) - 1
+        try:
+            try:
+                chunk: list[memoryview | mmap.mmap] = []
+                chunk_at, chunk_bytes = first_offset, 0
+                for i, _ in piece:
+                    if chunk and len(chunk) + len(iovs[i]) > _IOV_MAX:
+                        _pwrite_at(seg.fd, chunk, chunk_bytes, chunk_at)
+                        chunk, chunk_at, chunk_bytes = [], chunk_at + chunk_bytes, 0
+                    chunk += iovs[i]
+                    chunk_bytes += headers[i].record_bytes
+                _pwrite_at(seg.fd, chunk, chunk_bytes, chunk_at)
+            except BaseException:
+                with seg.cond:  # none of the piece may be listed in the footer
+                    seg.failed.update(offset for _, offset in piece[1:])
+                self._finish(seg, first_offset, size, ok=False)
+                raise
+            self._finish(seg, first_offset, size, ok=True)
+        except BaseException as err:
+            with self._mu:
+                seg.pending -= len(piece)
+            for i, _ in piece:
+                # As in `_append`: a record reported failed must never come back.
+                with contextlib.suppress(OSError):
+                    self._append_tombstone(headers[i].ns_id, headers[i].key, headers[i].generation)
+            if not isinstance(err, OSError):
+                raise
+            for i, _ in piece:
+                results[i] = err
+            return
+        with self._mu:  # as `_append` publishes one record (keep the two in step)
+            for i, offset in piece:
+                header = headers[i]
+                rid = (header.ns_id, header.key, header.generation)
+                seg.pending -= 1
+                old = self._where.get(rid)
+                if old is not None:
+                    self._drop_locked(rid, old)
+                seg.records[rid] = (offset, header)
+                seg.live_bytes += header.record_bytes
+                self._where[rid] = seg
+                results[i] = header.record_bytes
+            self.written_bytes += size
 
     def _append(
         self, header: RecordHeader, iov: list[memoryview | mmap.mmap], relocating: bool
@@ -763,6 +878,21 @@ class SegmentTier(NvmeTier):
                 for seg in self._segments.values()
                 for offset, header in seg.records.values()
             ]
+
+
+def _contiguous(
+    run: list[tuple[int, int]], headers: Sequence[RecordHeader]
+) -> Iterator[list[tuple[int, int]]]:
+    """`run` ((index, offset) in reservation order) cut where an extent does not start at
+    the end of the one before (another writer reserved in between)."""
+    piece = [run[0]]
+    for index, offset in run[1:]:
+        last_index, last_offset = piece[-1]
+        if offset != last_offset + headers[last_index].record_bytes:
+            yield piece
+            piece = []
+        piece.append((index, offset))
+    yield piece
 
 
 def _pwrite_at(fd: int, iov: list[memoryview | mmap.mmap], total: int, offset: int) -> None:
