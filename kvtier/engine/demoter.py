@@ -29,14 +29,29 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvtier import failpoints
 from kvtier.engine.blocks import payload_of, record_header
+from kvtier.engine.core import StoreCore
+from kvtier.engine.nvme import NvmeDriver
+from kvtier.engine.residency import Released
+from kvtier.engine.shared import SharedTier
 from kvtier.index.catalog import Entry
+from kvtier.movers.io import IoPool
 
-if TYPE_CHECKING:
-    from kvtier.engine.store import Store
+
+class DemoterStore(StoreCore, Protocol):
+    """What the demoter needs of the store (a Protocol, so this module does not import
+    the store that imports it)."""
+
+    io: IoPool
+    nvme: NvmeDriver | None
+    shared: SharedTier
+
+    def release_copies(self, entry: Entry, released: Released | None) -> None: ...
+
+    def remove_records(self, dropped: list[Entry]) -> None: ...
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +93,7 @@ class Demoter:
     DramSpace's way to make room, `write_through(entry)` for each new block under
     write-through, `flush()` at stop. Every method runs on the event loop."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: DemoterStore) -> None:
         self._store = store
         self._claimed_bytes: dict[str, int] = dict.fromkeys(store.space.arenas, 0)
         self._batches: dict[str, int] = dict.fromkeys(store.space.arenas, 0)
