@@ -20,6 +20,7 @@ and goes at once.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
@@ -91,6 +92,7 @@ class _Segment:
     records: dict[Hashable, int] = field(default_factory=dict)  # live record -> bytes
     count: int = 0  # records appended (live or dead): their footer entries
     sealed: bool = False
+    version: int = 0  # bumped at each change: older entries of the heap are stale
 
 
 class SegmentSpace:
@@ -127,6 +129,9 @@ class SegmentSpace:
         self._next_id = 0
         self._active: _Segment | None = None
         self._relocating: _Segment | None = None  # opened by the first reclaim, as the tier's
+        # Sealed segments with a dead byte by live share (lazily invalidated): the emptiest
+        # is found without looking at every segment on every write.
+        self._by_share: list[tuple[float, int, int]] = []
 
     @property
     def store_bytes(self) -> int:
@@ -152,6 +157,13 @@ class SegmentSpace:
         seg.live_bytes -= seg.records.pop(rid)
         if seg.sealed and not seg.records:
             self._retire(seg)
+        elif seg.sealed:
+            self._rank(seg)
+
+    def _rank(self, seg: _Segment) -> None:
+        seg.version += 1
+        share = seg.live_bytes / max(1, seg.stored_bytes)
+        heapq.heappush(self._by_share, (share, seg.seg_id, seg.version))
 
     def _fits(self, seg: _Segment, record_bytes: int) -> bool:
         entries = (seg.count + 1) * self.entry_bytes
@@ -164,6 +176,8 @@ class SegmentSpace:
                 seg.sealed = True
                 if not seg.records:
                     self._retire(seg)
+                elif seg.live_bytes < seg.stored_bytes:
+                    self._rank(seg)
             size = segment_bytes_for(self.limit_bytes, record_bytes, self.entry_bytes)
             seg = _Segment(self._next_id, size)
             self._next_id += 1
@@ -182,23 +196,25 @@ class SegmentSpace:
         self.reclaimed_segments += 1
 
     def _reclaim(self) -> None:
-        while True:
+        heap = self._by_share
+        while self.allocated_bytes + 2 * self.segment_bytes > self.limit_bytes and heap:
+            _, seg_id, version = heap[0]
+            seg = self._segments.get(seg_id)
+            if seg is None or seg.version != version:
+                heapq.heappop(heap)  # stale: the segment changed or is gone
+                continue
             victim_id = reclaim_victim(
-                (
-                    (s.seg_id, s.live_bytes, s.stored_bytes)
-                    for s in self._segments.values()
-                    if s.sealed and s.live_bytes < s.stored_bytes
-                ),
+                [(seg_id, seg.live_bytes, seg.stored_bytes)],
                 self.allocated_bytes,
                 self.segment_bytes,
                 self.limit_bytes,
             )
             if victim_id is None:
                 return
-            victim = self._segments[victim_id]
-            for rid, record_bytes in list(victim.records.items()):
+            heapq.heappop(heap)
+            for rid, record_bytes in list(seg.records.items()):
                 self._relocating = self._put(self._relocating, rid, record_bytes)
                 self.relocated_bytes += record_bytes
-            victim.records.clear()
-            victim.live_bytes = 0
-            self._retire(victim)
+            seg.records.clear()
+            seg.live_bytes = 0
+            self._retire(seg)
