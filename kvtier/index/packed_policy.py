@@ -58,13 +58,23 @@ from array import array
 from collections.abc import Callable
 from heapq import heappop, heappush
 
-from kvtier.index.policy import POLICIES, AdmissionMode, BlockInfo, ValueModel, ValuePolicy
+from kvtier.index.policy import (
+    POLICIES,
+    PROBATION,
+    PROTECTED,
+    TAIL,
+    AdmissionMode,
+    BlockInfo,
+    ValueModel,
+    ValuePolicy,
+)
 from kvtier.index.slots import NO_SLOT, DigestTable, extend, headroom, link_last, unlink
 
 __all__ = [
     "NO_SLOT",
     "DigestSketch",
     "PackedAdmission",
+    "PackedChainArc",
     "PackedGhosts",
     "PackedLru",
     "PackedPolicies",
@@ -632,6 +642,163 @@ class PackedValue(SlotPolicy):
         return self._len
 
 
+# ---- DRAM's order: ARC over use counts, tails first ----------------------------------
+
+_LISTS = 3  # PROBATION, PROTECTED, TAIL: sentinels 0..2, slot s is node s + 3
+
+
+class PackedChainArc(SlotPolicy):
+    """ChainArcPolicy over slots [29 + ≈ 26 a ghost]: its three lists are circular lists
+    over one pair of int32 link arrays, which list in a byte (0: not in the tier, else
+    the list + 1), position, parent slot and cached-children count as int32s, the last
+    touch as an int64; the ghosts a DigestTable of key digests whose value is the list a
+    block was evicted from. Same decisions for the same calls (tests/index/
+    test_packed_policy.py)."""
+
+    def __init__(self, uses_of: Callable[[int], int], digest_of: Callable[[int], int]) -> None:
+        self._uses_of = uses_of
+        self._digest_of = digest_of
+        self._prev = array("i", range(_LISTS))
+        self._next = array("i", range(_LISTS))
+        self._list = bytearray()
+        self._pos = array("i")
+        self._parent = array("i")
+        self._kids = array("i")
+        self._tick = array("q")
+        self._lens = [0] * _LISTS
+        self._len = 0
+        self._clock = 0
+        self._deep = NO_SLOT
+        self._deep_position = -1
+        self._ghosts = DigestTable()
+        self.target = 0.0
+        self._returns = {PROBATION: [0, 0], TAIL: [0, 0]}
+
+    def _grow(self, slot: int) -> None:
+        size = len(self._list)
+        count = headroom(size, slot + 1) - size
+        self._list.extend(bytes(count))
+        extend(self._pos, count, 0)
+        extend(self._parent, count, -1)
+        extend(self._kids, count, 0)
+        extend(self._tick, count, 0)
+        extend(self._prev, count, 0)
+        extend(self._next, count, 0)
+
+    def _place(self, slot: int, kind: int) -> None:
+        node = slot + _LISTS
+        old = self._list[slot]
+        if old:
+            unlink(self._prev, self._next, node)
+            self._lens[old - 1] -= 1
+        self._list[slot] = kind + 1
+        self._lens[kind] += 1
+        link_last(self._prev, self._next, kind, node)
+
+    def _touch(self, slot: int) -> None:
+        self._clock += 1
+        self._tick[slot] = self._clock
+        position = self._pos[slot]
+        if self._parent[slot] < 0:
+            deep = self._deep
+            if deep >= 0 and deep != slot and self._list[deep]:
+                self._place(deep, TAIL)
+            self._deep, self._deep_position = slot, position
+        elif position >= self._deep_position:
+            self._deep, self._deep_position = slot, position
+        self._place(slot, PROTECTED if self._uses_of(slot) > 1 else PROBATION)
+
+    def insert(self, slot: int, size_bytes: int, position: int = 0, parent: int = NO_SLOT) -> None:
+        if max(slot, parent) >= len(self._list):
+            self._grow(max(slot, parent))
+        if self._list[slot]:
+            self.hit(slot)
+            return
+        self._len += 1
+        self._pos[slot] = position
+        self._parent[slot] = parent
+        if parent >= 0:
+            self._kids[parent] += 1
+        kind = self._ghosts.pop(self._digest_of(slot))
+        if kind == PROBATION:
+            self.target = min(self.target + 1.0, float(self._len))
+        elif kind == PROTECTED:
+            self.target = max(self.target - 1.0, 0.0)
+        if kind >= 0 and kind != PROTECTED:
+            self._returns[kind][1] += 1
+        self._touch(slot)
+
+    def hit(self, slot: int) -> None:
+        if slot in self:
+            self._touch(slot)
+
+    def remove(self, slot: int) -> None:
+        if slot not in self:
+            return
+        unlink(self._prev, self._next, slot + _LISTS)
+        self._lens[self._list[slot] - 1] -= 1
+        self._list[slot] = 0
+        self._len -= 1
+        if slot == self._deep:
+            self._deep = NO_SLOT  # ChainArcPolicy.remove
+        parent = self._parent[slot]
+        if parent >= 0:
+            self._kids[parent] -= 1
+
+    def _first_leaf(self, kind: int, evictable: Callable[[int], bool]) -> int:
+        kids, nxt = self._kids, self._next
+        node = nxt[kind]
+        while node != kind:
+            slot = node - _LISTS
+            if not kids[slot] and evictable(slot):
+                return slot
+            node = nxt[node]
+        return NO_SLOT
+
+    def tails_first(self) -> bool:
+        """ChainArcPolicy.tails_first."""
+        tails, probation = self._returns[TAIL], self._returns[PROBATION]
+        return (tails[1] + 1) * (probation[0] + 2) <= (probation[1] + 1) * (tails[0] + 2)
+
+    def victim(self, evictable: Callable[[int], bool]) -> int | None:
+        chosen = NO_SLOT
+        kind = TAIL
+        tails_first = self.tails_first()
+        if tails_first:
+            chosen = self._first_leaf(TAIL, evictable)
+        if chosen < 0:
+            young = self._first_leaf(PROBATION, evictable)
+            kind = PROBATION
+            if not tails_first:
+                tail = self._first_leaf(TAIL, evictable)
+                if tail >= 0 and (young < 0 or self._tick[tail] < self._tick[young]):
+                    young, kind = tail, TAIL
+            old = self._first_leaf(PROTECTED, evictable)
+            probation = self._lens[PROBATION] + self._lens[TAIL]
+            if old >= 0 and (young < 0 or probation <= self.target):
+                young, kind = old, PROTECTED
+            chosen = young
+        if chosen < 0:
+            return None
+        if kind != PROTECTED:
+            self._returns[kind][0] += 1
+        self.remove(chosen)
+        ghosts = self._ghosts
+        ghosts.put(self._digest_of(chosen), kind, to_end=True)
+        while len(ghosts) > max(self._len, 1):
+            ghosts.pop_oldest()
+        return chosen
+
+    def names_as_parent(self, slot: int) -> bool:
+        return 0 <= slot < len(self._kids) and self._kids[slot] > 0
+
+    def __contains__(self, slot: object) -> bool:
+        return isinstance(slot, int) and 0 <= slot < len(self._list) and self._list[slot] > 0
+
+    def __len__(self) -> int:
+        return self._len
+
+
 # ---- what is remembered of blocks by digest -------------------------------------------
 
 
@@ -782,6 +949,6 @@ class PackedPolicies:
             return PackedLru()
         if self.name == "s3fifo":
             return PackedS3Fifo(capacity_bytes, digest_of)
-        return PackedValue(
-            tier, fallback, self.model, uses_of, digest_of, shadow=fallback is not None
-        )
+        if fallback is not None:
+            return PackedChainArc(uses_of, digest_of)  # Policies.new_tier says why
+        return PackedValue(tier, fallback, self.model, uses_of, digest_of)
