@@ -21,9 +21,12 @@ blocks the caller cannot evict now (leased, being written). Three are selectable
   across evictions by a count-min sketch, and `L` rises to each evicted priority, so blocks
   not used for a long time age out. A block is worth at least what the blocks extending
   its chain are worth (without it they are useless), so its priority is raised to theirs:
-  leaves are evicted before their parents. In DRAM a safety net (ValuePolicy's
-  docstring) shifts victims towards the least recently used leaf while a shadow LRU
-  would be hitting more.
+  leaves are evicted before their parents. This is the order of the last tier (NVMe).
+
+DRAM, the first tier, under `kvtier` is `ChainArcPolicy` instead: every DRAM hit saves the
+same (one NVMe fetch), so value adds nothing there, and what tells a block that comes back
+soon from one that does not is its use count and whether it ended a finished prompt (its
+docstring; ValuePolicy's shadow-LRU net, `shadow=True`, is what DRAM used before).
 
 `Admission` decides whether a block evicted from DRAM is written to NVMe:
 `write_back` always, `selective` only blocks used at least twice (a block seen once is
@@ -481,14 +484,22 @@ class ChainArcPolicy(TierPolicy):
     * the victim is the first leaf (no child cached here: a chain leaves tail first) of
       tails, else of probation while it holds more than `target` blocks, else of
       protected. `target` is ARC's adaptation, from one ghost list of as many keys as the
-      tier holds, each remembering which list it was evicted from: a block back from
-      probation's ghosts raises `target` by one, from protected's lowers it.
+      tier holds per list: a block back from probation's ghosts raises `target` (by
+      max(1, protected's ghosts / probation's), as ARC does), from protected's lowers it.
     * Tails go first only while they come back (tail ghost hits per tail evicted) no more
       often than probation's blocks do; otherwise a tail competes with probation's head
       by age, so traffic that re-sends whole prompts unchanged is not hurt.
+    * ValuePolicy's safety net: a shadow LRU as large as the tier sees the same calls,
+      and `weight`, the share of victims chosen as above (the rest: the least recently
+      used leaf), moves by STEP towards whichever of the two would have hit. Where
+      frequency points the wrong way (tests/sim/test_transform.py's recency trace) this
+      keeps the order within ~2 % of LRU.
 
-    No constant here was tuned to a trace: the lists are LRU, `target` and the tail
-    switch are learned online. The packed copy (PackedChainArc) decides identically."""
+    No constant here was tuned to a trace: the lists are LRU, `target`, the tail switch
+    and `weight` are learned online (STEP is ValuePolicy's). The packed copy
+    (PackedChainArc) decides identically."""
+
+    STEP = 0.01
 
     def __init__(self, sketch: FrequencySketch) -> None:
         self._sketch = sketch
@@ -504,8 +515,17 @@ class ChainArcPolicy(TierPolicy):
         self._clock = 0
         self._deep: Key | None = None  # deepest block touched since the last chain start
         self._deep_position = -1
-        self._ghosts: OrderedDict[Key, int] = OrderedDict()  # key -> list evicted from
+        # Keys evicted from each list, as many as the tier holds (ARC's B1, B2; and tails).
+        self._ghosts: tuple[OrderedDict[Key, None], ...] = (
+            OrderedDict(),
+            OrderedDict(),
+            OrderedDict(),
+        )
         self.target = 0.0  # ARC's p: probation's share of the tier, in blocks
+        self._recent: OrderedDict[Key, None] = OrderedDict()  # every block, least recent first
+        self._shadow: OrderedDict[Key, None] = OrderedDict()  # an LRU as large as the tier
+        self.weight = 1.0  # the share of victims this order chooses; the rest: LRU's
+        self._credit = 0.0
         # Evictions and ghost returns of probation and tails: [evicted, came back].
         self._returns = {PROBATION: [0, 0], TAIL: [0, 0]}
 
@@ -516,8 +536,18 @@ class ChainArcPolicy(TierPolicy):
         self._where[key] = kind
         self._lists[kind][key] = None
 
-    def _touch(self, key: Key) -> None:
+    def _touch(self, key: Key, hit: bool) -> None:
         info = self._info[key]
+        recent, shadow = self._recent, self._shadow
+        recent[key] = None
+        recent.move_to_end(key)
+        if (key in shadow) != hit:  # ValuePolicy's safety net: whose guess was right
+            step = self.STEP if hit else -self.STEP
+            self.weight = min(max(self.weight + step, 0.0), 1.0)
+        shadow[key] = None
+        shadow.move_to_end(key)
+        while len(shadow) > max(len(self._info), 1):
+            shadow.popitem(last=False)
         self._clock += 1
         self._tick[key] = self._clock
         if info.parent is None:
@@ -536,24 +566,28 @@ class ChainArcPolicy(TierPolicy):
         self._info[key] = info
         if info.parent is not None:
             self._kids[info.parent] = self._kids.get(info.parent, 0) + 1
-        kind = self._ghosts.pop(key, None)
+        kind = next((k for k, g in enumerate(self._ghosts) if g.pop(key, 0) is None), None)
+        young = len(self._ghosts[PROBATION]) + len(self._ghosts[TAIL])
+        old = len(self._ghosts[PROTECTED])
         if kind == PROBATION:
-            self.target = min(self.target + 1.0, float(len(self._where) + 1))
+            self.target = min(
+                self.target + max(1.0, old / (young + 1)), float(len(self._where) + 1)
+            )
         elif kind == PROTECTED:
-            self.target = max(self.target - 1.0, 0.0)
+            self.target = max(self.target - max(1.0, young / (old + 1)), 0.0)
         if kind is not None and kind != PROTECTED:
             self._returns[kind][1] += 1
-        self._touch(key)
+        self._touch(key, hit=False)
 
     def hit(self, key: Key) -> None:
         if key in self._where:
-            self._touch(key)
+            self._touch(key, hit=True)
 
     def remove(self, key: Key) -> None:
         kind = self._where.pop(key, None)
         if kind is None:
             return
-        del self._lists[kind][key], self._tick[key]
+        del self._lists[kind][key], self._tick[key], self._recent[key]
         if key == self._deep:
             self._deep = None  # left: the next block at least as deep takes its place
         parent = self._info.pop(key).parent
@@ -577,6 +611,12 @@ class ChainArcPolicy(TierPolicy):
         return (tails[1] + 1) * (probation[0] + 2) <= (probation[1] + 1) * (tails[0] + 2)
 
     def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
+        self._credit += self.weight
+        if self._credit < 1.0:
+            for key in self._recent:
+                if key not in self._kids and evictable(key):
+                    return self._evicted(key, self._where[key])
+        self._credit = max(self._credit - 1.0, 0.0)
         chosen: Key | None = None
         kind = TAIL
         tails_first = self.tails_first()
@@ -596,11 +636,14 @@ class ChainArcPolicy(TierPolicy):
             chosen = young
         if chosen is None:
             return None
+        return self._evicted(chosen, kind)
+
+    def _evicted(self, chosen: Key, kind: int) -> Key:
         if kind != PROTECTED:
             self._returns[kind][0] += 1
         self.remove(chosen)
-        ghosts = self._ghosts
-        ghosts[chosen] = kind
+        ghosts = self._ghosts[kind]
+        ghosts[chosen] = None
         while len(ghosts) > max(len(self._where), 1):
             ghosts.popitem(last=False)
         return chosen

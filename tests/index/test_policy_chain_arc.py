@@ -233,5 +233,6 @@ def test_packed_chain_arc_keeps_a_few_bytes_a_block_and_no_object() -> None:
     finally:
         tracemalloc.stop()
     assert grown_objects < 50
-    # 29 bytes a block in the arrays (with their headroom) + the ghosts (~26 a ghost)
-    assert grown_bytes < blocks * 36 + blocks // 10 * 30 + 4096
+    # 37 bytes a block in the arrays (with their headroom), ~26 in the shadow LRU's
+    # digests, ~26 a ghost
+    assert grown_bytes < blocks * 70 + blocks // 10 * 30 + 4096
