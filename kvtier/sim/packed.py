@@ -17,7 +17,13 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable
 
-from kvtier.index.packed_policy import NO_SLOT, PackedPolicies, PackedValue, SlotPolicy
+from kvtier.index.packed_policy import (
+    NO_SLOT,
+    PackedChainArc,
+    PackedPolicies,
+    PackedValue,
+    SlotPolicy,
+)
 from kvtier.index.policy import (
     Admission,
     AdmissionMode,
@@ -159,9 +165,11 @@ class KeyedPolicies(Policies):
 
     def new_tier(self, tier: str, fallback: str | None, capacity_bytes: int) -> TierPolicy:
         if self.name == "kvtier" and not self.packed_counts:
-            # Uses from policy.py's sketch, as ValuePolicy reads them.
-            policy: SlotPolicy = PackedValue(
-                tier, fallback, self.model, self._old_uses, shadow=fallback is not None
+            # Uses from policy.py's sketch, as ValuePolicy and ChainArcPolicy read them.
+            policy: SlotPolicy = (
+                PackedChainArc(self._old_uses, self.slots.digest_of)
+                if fallback is not None
+                else PackedValue(tier, fallback, self.model, self._old_uses)
             )
         else:
             policy = self.packed.new_tier(tier, fallback, capacity_bytes)
