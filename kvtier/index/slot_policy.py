@@ -1,0 +1,47 @@
+"""SlotPolicy: the contract of one tier's eviction order over catalog slots, which every
+packed policy (kvtier/index/packed_policy.py, kvtier/index/packed_arc.py) implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+from kvtier.index.slots import NO_SLOT
+
+__all__ = ["SlotPolicy"]
+
+
+class SlotPolicy(ABC):
+    """Eviction order of one tier, over catalog slots (TierPolicy's contract).
+
+    `insert` when a block lands in the tier (a block already there: counts as `hit`),
+    `hit` when it is used there, `remove` when it leaves for any reason other than being
+    chosen, and `victim(evictable)` to choose (and forget) the next block to evict,
+    skipping slots the caller cannot evict now; None when none may go. Sizes are bytes
+    below 4 GiB; `parent` is the slot of the block before it in its chain (NO_SLOT:
+    none)."""
+
+    @abstractmethod
+    def insert(
+        self, slot: int, size_bytes: int, position: int = 0, parent: int = NO_SLOT
+    ) -> None: ...
+
+    @abstractmethod
+    def hit(self, slot: int) -> None: ...
+
+    @abstractmethod
+    def remove(self, slot: int) -> None: ...
+
+    @abstractmethod
+    def victim(self, evictable: Callable[[int], bool]) -> int | None:
+        """The next slot to evict (forgotten by the policy), or None if none may go."""
+
+    @abstractmethod
+    def __contains__(self, slot: object) -> bool: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    def names_as_parent(self, slot: int) -> bool:
+        """Whether a block in this tier names `slot` as its parent."""
+        return False
