@@ -26,9 +26,11 @@ import contextlib
 import gc
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kvtier.engine.blocks import record_header
+from kvtier._malloc import trim_heap
+from kvtier.engine.blocks import record_header, record_location
 from kvtier.engine.calibrate import CALIBRATION_NS_ID
 from kvtier.engine.nvme import NvmeDriver
 from kvtier.engine.residency import Residency
@@ -36,6 +38,7 @@ from kvtier.engine.results import Counters
 from kvtier.index.catalog import Entry
 from kvtier.sizes import human_size
 from kvtier.tiers.nvme import fan_of
+from kvtier.tiers.record import RecordHeader
 from kvtier.tiers.startup import FanScan, RecoveredRecord, RecoveryReport
 from kvtier.types import BlockId
 
@@ -109,13 +112,20 @@ class NvmeRecovery:
         await self._done.wait()
 
     # ---- lifecycle -------------------------------------------------------------------------
+    def _own_records(self) -> None:
+        """The catalog keeps the segment layout's record locations (see NvmeDriver)."""
+        residency = self._residency
+        self._driver.attach_owner(_CatalogOwner(residency))
+
     def start(self) -> None:
+        self._own_records()
         self.running = True
         self._task = asyncio.ensure_future(self._run_in_background())
 
     async def run_now(self) -> None:
         """Recover before serving: every record, added in generation order (oldest first in
         the policy's order); an error raises."""
+        self._own_records()
         self.running = True
         started_s = time.perf_counter()
         try:
@@ -215,12 +225,12 @@ class NvmeRecovery:
             or block_id in self._touched
             or self._residency.contains(block_id)
         ):
-            self._driver.schedule_removal(h)
+            self._driver.schedule_removal(h, record.location)
             self.dropped += 1
             return
         # Into the catalog's arrays: no Entry (nor anything else) per record outlives this.
         self._residency.add_recovered(
-            block_id, h.payload_bytes, h.xxh3_64, h.generation, h.record_bytes
+            block_id, h.payload_bytes, h.xxh3_64, h.generation, h.record_bytes, record.location
         )
         self.indexed += 1
 
@@ -231,10 +241,15 @@ class NvmeRecovery:
         self._counters.checksum_failures += report.dropped_corrupt
         dropped: list[Entry] = self._residency.make_nvme_room(0)[1]
         for entry in dropped:
-            self._driver.schedule_removal(record_header(entry))
+            self._driver.schedule_removal(record_header(entry), record_location(entry))
+        self._driver.owner_ready()
         await self._driver.io.run(self._driver.tier.compact_tombstones)
         self.complete = True
         self.elapsed_s = time.perf_counter() - started_s
+        # The scan's headers, keys and lists are freed by now, but glibc keeps the heap they
+        # grew (the daemon's trim threshold is 1 GiB): hand it back, on the scan's thread (a
+        # trim walks the heap: milliseconds at a million records).
+        await asyncio.get_running_loop().run_in_executor(self._executor, trim_heap)
         tier = self._driver.tier
         logger.info(
             "NVMe tier at %s: recovered %d blocks (%s) in %.1f s, dropped %d unreadable, "
@@ -249,6 +264,21 @@ class NvmeRecovery:
             report.removed_temporary,
             "on" if tier.direct_io else "off",
         )
+
+
+class _CatalogOwner:
+    """The segment tier's RecordOwner: the residency's catalog (on the event loop)."""
+
+    def __init__(self, residency: Residency) -> None:
+        self._residency = residency
+
+    def live(self, headers: Sequence[RecordHeader], locations: Sequence[int]) -> list[bool]:
+        return self._residency.records_held(headers, locations)
+
+    def moved(
+        self, headers: Sequence[RecordHeader], old: Sequence[int], new: Sequence[int]
+    ) -> list[bool]:
+        return self._residency.records_moved(headers, old, new)
 
 
 def _out_of_the_collectors_way() -> None:
