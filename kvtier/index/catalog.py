@@ -231,7 +231,6 @@ class Catalog:
             self._era[slot] = (self._era[slot] + 1) & 0xFF
             self._pins[slot] = 0
             self._record[slot] = 0
-            self._loc[slot] = 0
             self._errors[slot] = 0
             self._chain[slot] = self._free
             self._free = slot
