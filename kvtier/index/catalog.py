@@ -460,7 +460,10 @@ class Catalog:
         self._xxh3[slot] = xxh3
         self._gen[slot] = gen
         self._record[slot] = record
-        self._loc[slot] = location
+        if location or self._loc[slot]:
+            # Written only when set (or stale from a reused slot): in the file layout the
+            # column's pages are never touched, so it costs no RAM there.
+            self._loc[slot] = location
         self._pins[slot] = 0
         self._errors[slot] = 0
         self._flags[slot] = _LIVE
