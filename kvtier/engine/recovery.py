@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +40,7 @@ from kvtier.index.catalog import Entry
 from kvtier.sizes import human_size
 from kvtier.tiers.nvme import fan_of
 from kvtier.tiers.record import RecordHeader
+from kvtier.tiers.segments import SegmentTier
 from kvtier.tiers.startup import FanScan, RecoveredRecord, RecoveryReport
 from kvtier.types import BlockId
 
@@ -54,6 +56,12 @@ FANS = frozenset(f"{fan:02x}" for fan in range(256))
 _ESTIMATE_MARGIN = 1.05
 _ESTIMATE_AFTER_RECORDS = 64  # found in the fans added so far, or ...
 _ESTIMATE_AFTER_FANS = 16
+# The segment layout's scan makes each fan's record objects just before handing it out;
+# it waits while this many fans are handed and not yet added, so that only a few fans'
+# objects are alive at once (a million alive together left their heap, fragmented by the
+# catalog's allocations in between, resident after the restart: ~400 B a block).
+_FANS_AHEAD = 4
+_FAN_WAIT_POLL_S = 0.1
 
 
 class NvmeRecovery:
@@ -87,6 +95,10 @@ class NvmeRecovery:
         self._task: asyncio.Task[None] | None = None
         self._scan: Future[RecoveryReport] | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-recover")
+        self._window = (
+            threading.Semaphore(_FANS_AHEAD) if isinstance(driver.tier, SegmentTier) else None
+        )
+        self._stopping = threading.Event()
         residency.nvme_unindexed_bytes = driver.capacity_bytes  # no room until a fan is in
 
     # ---- for the store's flows ---------------------------------------------------------
@@ -144,6 +156,7 @@ class NvmeRecovery:
 
     async def stop(self) -> None:
         """End the scan (within a few files) and stop adding; idempotent."""
+        self._stopping.set()
         self._driver.tier.stop_recovery()
         if self._task is not None:
             self._task.cancel()
@@ -159,6 +172,10 @@ class NvmeRecovery:
         fans: asyncio.Queue[FanScan | None] = asyncio.Queue()
 
         def on_fan(fan_scan: FanScan) -> None:  # on the scan's thread, not the loop
+            if self._window is not None:
+                while not self._window.acquire(timeout=_FAN_WAIT_POLL_S):
+                    if self._stopping.is_set():
+                        return  # nobody adds it any more
             fan_scan.records.sort(key=lambda r: r.header.generation)
             loop.call_soon_threadsafe(fans.put_nowait, fan_scan)
 
@@ -173,6 +190,9 @@ class NvmeRecovery:
         try:
             while (fan_scan := await fans.get()) is not None:
                 await self._add_fan(fan_scan)
+                del fan_scan  # its records may go before the next fan is made
+                if self._window is not None:
+                    self._window.release()
             report = await asyncio.wrap_future(self._scan)
             if report.complete:
                 self._pending_fans.clear()  # a fan with no directory holds nothing
@@ -185,6 +205,7 @@ class NvmeRecovery:
                 self.indexed,
             )
         finally:
+            self._stopping.set()  # a scan waiting to hand a fan over gives up
             self.running = False
             self._done.set()
             self._executor.shutdown(wait=False)

@@ -74,6 +74,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+import xxhash
+
 from kvtier import failpoints
 from kvtier.buffers import aligned_buffer
 from kvtier.errors import ConfigError, CorruptRecord
@@ -98,10 +101,13 @@ from kvtier.tiers.segment_file import (
 )
 from kvtier.tiers.segment_format import (
     EMPTY_FOOTER_BYTES,
+    FooterColumns,
     check_segment_header,
+    columns_of_entries,
     encode_segment_header,
     entry_bytes,
     read_footer,
+    read_footer_columns,
     scan_records,
     segment_id_of,
     segment_name,
@@ -320,6 +326,8 @@ class SegmentTier(NvmeTier):
                 gc.enable()
 
     def _recover_all(self, on_fan: Callable[[FanScan], None] | None) -> RecoveryReport:
+        if self._owner is not None:
+            return self._recover_columns(on_fan)
         tombstones = self._read_tombstones()
         report = RecoveryReport([], 0, 0, 0, 0, max(tombstones.values(), default=0))
         with ThreadPoolExecutor(_LOAD_THREADS, thread_name_prefix="kvtier-segload") as pool:
@@ -377,6 +385,149 @@ class SegmentTier(NvmeTier):
             else:
                 on_fan(fans[fan])
         return report
+
+    def _recover_columns(self, on_fan: Callable[[FanScan], None] | None) -> RecoveryReport:
+        """`_recover_all` for a tier with an owner, in columns: each segment's footer
+        decoded into numpy arrays (segment_format.read_footer_columns), the newest record
+        of each block chosen by one sort (digest, generation descending, load order), the
+        tombstones applied; a `RecordHeader` is made only for the records handed out, fan
+        by fan (so no million objects are alive at once: their heap, fragmented by what
+        the catalog allocates meanwhile, stayed resident after the restart). The same
+        records, counts and locations as the per-record path (property test)."""
+        tombstones = self._read_tombstones()
+        report = RecoveryReport([], 0, 0, 0, 0, max(tombstones.values(), default=0))
+        with ThreadPoolExecutor(_LOAD_THREADS, thread_name_prefix="kvtier-segload") as pool:
+            loaded = list(pool.map(self._load_columns, self._old))
+        if self._stop_recovery.is_set():
+            report.complete = False
+            return report
+        parts: list[tuple[Segment, FooterColumns]] = []
+        for seg, cols, why in loaded:
+            if why or cols is None:
+                report.dropped_corrupt += 1
+                logger.warning("dropping unreadable segment %s: %s", seg.path, why)
+                self._retire(seg, delete=True)
+                continue
+            seg.loaded = True
+            seg.stored_bytes = int(cols.record_bytes.sum())
+            seg.stored_count = len(cols)
+            parts.append((seg, cols))
+        chosen = _newest(parts, tombstones, report)
+        if chosen is None:  # two keys with one digest: the per-record path tells them apart
+            return self._recover_records(tombstones, parts, report, on_fan)
+        rows_of, self._carry = chosen
+        fan_parts: list[np.ndarray] = []
+        with self._mu:
+            for (seg, cols), rows in zip(parts, rows_of, strict=True):
+                seg.live_bytes += int(cols.record_bytes[rows].sum())
+                seg.live_count += len(rows)
+                if len(rows):
+                    top = int(cols.generation[rows].max())
+                    report.max_generation = max(report.max_generation, top)
+                names = cols.ns_names
+                # A fan number per record (small ints: no object kept per record).
+                fan_parts.append(
+                    np.fromiter(
+                        (
+                            int(fan_of(names[int(cols.ns[r])], cols.key(r)), 16)
+                            for r in rows.tolist()
+                        ),
+                        dtype=np.uint8,
+                        count=len(rows),
+                    )
+                )
+        self._recovered.set()
+        self._reclaim_wake.set()
+        part_ids = np.repeat(np.arange(len(parts)), [len(r) for r in rows_of])
+        all_rows = np.concatenate(rows_of) if rows_of else np.zeros(0, np.int64)
+        fan_ids = np.concatenate(fan_parts) if fan_parts else np.zeros(0, np.uint8)
+        by_fan = np.argsort(fan_ids, kind="stable")  # each fan's records in load order
+        bounds = np.searchsorted(fan_ids[by_fan], np.arange(257))
+        for fan in range(256):
+            picked = by_fan[bounds[fan] : bounds[fan + 1]]
+            if not len(picked):
+                continue
+            scan = FanScan(f"{fan:02x}")
+            for i in picked.tolist():
+                seg, cols = parts[int(part_ids[i])]
+                row = int(all_rows[i])
+                location = pack_location(seg.seg_id, int(cols.offset[row]))
+                scan.records.append(RecoveredRecord(cols.header(row), seg.path, location))
+            scan.files = len(scan.records)
+            if on_fan is None:
+                report.records += scan.records
+            else:
+                on_fan(scan)  # may wait for the records before it to be added
+            del scan
+        return report
+
+    def _recover_records(
+        self,
+        tombstones: dict[tuple[str, bytes], int],
+        parts: list[tuple[Segment, FooterColumns]],
+        report: RecoveryReport,
+        on_fan: Callable[[FanScan], None] | None,
+    ) -> RecoveryReport:
+        """The per-record choice over columns already loaded (a digest collision)."""
+        report.dropped_stale = report.dropped_deleted = 0
+        self._carry = []
+        newest: dict[tuple[str, bytes], tuple[Segment, int, RecordHeader]] = {}
+        covered: dict[tuple[str, bytes], int] = {}
+        for seg, cols in parts:
+            for row in range(len(cols)):
+                header = cols.header(row)
+                ident = (header.ns_id, header.key)
+                dead_up_to = tombstones.get(ident, 0)
+                if header.generation <= dead_up_to:
+                    report.dropped_deleted += 1
+                    covered[ident] = dead_up_to
+                    continue
+                old = newest.get(ident)
+                if old is not None:
+                    report.dropped_stale += 1
+                    if old[2].generation >= header.generation:
+                        continue
+                newest[ident] = (seg, int(cols.offset[row]), header)
+        fans: dict[str, FanScan] = {}
+        with self._mu:
+            for (ns_id, key), (seg, offset, header) in newest.items():
+                seg.count_live(header.record_bytes)
+                report.max_generation = max(report.max_generation, header.generation)
+                scan = fans.setdefault(fan_of(ns_id, key), FanScan(fan_of(ns_id, key)))
+                location = pack_location(seg.seg_id, offset)
+                scan.records.append(RecoveredRecord(header, seg.path, location))
+                scan.files += 1
+        self._carry = [(ns, key, gen) for (ns, key), gen in covered.items()]
+        self._recovered.set()
+        self._reclaim_wake.set()
+        for fan in sorted(fans):
+            if on_fan is None:
+                report.records += fans[fan].records
+            else:
+                on_fan(fans[fan])
+        return report
+
+    def _load_columns(self, seg: Segment) -> tuple[Segment, FooterColumns | None, str]:
+        """`_load` as columns: (segment, its records, why it could not be read)."""
+        if self._stop_recovery.is_set():
+            return seg, None, "recovery stopped"
+        if failpoints.ACTIVE:
+            failpoints.fire("nvme.recover_fan")
+        fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            try:
+                size_bytes = check_segment_header(os.pread(fd, ALIGN_BYTES, 0), seg.seg_id)
+            except CorruptRecord as err:
+                return seg, None, str(err)
+            seg.size_bytes = min(seg.size_bytes, size_bytes)
+            cols = read_footer_columns(fd, seg.seg_id, seg.size_bytes)
+            if cols is not None:
+                return seg, cols, ""
+            scan = scan_records(fd, seg.size_bytes)
+        finally:
+            os.close(fd)
+        self._seal_scanned(seg, scan.entries, scan.tail)
+        return seg, columns_of_entries(scan.entries), ""
 
     def compact_tombstones(self) -> None:
         """Carry the tombstones that still cover records on disk into the live log (synced),
@@ -980,3 +1131,89 @@ def _pread_exact(fd: int, view: memoryview, offset: int) -> None:
 def payload_checksum(data: bytes) -> int:
     """The xxh3 a record header carries for `data` (re-exported for tests)."""
     return payload_xxh3(data)
+
+
+def _newest(
+    parts: list[tuple[Segment, FooterColumns]],
+    tombstones: dict[tuple[str, bytes], int],
+    report: RecoveryReport,
+) -> tuple[list[np.ndarray], list[tuple[str, bytes, int]]] | None:
+    """The rows to keep of each part (every block's newest record, the first loaded of
+    equal generations as the per-record path keeps, not covered by a tombstone; the
+    dropped ones counted in `report`) and the tombstones that still cover a record (to
+    carry). None if two distinct blocks share a key digest (the caller then chooses per
+    record)."""
+    seeds: dict[str, int] = {}
+
+    def seed(name: str) -> int:
+        got = seeds.get(name)
+        if got is None:
+            got = seeds[name] = xxhash.xxh3_64_intdigest(name.encode())
+        return got
+
+    digests: list[np.ndarray] = []
+    for _, cols in parts:
+        view = memoryview(cols.blob)
+        ns_seeds = [seed(n) for n in cols.ns_names]
+        h = xxhash.xxh3_64_intdigest
+        digests.append(
+            np.fromiter(
+                (
+                    h(view[o : o + n], ns_seeds[s])
+                    for o, n, s in zip(
+                        cols.key_off.tolist(), cols.key_len.tolist(), cols.ns.tolist(), strict=True
+                    )
+                ),
+                dtype=np.uint64,
+                count=len(cols),
+            )
+        )
+    sizes = [len(cols) for _, cols in parts]
+    total = sum(sizes)
+    part_of = np.repeat(np.arange(len(parts), dtype=np.int64), sizes)
+    row_of = (
+        np.concatenate([np.arange(n, dtype=np.int64) for n in sizes])
+        if parts
+        else np.zeros(0, np.int64)
+    )
+    digest = np.concatenate(digests) if parts else np.zeros(0, np.uint64)
+    gen = np.concatenate([c.generation for _, c in parts]) if parts else np.zeros(0, np.uint64)
+
+    def ident(i: int) -> tuple[str, bytes]:
+        _, cols = parts[int(part_of[i])]
+        row = int(row_of[i])
+        return cols.ns_names[int(cols.ns[row])], cols.key(row)
+
+    # Tombstones: only records whose digest a tombstone's matches are compared in full.
+    dead = np.zeros(total, dtype=bool)
+    covered: dict[tuple[str, bytes], int] = {}
+    if tombstones:
+        tomb = np.fromiter(
+            (xxhash.xxh3_64_intdigest(key, seed(ns)) for ns, key in tombstones),
+            dtype=np.uint64,
+            count=len(tombstones),
+        )
+        for i in np.nonzero(np.isin(digest, tomb))[0].tolist():
+            who = ident(i)
+            dead_up_to = tombstones.get(who, 0)
+            if int(gen[i]) <= dead_up_to:
+                dead[i] = True
+                covered[who] = dead_up_to
+    report.dropped_deleted = int(dead.sum())
+    alive = np.nonzero(~dead)[0]
+    # Newest first within a digest, then load order: the first of each digest wins.
+    order = alive[np.lexsort((alive, ~gen[alive], digest[alive]))]
+    d = digest[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = d[1:] != d[:-1]
+    winners = order[first]
+    report.dropped_stale = len(order) - len(winners)
+    # Records that share a winner's digest must be the same block (else: a collision).
+    group_start = np.cumsum(first) - 1
+    for j in np.nonzero(~first)[0].tolist():
+        if ident(int(order[j])) != ident(int(winners[group_start[j]])):
+            return None
+    winners.sort()
+    parts_of_winners = part_of[winners]
+    rows = [row_of[winners[parts_of_winners == p]] for p in range(len(parts))]
+    return rows, [(ns, key, g) for (ns, key), g in covered.items()]
