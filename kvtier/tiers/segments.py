@@ -860,6 +860,8 @@ class SegmentTier(NvmeTier):
             try:
                 self.reclaim()
             except OSError as err:
+                if self._closing.is_set():
+                    return  # the owner stopped answering because the tier is closing
                 logger.warning("NVMe segment reclaim failed: %s", err.strerror or err)
                 time.sleep(_RECLAIM_POLL_S)
             except Exception:  # the reclaimer must outlive any one failure
