@@ -3,7 +3,9 @@ client, restarted on them, then 64 KiB and 2 MiB blocks streamed to NVMe against
 
     PYTHONPATH=. python benchmarks/scale.py --directory /var/tmp/kvs [--blocks 100000]
         [--block-bytes 4KiB] [--dram 32MiB] [--stream-bytes 512MiB] [--skip-stream]
-        [--policy kvtier] [--json out.json] [--keep]
+        [--policy kvtier] [--layout files|segments] [--json out.json] [--keep]
+    PYTHONPATH=. python benchmarks/scale.py --directory /var/tmp/kvs --stream-only \
+        --layout segments --rounds 3 --baseline ../main-checkout
     PYTHONPATH=. python benchmarks/scale.py --in-process-memory 1000000 [--tracemalloc]
 
 The daemon is `kvtier serve` in a subprocess (this checkout's code), on a UNIX socket,
@@ -27,7 +29,11 @@ of 256 chained SHA-256 keys (as an engine's prefix keys), each value derived fro
   is tiny so that they demote to NVMe as they arrive; the rate counts only bytes that
   reached NVMe (the tier's block count, before and after) over the whole put; each right
   after, fio writing as many bytes at the same block size (iodepth 8, direct=1 where the
-  directory supports O_DIRECT, libaio) in the same directory, and the ratio.
+  directory supports O_DIRECT, libaio) in the same directory, and the ratio; with
+  --rounds, round after round, and with --baseline another checkout's daemon (main's, for
+  an A/B) streaming in each round between this one's and fio; --ceiling adds, in each
+  round, the same stream into a DRAM arena that holds all of it (every byte counted: the
+  put path's own rate, which bounds what any demotion can reach).
 
 `--in-process-memory N` measures instead the index alone: a `Store` (with the configured
 policy) not started, N NVMe-only entries added to its residency as recovery adds them
@@ -54,6 +60,7 @@ import random
 import shutil
 import signal
 import socket
+import statistics
 import struct
 import subprocess
 import sys
@@ -133,7 +140,9 @@ class Daemon:
         nvme_bytes: int,
         policy: str,
         layout: str = "files",
+        code: Path | None = None,
     ) -> None:
+        self.code = code  # a checkout whose kvtier the daemon runs (None: this one's)
         self.run_dir = run_dir
         self.socket_path = run_dir / "s.sock"
         self.target = f"unix://{self.socket_path}"
@@ -157,12 +166,16 @@ class Daemon:
         return self.proc.pid
 
     def start(self) -> None:
+        env = None
+        if self.code is not None:
+            env = dict(os.environ, PYTHONPATH=str(self.code))
         with self.log_path.open("ab") as log:
             self.started_s = time.perf_counter()
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvtier", "serve", "--config", str(self.config_path)],
                 stdout=log,
                 stderr=log,
+                env=env,
             )
 
     def wait_first_rpc(self, probe_key: bytes, timeout_s: float = 600.0) -> float:
@@ -365,49 +378,84 @@ def fio_write(directory: Path, block_bytes: int, total_bytes: int, direct: bool)
 
 
 def stream(args: argparse.Namespace, root: Path, run_dir: Path) -> list[dict[str, Any]]:
+    """Rounds of: per block size, this checkout's daemon, then --baseline's (if given),
+    then fio, back to back on the same directory (interleaved, so drift in the machine's
+    load falls on both sides alike)."""
     from kvtier.tiers.nvme import supports_o_direct
 
-    total = args.stream_bytes
     direct = supports_o_direct(root)
     have_fio = shutil.which("fio") is not None
     if not have_fio:
         print("fio not found: streaming is measured without its fio reference", flush=True)
+    sides: list[tuple[str, Path | None]] = [("kvtier", None)]
+    if args.baseline is not None:
+        sides.append(("baseline", args.baseline.resolve()))
+    if args.ceiling:
+        sides.append(("ceiling", None))
     rows = []
-    for size in (64 << 10, 2 << 20):
-        # A fresh daemon and tier per size: blocks of one size still in DRAM must not be
-        # counted as the next size's demotions.
-        nvme_dir = root / "stream-nvme"
-        daemon = Daemon(run_dir, nvme_dir, STREAM_DRAM, 2 * total + (256 << 20), args.policy)
-        keys = list(chain_keys(total // size, salt=size.to_bytes(8, "little")))
-        try:
-            daemon.start()
-            daemon.wait_first_rpc(keys[0])
-            with kvtier.Client(daemon.target, timeout_s=120) as client:
-                before = client.stats()
-                began = time.perf_counter()
-                put_all(client, NS, keys, size)
-                put_s = time.perf_counter() - began
-                after = client.stats()
-            daemon.stop()
-        finally:
-            daemon.kill()
-            shutil.rmtree(nvme_dir, ignore_errors=True)
-        reached = after.tiers["nvme"].blocks - before.tiers["nvme"].blocks
-        row: dict[str, Any] = {
-            "block_bytes": size,
-            "blocks_put": len(keys),
-            "blocks_on_nvme": reached,
-            "kvtier_mb_per_s": round(reached * size / put_s / 1e6, 1),
-            "stall_max_ms": round(after.event_loop_stall_recent_max_s * 1e3, 1),
-            "direct_io": after.nvme_direct_io,
-        }
-        if have_fio:
-            fio_bw = fio_write(root, size, max(reached, 1) * size, direct)
-            row["fio_mb_per_s"] = round(fio_bw / 1e6, 1)
-            row["fio_direct"] = direct
-            row["ratio"] = round(reached * size / put_s / fio_bw, 3) if fio_bw else None
-        rows.append(row)
+    for round_ in range(args.rounds):
+        for size in (64 << 10, 2 << 20):
+            row: dict[str, Any] = {"round": round_, "block_bytes": size}
+            for side, code in sides:
+                got = stream_once(args, root, run_dir, size, code, side == "ceiling")
+                row.update({f"{side}_{k}": v for k, v in got.items()})
+                print(f"round {round_} {human_size(size)} {side}: {got}", flush=True)
+            if have_fio:
+                reached = max(row["kvtier_blocks_on_nvme"], 1)
+                fio_bw = fio_write(root, size, reached * size, direct)
+                row["fio_mb_per_s"] = round(fio_bw / 1e6, 1)
+                row["fio_direct"] = direct
+                for side, _ in sides:
+                    mb = row[f"{side}_mb_per_s"]
+                    row[f"{side}_ratio"] = round(mb * 1e6 / fio_bw, 3) if fio_bw else None
+                print(f"round {round_} {human_size(size)} fio: {row['fio_mb_per_s']} MB/s")
+            rows.append(row)
     return rows
+
+
+def stream_once(
+    args: argparse.Namespace,
+    root: Path,
+    run_dir: Path,
+    size: int,
+    code: Path | None,
+    ceiling: bool = False,
+) -> dict[str, Any]:
+    """--stream-bytes of `size`-byte blocks put through the client (put_many of ~1 MiB)
+    into a fresh daemon (of `code`'s checkout) whose DRAM is tiny; MB/s of the bytes that
+    reached NVMe over the whole put, and the longest event-loop stall meanwhile. With
+    `ceiling`, DRAM holds the whole stream instead and MB/s counts every byte put: what
+    the put path alone reaches, with nothing demoted."""
+    total = args.stream_bytes
+    # A fresh daemon and tier each time: blocks of one size still in DRAM must not be
+    # counted as the next size's demotions.
+    nvme_dir = root / "stream-nvme"
+    nvme_bytes = 2 * total + (256 << 20)
+    dram = str(total + (64 << 20)) if ceiling else STREAM_DRAM
+    daemon = Daemon(run_dir, nvme_dir, dram, nvme_bytes, args.policy, args.layout, code)
+    keys = list(chain_keys(total // size, salt=size.to_bytes(8, "little")))
+    try:
+        daemon.start()
+        daemon.wait_first_rpc(keys[0])
+        with kvtier.Client(daemon.target, timeout_s=120) as client:
+            before = client.stats()
+            began = time.perf_counter()
+            put_all(client, NS, keys, size)
+            put_s = time.perf_counter() - began
+            after = client.stats()
+        daemon.stop()
+    finally:
+        daemon.kill()
+        shutil.rmtree(nvme_dir, ignore_errors=True)
+    reached = after.tiers["nvme"].blocks - before.tiers["nvme"].blocks
+    counted = len(keys) if ceiling else reached
+    return {
+        "blocks_put": len(keys),
+        "blocks_on_nvme": reached,
+        "mb_per_s": round(counted * size / put_s / 1e6, 1),
+        "stall_max_ms": round(after.event_loop_stall_recent_max_s * 1e3, 1),
+        "direct_io": after.nvme_direct_io,
+    }
 
 
 # ---- the index alone, in process ----------------------------------------------------------
@@ -497,6 +545,43 @@ def _short(filename: str) -> str:
 
 
 # ---- report -------------------------------------------------------------------------------
+def stream_report(stream_rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """Per block size and side: median MB/s (range), median ratio to fio (each round's
+    own fio), the longest stall over the rounds."""
+    out: list[tuple[str, str]] = []
+    for size in sorted({r["block_bytes"] for r in stream_rows}):
+        rounds = [r for r in stream_rows if r["block_bytes"] == size]
+        for side in ("kvtier", "baseline", "ceiling"):
+            if f"{side}_mb_per_s" not in rounds[0]:
+                continue
+            mbs = [r[f"{side}_mb_per_s"] for r in rounds]
+            ratios = [r[f"{side}_ratio"] for r in rounds if r.get(f"{side}_ratio") is not None]
+            fio = (
+                f"; vs fio {statistics.median(ratios):.3f}x (each round's own fio)"
+                if ratios
+                else " (fio not found)"
+            )
+            on_nvme = [r[f"{side}_blocks_on_nvme"] for r in rounds]
+            out.append(
+                (
+                    f"stream {human_size(size)} to NVMe, {side}",
+                    f"{statistics.median(mbs)} MB/s ({min(mbs)}-{max(mbs)}, {len(mbs)} rounds; "
+                    f"{min(on_nvme)}/{rounds[0][f'{side}_blocks_put']}+ on NVMe){fio}; "
+                    f"stall max {max(r[f'{side}_stall_max_ms'] for r in rounds)} ms",
+                )
+            )
+        fios = [r["fio_mb_per_s"] for r in rounds if "fio_mb_per_s" in r]
+        if fios:
+            out.append(
+                (
+                    f"stream {human_size(size)}: fio",
+                    f"{statistics.median(fios)} MB/s ({min(fios)}-{max(fios)}, "
+                    f"direct={int(rounds[0]['fio_direct'])})",
+                )
+            )
+    return out
+
+
 def print_report(result: dict[str, Any]) -> None:
     rows: list[tuple[str, str]] = []
     if "fill" in result:
@@ -536,19 +621,7 @@ def print_report(result: dict[str, Any]) -> None:
                     f"p50 {lat[f'{name}_p50_ms']} ms, p99 {lat[f'{name}_p99_ms']} ms",
                 )
             )
-    for s in result.get("stream", []):
-        fio = (
-            f" vs fio {s['fio_mb_per_s']} MB/s (direct={int(s['fio_direct'])}): {s['ratio']}x"
-            if "fio_mb_per_s" in s
-            else " (fio not found)"
-        )
-        rows.append(
-            (
-                f"stream {human_size(s['block_bytes'])} to NVMe",
-                f"{s['kvtier_mb_per_s']} MB/s ({s['blocks_on_nvme']}/{s['blocks_put']} on "
-                f"NVMe){fio}; stall {s['stall_max_ms']} ms",
-            )
-        )
+    rows += stream_report(result.get("stream", []))
     if "in_process" in result:
         m = result["in_process"]
         rows += [
@@ -588,6 +661,21 @@ def main() -> int:
     parser.add_argument("--sample", type=int, default=300, help="keys checked after restart")
     parser.add_argument("--stream-bytes", type=parse_size, default=512 << 20)
     parser.add_argument("--skip-stream", action="store_true")
+    parser.add_argument(
+        "--stream-only", action="store_true", help="only the streaming phase (no fill/restart)"
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="streaming rounds (interleaved)")
+    parser.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="also stream into a DRAM that holds it all (the put path alone, no demotion)",
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="a checkout (e.g. a worktree of main) whose daemon streams in the same rounds",
+    )
     parser.add_argument("--policy", default="kvtier", choices=("kvtier", "lru", "s3fifo"))
     parser.add_argument(
         "--layout", default="files", choices=("files", "segments"), help="nvme.layout"
@@ -618,7 +706,8 @@ def main() -> int:
         # A UNIX socket path must fit in 108 bytes: the daemon's run files stay short.
         run_dir = Path(tempfile.mkdtemp(prefix="kvs-"))
         try:
-            result.update(fill_and_restart(args, root, run_dir))
+            if not args.stream_only:
+                result.update(fill_and_restart(args, root, run_dir))
             if not args.skip_stream:
                 result["stream"] = stream(args, root, run_dir)
         finally:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Soak: many clients, every operation, faults at a low rate, for N minutes (loopback only).
 
-    python benchmarks/soak.py --minutes 10 --seed 1 [--json out.json]
+    python benchmarks/soak.py --minutes 10 --seed 1 [--layout segments] [--json out.json]
 
 A real `kvtier serve` on a UNIX socket in a temporary directory, two tenants, a DRAM
 tier small enough that blocks move to NVMe and back. Client threads (each owning its own
@@ -67,8 +67,9 @@ class Tally:
 
 
 class Daemon:
-    def __init__(self, workdir: Path, dram: str, nvme: str) -> None:
+    def __init__(self, workdir: Path, dram: str, nvme: str, layout: str = "files") -> None:
         self.workdir = workdir
+        self.layout = layout
         self.socket = workdir / "kvtier.sock"
         self.log_path = workdir / "daemon.log"
         config = workdir / "soak.toml"
@@ -95,6 +96,7 @@ class Daemon:
             KVTIER_NVME__OFFLINE_AFTER_ERRORS="50",
             KVTIER_NVME__OFFLINE_RETRY_S="1",
             KVTIER_PLANNER__CALIBRATION_S="0",
+            KVTIER_NVME__LAYOUT=self.layout,
         )
         with self.log_path.open("a") as log:
             self.proc = subprocess.Popen(
@@ -277,8 +279,15 @@ def kill_a_client(daemon: Daemon, rng: random.Random) -> bool:
     return alive
 
 
+def on_disk(nvme_dir: Path) -> list[Path]:
+    """The tier's record files (the file layout) or segment files (the segment layout)."""
+    return sorted((nvme_dir / "v1").glob("*/*.kvr")) + sorted((nvme_dir / "segments").glob("*.kvs"))
+
+
 def flip_a_record(nvme_dir: Path, rng: random.Random) -> bool:
-    records = sorted((nvme_dir / "v1").glob("*/*.kvr"))
+    """Flip one bit anywhere in one file of the tier: a record's header or payload, or in
+    the segment layout also a segment's header, footer or trailer."""
+    records = on_disk(nvme_dir)
     if not records:
         return False
     path = rng.choice(records)
@@ -315,7 +324,10 @@ def leaked(daemon: Daemon, workers: list[Worker], deadline_s: float) -> dict[str
             "blocks": stats["tiers"]["dram"]["blocks"] + stats["tiers"]["nvme"]["blocks"],
             "leases": stats["leases"],
             "record_files": len(list((nvme_dir / "v1").glob("*/*.kvr"))),
-            "temporary_files": len(list((nvme_dir / "tmp").iterdir())),
+            "temporary_files": len(list((nvme_dir / "tmp").glob("*"))),
+            # Segments without a live record are deleted by the reclaimer; the one being
+            # appended to and the one reclaim copies into stay.
+            "segment_files_past_two": max(0, len(list((nvme_dir / "segments").glob("*.kvs"))) - 2),
         }
         if not any(out.values()) or time.monotonic() > deadline_s:
             return out
@@ -329,6 +341,7 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=6)
     parser.add_argument("--dram", default="12MiB", help="DRAM arena per tenant")
     parser.add_argument("--nvme", default="256MiB")
+    parser.add_argument("--layout", choices=["files", "segments"], default="files")
     parser.add_argument("--kill-every-s", type=float, default=45.0)
     parser.add_argument("--flip-every-s", type=float, default=7.0)
     parser.add_argument("--client-kill-every-s", type=float, default=10.0)
@@ -339,7 +352,7 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kvt-soak-"))
     rng = random.Random(args.seed)
     tally = Tally()
-    daemon = Daemon(workdir, args.dram, args.nvme)
+    daemon = Daemon(workdir, args.dram, args.nvme, args.layout)
     daemon.start(args.seed)
     stop = threading.Event()
     workers = [Worker(n, daemon, tally, args.seed, stop) for n in range(args.clients)]
@@ -356,7 +369,7 @@ def main() -> int:
         time.sleep(0.2)
         now = time.monotonic()
         if now >= next_flip_s:
-            tally.faults["bit flip in a record file"] += flip_a_record(workdir / "nvme", rng)
+            tally.faults["bit flip in a tier file"] += flip_a_record(workdir / "nvme", rng)
             next_flip_s = now + args.flip_every_s * (0.5 + rng.random())
         if now >= next_client_kill_s and daemon.up.is_set():
             tally.faults["client process SIGKILLed mid-call"] += kill_a_client(daemon, rng)
@@ -381,6 +394,7 @@ def main() -> int:
     result: dict[str, Any] = {
         "minutes": args.minutes,
         "seed": args.seed,
+        "layout": args.layout,
         "clients": args.clients,
         "operations": sum(tally.ops.values()),
         "operations_by_kind": dict(sorted(tally.ops.items())),

@@ -216,6 +216,14 @@ class DramConfig(_Section):
     prefault: bool = Field(
         True, description="fault the whole arena in at start (slower start, faster puts)"
     )
+    demote_free_fraction: float = Field(
+        0.125,
+        ge=0,
+        le=0.5,
+        description="share of each DRAM arena the demoter keeps free by writing the "
+        "policy's victims to NVMe in batches ahead of puts (0: only when a put finds no "
+        "room); with no NVMe tier nothing is dropped ahead",
+    )
 
 
 class NvmeConfig(_Section):

@@ -255,7 +255,8 @@ def main(args: argparse.Namespace) -> int:
     )
     header = (
         f"{'policy':<8} {'hit ratio':>9} {'dram hits':>10} {'nvme hits':>10} "
-        f"{'saved (s)':>10} {'regret (s)':>10} {'lost reuse':>10} {'NVMe written':>13} {'USD':>8}"
+        f"{'saved (s)':>10} {'regret (s)':>10} {'lost reuse':>10} {'NVMe written':>13} "
+        f"{'WA':>5} {'USD':>8}"
     )
     print(header)
     for r in reports:
@@ -263,9 +264,18 @@ def main(args: argparse.Namespace) -> int:
             f"{r['policy']:<8} {r['block_hit_ratio']:>9.1%} {r['tiers']['dram']['hits']:>10} "
             f"{r['tiers']['nvme']['hits']:>10} {r['prefill_seconds_saved']:>10.1f} "
             f"{r['fetch_regret_seconds']:>10.2f} {r['lost_reuse']:>10} "
-            f"{human_size(r['nvme_bytes_written']):>13} {r['usd_saved']:>8.2f}"
+            f"{human_size(r['nvme_bytes_written']):>13} {_wa(r):>5} {r['usd_saved']:>8.2f}"
         )
+    print(
+        'WA: write amplification of nvme.layout = "segments" (bytes written to the '
+        "segments per byte admitted, reclaim's copies included)"
+    )
     return 0
+
+
+def _wa(report: dict[str, Any]) -> str:
+    wa = report.get("nvme_write_amplification")
+    return "-" if wa is None else f"{wa:.2f}"
 
 
 def sizes_main(args: argparse.Namespace, requests: list[Request], sizes: list[str]) -> int:

@@ -2,8 +2,9 @@
 page-locking for the GPU.
 
 One arena per tenant: a client maps its tenant's arena and nothing else. Reserving room
-evicts through the store (the only one that knows how to demote a block) and, when every
-block left is in use, waits — bounded by `limits.reserve_wait_s` — for one to be let go.
+evicts through the store's demoter (engine/demoter.py: it writes victims to NVMe in
+batches, ahead of need; a reservation only waits for it) and, when every block left is
+in use, waits — bounded by `limits.reserve_wait_s` — for one to be let go.
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ class DramSpace:
         """Space was freed, or a block became evictable: wake the puts waiting for room."""
         self._space_freed.set()
         self._space_freed = asyncio.Event()
+
+    @property
+    def freed(self) -> asyncio.Event:
+        """Set at the next `signal` (the demoter's waiting reservations wait on it)."""
+        return self._space_freed
 
     def reserving(self, tenant: str) -> int:
         """How many puts of `tenant` are reserving room now."""

@@ -372,3 +372,90 @@ class NvmeDriver:
         removals, self._unremoved = self._unremoved, []
         for header, location in removals:
             await self._remove(header, location)
+
+    # ---- batches (the demoter: kvtier/engine/demoter.py) -----------------------------------
+    async def write_batch(
+        self, headers: list[RecordHeader], payloads: list[list[memoryview]], then: str
+    ) -> BatchWritten:
+        """Write several records as one I/O-pool job, so a batch costs the event loop one
+        wake-up, not one per record. On the I/O thread each payload is first checked
+        against its header's xxh3 (a block whose DRAM bytes were damaged is never written:
+        `damaged`), then the rest go to the tier's `write_many` (segments: one reservation,
+        one pwritev). `then` says in the log what becomes of blocks not written."""
+        count = len(headers)
+        if not self.health.online or not count:
+            return BatchWritten((0,) * count, (False,) * count, 0.0, (0,) * count)
+
+        def job() -> tuple[list[Placed | OSError], list[bool]]:
+            damaged = [not _payload_intact(h, p) for h, p in zip(headers, payloads, strict=True)]
+            keep = [i for i in range(count) if not damaged[i]]
+            written = self.tier.write_many_placed(
+                [headers[i] for i in keep], [payloads[i] for i in keep]
+            )
+            results: list[Placed | OSError] = [Placed(0)] * count
+            for i, result in zip(keep, written, strict=True):
+                results[i] = result
+            return results, damaged
+
+        batch = asyncio.ensure_future(self.io.run_timed(job))
+        try:
+            (results, damaged), service_s = await asyncio.shield(batch)
+        except asyncio.CancelledError:
+            batch.add_done_callback(self._settle_abandoned_batch)  # as in `write`
+            raise
+        for r in results:  # the caller records these locations before its next await
+            if isinstance(r, Placed) and r.record_bytes:
+                self.tier.settle(r.location)
+        errors = {id(r): r for r in results if isinstance(r, OSError)}
+        for err in errors.values():  # one failed pwritev is one error, not one per record
+            self.failed(err)
+        if errors:
+            failed = sum(isinstance(r, OSError) for r in results)
+            logger.warning(
+                "could not write %d of %d records to NVMe (%s); the blocks %s",
+                failed,
+                count,
+                ", ".join(sorted({e.strerror or str(e) for e in errors.values()})),
+                then,
+            )
+        if any(isinstance(r, Placed) and r.record_bytes for r in results):
+            self.health.succeeded()
+        return BatchWritten(
+            tuple(r.record_bytes if isinstance(r, Placed) else 0 for r in results),
+            tuple(damaged),
+            service_s,
+            tuple(r.location if isinstance(r, Placed) else 0 for r in results),
+        )
+
+    def _settle_abandoned_batch(
+        self, job: asyncio.Future[tuple[tuple[list[Placed | OSError], list[bool]], float]]
+    ) -> None:
+        if job.cancelled() or job.exception() is not None:
+            return
+        for r in job.result()[0][0]:
+            if isinstance(r, Placed) and r.record_bytes:
+                self.tier.settle(r.location)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchWritten:
+    """What `write_batch` did, per record in order: its size on disk (0: not written) and
+    whether its payload failed its checksum (so it was not written); the batch's seconds
+    on its I/O thread."""
+
+    record_bytes: tuple[int, ...]
+    damaged: tuple[bool, ...]
+    service_s: float
+    locations: tuple[int, ...]  # where each record lies (the segment layout's; else 0)
+
+
+def _payload_intact(header: RecordHeader, payload: list[memoryview]) -> bool:
+    """Whether a payload (views of DRAM) still holds the bytes its header's xxh3 names."""
+    hasher = xxhash.xxh3_64()
+    left = header.payload_bytes
+    for view in payload:
+        if left <= 0:
+            break
+        hasher.update(view[:left])
+        left -= len(view)
+    return bool(hasher.intdigest() == header.xxh3_64)

@@ -7,10 +7,12 @@
     NvmeDriver  the NVMe tier on the I/O pool: health, retries, tombstones engine/nvme.py
     RemoteLink  the cluster's shared store                                engine/remote.py
     LeaseTable  zero-copy leases                                          engine/leases.py
+    Demoter     DRAM -> NVMe in batches: demotion, write-through, flush   engine/demoter.py
 
 Everything runs on the event loop, so residency needs no locks; bytes move on the I/O
 pool. Puts land in DRAM. When DRAM needs room, the policy's victims are demoted to NVMe
-(written there, then their DRAM extent freed) while NVMe has room, making room on NVMe by
+(written there, then their DRAM extent freed; in batches, ahead of need, by the Demoter:
+engine/demoter.py) while NVMe has room, making room on NVMe by
 dropping the policy's NVMe victims; only a block NVMe cannot take is dropped. A block in
 use (pinned by a read, or being demoted) is never evicted and its memory never reused
 until the last user lets go.
@@ -30,16 +32,10 @@ from collections.abc import Callable, Iterator
 
 from kvtier import failpoints
 from kvtier.config import Config
-from kvtier.engine.blocks import (
-    BlockReader,
-    PutWriter,
-    intact,
-    payload_of,
-    record_header,
-    record_location,
-)
+from kvtier.engine.blocks import BlockReader, PutWriter, intact, record_header, record_location
 from kvtier.engine.calibrate import CALIBRATION_RECORDS, calibrate
 from kvtier.engine.costs import CostModel
+from kvtier.engine.demoter import Demoter
 from kvtier.engine.dram import DramSpace
 from kvtier.engine.events import EventLog
 from kvtier.engine.leases import LeaseTable
@@ -164,6 +160,7 @@ class Store:
         self.prefetch = Prefetcher(self)
         self.residency.protected = self.prefetch.protected
         self.residency.on_use = self.prefetch.used
+        self.demoter = Demoter(self)
 
     # ---- views for the servicer, the GPU path and the metrics ---------------------------------
     @property
@@ -295,23 +292,7 @@ class Store:
     async def flush(self) -> int:
         """Write every DRAM-only block to NVMe (most recently stored first); returns how
         many."""
-        if self.nvme is None:
-            return 0
-        written = 0
-        sem = asyncio.Semaphore(self.io.threads)
-
-        async def one(entry: Entry) -> None:
-            nonlocal written
-            async with sem:
-                try:
-                    if await self._write_unmoved(entry):
-                        written += 1
-                except Exception:  # one block must not cost the others their flush
-                    logger.exception("could not flush a block to NVMe")
-
-        dram_only = self.residency.dram_only_entries()
-        await self.tasks.run_to_end(*(one(e) for e in reversed(dram_only)))
-        return written
+        return await self.demoter.flush()
 
     async def close(self) -> None:
         await self.prefetch.close()
@@ -400,7 +381,7 @@ class Store:
         writer.release()
         self.residency.add(entry)
         if self.policies.admission.on_insert and self.nvme is not None:
-            self.tasks.spawn(self._write_through(entry))
+            self.demoter.write_through(entry)
         if self.remote is not None and self.config.remote.admission == "write_through":
             self.tasks.spawn(self.shared.put(entry))
         self.counters.puts += 1
@@ -666,7 +647,13 @@ class Store:
 
     # ---- making room --------------------------------------------------------------------
     async def reserve_dram(self, tenant: str, size_bytes: int, put: bool = False) -> Extent:
-        return await self.space.reserve(tenant, size_bytes, self._evict_dram, self._dram_busy, put)
+        """An extent of `tenant`'s arena; the demoter (engine/demoter.py) makes the room,
+        ahead of need where it can."""
+        extent = await self.space.reserve(
+            tenant, size_bytes, self.demoter.make_room, self._dram_busy, put
+        )
+        self.demoter.notice(tenant)
+        return extent
 
     def _dram_busy(self, tenant: str) -> bool:
         # Reservations in progress and pinned blocks free space when they finish.
@@ -675,99 +662,17 @@ class Store:
             tenant, arena.used_bytes
         )
 
-    async def _evict_dram(self, tenant: str, size_bytes: int) -> bool:
-        """Evict the policy's victims from `tenant`'s arena for `size_bytes` (as many as
-        the I/O threads can demote at once); False if none may go."""
-        arena = self.arena(tenant)
-        shortfall = size_bytes - (arena.capacity_bytes - arena.used_bytes)
-        victims = self.residency.dram_victims(tenant, shortfall, self.io.threads)
-        if victims:
-            await self.tasks.run_to_end(*(self._evict_from_dram(v) for v in victims))
-        return bool(victims)
-
-    async def _evict_from_dram(self, entry: Entry) -> None:
-        try:
-            if self.remote is not None and self.config.remote.admission == "on_evict":
-                await self.shared.put(entry)
-            wanted = self.nvme is not None and not entry.nvme_record_bytes
-            if wanted and not self.residency.admit_on_evict(entry):
-                wanted = False
-                self.counters.not_admitted += 1
-            if wanted and await self._write_nvme(entry, evicting=True):
-                self.counters.demotions += 1
-                self.counters.admitted += 1
-                if failpoints.ACTIVE:
-                    failpoints.fire("store.evict")
-        except BaseException:
-            self.residency.end_move(entry)  # not evicted: it stays where it was
-            raise
-        # A reader that pinned it while it was written out keeps its DRAM copy (now also
-        # on NVMe, so a later eviction is free), freed no earlier than unpin.
-        extent, released = self.residency.finish_dram_eviction(entry)
-        if extent is not None:
-            self.arena_of(entry.block_id).free(extent)
-        self._apply(entry, released)
-        self.space.signal()
-
-    async def _write_unmoved(self, entry: Entry) -> bool:
-        """Write a DRAM-only block to NVMe and keep it in DRAM (a flush, write-through)."""
-        if not self.residency.start_move(entry):
-            return False
-        try:
-            return await self._write_nvme(entry, evicting=False)
-        finally:
-            self.residency.end_move(entry)
-            self._apply(entry, self.residency.release(entry))
-
-    async def _write_through(self, entry: Entry) -> None:
-        """policy.admission = write_through: every new block goes to NVMe right away."""
-        if await self._write_unmoved(entry):
-            self.counters.admitted += 1
-
-    async def _write_nvme(self, entry: Entry, evicting: bool) -> bool:
-        assert self.nvme is not None and entry.dram_extent is not None
-        if not self.nvme.online:
-            return False
-        header = record_header(entry)
-        need = header.record_bytes
-        room, dropped = self.residency.reserve_nvme(entry, need)
-        self._remove_records(dropped)
-        if not room:
-            return False
-        view = self.arena_of(entry.block_id).view(entry.dram_extent)
-        if not intact(view, entry):  # never a record of damaged bytes; an eviction drops it
-            view.release()
-            self.residency.unreserve_nvme(entry, need)
-            self.counters.checksum_failures += 1
-            return False
-        started_s = time.perf_counter()
-        try:
-            placed = await self.nvme.write(
-                header,
-                [payload_of(view, entry)],
-                "is dropped" if evicting else "stays in DRAM only",
-            )
-        finally:
-            view.release()
-            self.residency.unreserve_nvme(entry, need)
-        record_bytes = placed.record_bytes
-        if not record_bytes:
-            return False
-        self.telemetry.transfer("dram", "nvme", record_bytes, time.perf_counter() - started_s)
-        self.residency.written(entry, record_bytes, placed.location)
-        return True
-
     # ---- releasing ----------------------------------------------------------------------
     def _discard(self, entry: Entry) -> None:
         """Remove from lookups now; free its memory and record once nothing uses it."""
-        self._apply(entry, self.residency.remove(entry))
+        self.release_copies(entry, self.residency.remove(entry))
 
     def unpin(self, entry: Entry) -> None:
-        self._apply(entry, self.residency.unpin(entry))
+        self.release_copies(entry, self.residency.unpin(entry))
         if not entry.pins:
             self.space.signal()
 
-    def _apply(self, entry: Entry, released: Released | None) -> None:
+    def release_copies(self, entry: Entry, released: Released | None) -> None:
         """Free what a removed block held once nothing uses it."""
         if released is None:
             return
@@ -776,7 +681,7 @@ class Store:
         if released.had_record and self.nvme is not None:
             self.nvme.schedule_removal(record_header(entry), record_location(entry))
 
-    def _remove_records(self, dropped: list[Entry]) -> None:
+    def remove_records(self, dropped: list[Entry]) -> None:
         """Remove from disk the records the residency dropped (evicted for room)."""
         for entry in dropped:  # only ever non-empty with an NVMe tier
             assert self.nvme is not None

@@ -29,13 +29,26 @@ _PRESSED_LIVE_SHARE = 0.9
 _MAX_SEGMENT_BYTES = 256 << 20
 _MIN_SEGMENT_BYTES = 4 << 20
 _PAGE_BYTES = 4096
+# A segment's header page, trailer page, and the footer's head rounded up to whole pages.
+_OVERHEAD_BYTES = 4 * _PAGE_BYTES
 
 
-def segment_bytes_for(limit_bytes: int) -> int:
+def segment_bytes_for(limit_bytes: int, record_bytes: int = 0, entry_bytes: int = 0) -> int:
     """A segment's size: 1/16 of the tier within [4 MiB, 256 MiB], whole pages. Large
-    enough that files are few (4 TB: ~16 k), small enough that reclaim has choices."""
+    enough that files are few (4 TB: ~16 k), small enough that reclaim has choices.
+
+    Given the record that opens it (`record_bytes`, and `entry_bytes` its footer entry),
+    a whole number of such records and their footer entries, with room for the header page,
+    the footer's own head and the trailer page: records of one size (an engine's blocks)
+    then leave no slack at a segment's tail. Without it a 64 MiB block in 256 MiB segments
+    left 64 MiB of every segment empty, a quarter of the disk the store counts as free."""
     size = min(_MAX_SEGMENT_BYTES, max(_MIN_SEGMENT_BYTES, limit_bytes // 16))
-    return size & ~(_PAGE_BYTES - 1)
+    size &= ~(_PAGE_BYTES - 1)
+    if record_bytes <= 0:
+        return size
+    per_record = record_bytes + entry_bytes
+    count = max(1, (size - _OVERHEAD_BYTES) // per_record)
+    return -(-(count * per_record + _OVERHEAD_BYTES) // _PAGE_BYTES) * _PAGE_BYTES
 
 
 def reserve_bytes_for(limit_bytes: int, segment_bytes: int) -> int:
@@ -72,49 +85,52 @@ def reclaim_victim(
 @dataclass(slots=True)
 class _Segment:
     seg_id: int
+    size_bytes: int
     stored_bytes: int = 0
     live_bytes: int = 0
     records: dict[Hashable, int] = field(default_factory=dict)  # live record -> bytes
+    count: int = 0  # records appended (live or dead): their footer entries
     sealed: bool = False
 
 
 class SegmentSpace:
-    """The segment layout's space, in bytes, with the tier's reclaim rule: `append` a record
-    (a demotion or write-through), `remove` it (evicted, replaced, deleted);
-    `write_amplification` is (bytes appended + bytes re-appended by reclaim) / bytes
-    appended. Segments are `segment_bytes` each; `limit_bytes` is the tier's configured
-    capacity, of which the store is told `store_bytes` (the reserve withheld): fed by a
-    store that keeps its live bytes within that, the segments stay within the limit.
-    `for_store(capacity)`: the layout the tier would give a store of that capacity."""
+    """The segment layout's space, in bytes, with the tier's sizing and reclaim rules:
+    `append` a record (a demotion or write-through), `remove` it (evicted, replaced,
+    deleted); `write_amplification` is (bytes appended + bytes re-appended by reclaim) /
+    bytes appended. `limit_bytes` is the tier's configured capacity, of which the store is
+    told `store_bytes` (the reserve withheld): fed by a store that keeps its live bytes
+    within that, the segments stay within the limit. `entry_bytes`: a record's footer
+    entry. `for_store(capacity)`: the tier that would give a store that capacity."""
 
     @classmethod
-    def for_store(cls, store_bytes: int) -> SegmentSpace:
+    def for_store(cls, store_bytes: int, entry_bytes: int = 0) -> SegmentSpace:
         """The smallest configured capacity whose store capacity holds `store_bytes`."""
         limit = store_bytes
         while True:
-            seg = segment_bytes_for(limit)
-            store = limit - reserve_bytes_for(limit, seg)
+            store = limit - reserve_bytes_for(limit, segment_bytes_for(limit))
             if store >= store_bytes:
-                return cls(limit, seg)
+                return cls(limit, entry_bytes)
             limit += max(_PAGE_BYTES, (store_bytes - store) // 2 + _PAGE_BYTES)
+
+    def __init__(self, limit_bytes: int, entry_bytes: int = 0) -> None:
+        self.limit_bytes = limit_bytes
+        self.segment_bytes = segment_bytes_for(limit_bytes)
+        if limit_bytes < 4 * self.segment_bytes:
+            raise ValueError("the limit must hold at least 4 segments")
+        self.entry_bytes = entry_bytes
+        self.written_bytes = 0
+        self.relocated_bytes = 0
+        self.reclaimed_segments = 0
+        self.allocated_bytes = 0
+        self._segments: dict[int, _Segment] = {}
+        self._where: dict[Hashable, _Segment] = {}
+        self._next_id = 0
+        self._active: _Segment | None = None
+        self._relocating: _Segment | None = None  # opened by the first reclaim, as the tier's
 
     @property
     def store_bytes(self) -> int:
         return self.limit_bytes - reserve_bytes_for(self.limit_bytes, self.segment_bytes)
-
-    def __init__(self, limit_bytes: int, segment_bytes: int) -> None:
-        if segment_bytes <= 0 or limit_bytes < 4 * segment_bytes:
-            raise ValueError("the limit must hold at least 4 segments")
-        self.limit_bytes = limit_bytes
-        self.segment_bytes = segment_bytes
-        self.written_bytes = 0
-        self.relocated_bytes = 0
-        self.reclaimed_segments = 0
-        self._segments: dict[int, _Segment] = {}
-        self._where: dict[Hashable, _Segment] = {}
-        self._next_id = 0
-        self._active = self._open()
-        self._relocating: _Segment | None = None  # opened by the first reclaim, as the tier's
 
     @property
     def write_amplification(self) -> float:
@@ -122,14 +138,8 @@ class SegmentSpace:
             return 1.0
         return (self.written_bytes + self.relocated_bytes) / self.written_bytes
 
-    @property
-    def allocated_bytes(self) -> int:
-        return len(self._segments) * self.segment_bytes
-
     def append(self, rid: Hashable, record_bytes: int) -> None:
         """A record written (a rewrite of `rid` kills its old copy first)."""
-        if record_bytes > self.segment_bytes:
-            raise ValueError("a record larger than a segment")
         self.remove(rid)
         self._active = self._put(self._active, rid, record_bytes)
         self.written_bytes += record_bytes
@@ -143,27 +153,32 @@ class SegmentSpace:
         if seg.sealed and not seg.records:
             self._retire(seg)
 
-    def _open(self) -> _Segment:
-        seg = _Segment(self._next_id)
-        self._next_id += 1
-        self._segments[seg.seg_id] = seg
-        return seg
+    def _fits(self, seg: _Segment, record_bytes: int) -> bool:
+        entries = (seg.count + 1) * self.entry_bytes
+        return seg.stored_bytes + record_bytes + entries + _OVERHEAD_BYTES <= seg.size_bytes
 
-    def _put(self, seg: _Segment, rid: Hashable, record_bytes: int) -> _Segment:
+    def _put(self, seg: _Segment | None, rid: Hashable, record_bytes: int) -> _Segment:
         """Append to `seg`, sealing it and opening the next when full; the open one."""
-        if seg.stored_bytes + record_bytes > self.segment_bytes:
-            seg.sealed = True
-            if not seg.records:
-                self._retire(seg)
-            seg = self._open()
+        if seg is None or not self._fits(seg, record_bytes):
+            if seg is not None:
+                seg.sealed = True
+                if not seg.records:
+                    self._retire(seg)
+            size = segment_bytes_for(self.limit_bytes, record_bytes, self.entry_bytes)
+            seg = _Segment(self._next_id, size)
+            self._next_id += 1
+            self._segments[seg.seg_id] = seg
+            self.allocated_bytes += size
         seg.records[rid] = record_bytes
         seg.stored_bytes += record_bytes
         seg.live_bytes += record_bytes
+        seg.count += 1
         self._where[rid] = seg
         return seg
 
     def _retire(self, seg: _Segment) -> None:
         del self._segments[seg.seg_id]
+        self.allocated_bytes -= seg.size_bytes
         self.reclaimed_segments += 1
 
     def _reclaim(self) -> None:
@@ -182,8 +197,6 @@ class SegmentSpace:
                 return
             victim = self._segments[victim_id]
             for rid, record_bytes in list(victim.records.items()):
-                if self._relocating is None:
-                    self._relocating = self._open()
                 self._relocating = self._put(self._relocating, rid, record_bytes)
                 self.relocated_bytes += record_bytes
             victim.records.clear()

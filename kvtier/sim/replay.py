@@ -43,6 +43,7 @@ from kvtier.index.policy import (
     TierPolicy,
     ValueModel,
 )
+from kvtier.index.reclaim import SegmentSpace
 from kvtier.profiles import MODELS
 
 # The simulator only decides: its DRAM extents are bookkeeping, so the vocabulary type,
@@ -86,6 +87,9 @@ def read_trace(path: Path) -> list[Request]:
                     f"hash_ids): {err}"
                 ) from None
     return requests
+
+
+_RECORD_HEADER_BYTES = 4096  # a record's header page (kvtier/tiers/record.py), short keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,6 +298,12 @@ class Replay:
         self._infos: dict[int, BlockInfo] = {}
         # Blocks a waiting request announced (kvtier/sim/queue.py): DRAM evicts others first.
         self.protected: Callable[[int], bool] | None = None
+        # The NVMe tier's segment layout, modelled for its write amplification: each block
+        # a record (its header page and payload) appended at admission, dead at eviction.
+        self.segments: SegmentSpace | None = None
+        self._record_bytes = _RECORD_HEADER_BYTES + config.block_bytes
+        if config.nvme_blocks > 0:
+            self.segments = SegmentSpace.for_store(config.nvme_blocks * self._record_bytes)
 
     # ---- residency --------------------------------------------------------------------
     @staticmethod
@@ -317,6 +327,8 @@ class Replay:
             entry = self._entry(victim)
             assert entry is not None
             self.catalog.drop_nvme(entry)
+            if self.segments is not None:
+                self.segments.remove(victim)
             if not self.catalog.is_live(entry):
                 self.ghosts.add(victim)
 
@@ -327,6 +339,8 @@ class Replay:
         self.catalog.set_nvme(entry, self.config.block_bytes)
         self.nvme.insert(block, self._infos[block])
         self.totals.nvme_bytes_written += self.config.block_bytes
+        if self.segments is not None:
+            self.segments.append(block, self._record_bytes)
 
     def _may_evict(self, key: Key) -> bool:
         return self.protected is None or not self.protected(cast(int, key))
@@ -477,6 +491,11 @@ class Replay:
             "fetch_regret_seconds": t.regret_s,
             "lost_reuse": t.lost_reuse,
             "nvme_bytes_written": t.nvme_bytes_written,
+            # nvme.layout "segments": bytes written to segments per byte admitted (None:
+            # no NVMe tier)
+            "nvme_write_amplification": (
+                None if self.segments is None else self.segments.write_amplification
+            ),
             "promotions": t.promotions,
             "gpu_hours_saved": gpu_hours,
             "usd_saved": gpu_hours * cfg.gpu_hour_usd,

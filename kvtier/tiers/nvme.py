@@ -509,6 +509,28 @@ class NvmeTier:
                 os.close(dir_fd)
         return total
 
+    def write_many(
+        self, headers: Sequence[RecordHeader], payloads: Sequence[Sequence[memoryview | mmap.mmap]]
+    ) -> list[int | OSError]:
+        """Write several records (a demotion batch), each as `write` would; per record its
+        size on disk or the OSError that failed it (one failure does not fail the others:
+        each record is its own file here)."""
+        results: list[int | OSError] = []
+        for header, payload in zip(headers, payloads, strict=True):
+            try:
+                results.append(self.write(header, payload))
+            except OSError as err:
+                results.append(err)
+        return results
+
+    def write_many_placed(
+        self, headers: Sequence[RecordHeader], payloads: Sequence[Sequence[memoryview | mmap.mmap]]
+    ) -> list[Placed | OSError]:
+        """`write_many`, saying where each record lies (nothing here: found by name)."""
+        return [
+            r if isinstance(r, OSError) else Placed(r) for r in self.write_many(headers, payloads)
+        ]
+
     def _open_target(self, size: int, final: str) -> tuple[OpenedFile, str]:
         """A file to write a record of `size` bytes into, open for writing, and its path: a
         recycled file of exactly that size, overwritten where it lies in free/ (out of the

@@ -68,7 +68,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,6 +138,7 @@ _LOAD_THREADS = 8  # segments whose footers (or records) are read at once at sta
 _RECLAIM_POLL_S = 1.0  # the reclaimer also looks this often without being woken
 _SPACE_WAIT_S = 5.0  # a write at the limit waits this long for the reclaimer, then ENOSPC
 _SPACE_POLL_S = 0.005
+_IOV_MAX = 1024  # buffers one pwritev takes (Linux's IOV_MAX); a batch writes in pieces
 _OWNER_CHUNK = 2048  # records per question to the owner (each answered on its event loop)
 _RETIRED_GRACE_S = 5.0  # a deleted segment's descriptor serves reads dispatched before
 
@@ -633,6 +634,136 @@ class SegmentTier(NvmeTier):
             self.written_bytes += total
         return placed
 
+    def write_many(
+        self, headers: Sequence[RecordHeader], payloads: Sequence[Sequence[memoryview | mmap.mmap]]
+    ) -> list[int | OSError]:
+        """`write_many_placed` for records the tier keeps the locations of itself (as
+        `write`); per record its size on disk or the OSError that failed it."""
+        out: list[int | OSError] = []
+        for header, placed in zip(headers, self.write_many_placed(headers, payloads), strict=True):
+            if isinstance(placed, OSError):
+                out.append(placed)
+                continue
+            rid = (header.ns_id, header.key, header.generation)
+            with self._mu:
+                old = self._placed.get(rid)
+                self._placed[rid] = (placed.location, header)
+                if old is not None:
+                    self._count_dead_locked(old[0], header.record_bytes)
+                seg = self._segments.get(unpack_location(placed.location)[0])
+                if seg is not None:
+                    seg.pending -= 1
+            out.append(placed.record_bytes)
+        return out
+
+    def write_many_placed(
+        self, headers: Sequence[RecordHeader], payloads: Sequence[Sequence[memoryview | mmap.mmap]]
+    ) -> list[Placed | OSError]:
+        """Append several records (a demotion batch) back to back: consecutive extents of
+        the active segment reserved together, written by as few `pwritev` calls as IOV_MAX
+        allows and marked written as one extent, so with sync_writes one fdatasync covers
+        the batch. The visibility rule is `write`'s: a record is visible (returned here)
+        only once every extent before it is written. Per record where it lies (each to be
+        `settle`d, as for `write_placed`) or the OSError that failed it; `payloads` as for
+        `write`."""
+        results: list[Placed | OSError] = [Placed(0)] * len(headers)
+        todo: list[int] = []
+        for i, (header, payload) in enumerate(zip(headers, payloads, strict=True)):
+            total = header.header_bytes + sum(len(b) for b in payload)
+            if total != header.record_bytes:
+                raise ValueError(
+                    f"payload buffers add up to {total}, expected {header.record_bytes}"
+                )
+            try:
+                if failpoints.ACTIVE:
+                    failpoints.fire("nvme.write")
+            except OSError as err:
+                results[i] = err
+                continue
+            todo.append(i)
+        # The batch's record headers side by side in one aligned buffer (the thread's
+        # scratch holds one header: each record of the batch needs its own until written).
+        starts, at = [], 0
+        for header in headers:
+            starts.append(at)
+            at += header.header_bytes
+        heads = memoryview(aligned_buffer(max(at, ALIGN_BYTES)))
+        iovs: list[list[memoryview | mmap.mmap]] = []
+        for header, start, payload in zip(headers, starts, payloads, strict=True):
+            head = encode_header(header, heads[start : start + header.header_bytes])
+            iovs.append([head, *payload])
+        pos = 0
+        while pos < len(todo):
+            try:  # the first extent as `write` takes it: rotating, waiting for room
+                seg, offset = self._reserve(headers[todo[pos]], relocating=False)
+            except OSError as err:  # no room for this one: none for those after it either
+                for i in todo[pos:]:
+                    results[i] = err
+                break
+            run = [(todo[pos], offset)]
+            pos += 1
+            with self._mu:  # the rest of the batch while it fits, without rotating
+                while pos < len(todo) and self._active is seg and not seg.full:
+                    header = headers[todo[pos]]
+                    entry = entry_bytes(header)
+                    if not seg.fits(header.record_bytes, entry):
+                        break
+                    run.append((todo[pos], seg.reserve(header, entry)))
+                    pos += 1
+            for piece in _contiguous(run, headers):
+                self._write_piece(seg, piece, headers, iovs, results)
+        return results
+
+    def _write_piece(
+        self,
+        seg: Segment,
+        piece: list[tuple[int, int]],
+        headers: Sequence[RecordHeader],
+        iovs: list[list[memoryview | mmap.mmap]],
+        results: list[Placed | OSError],
+    ) -> None:
+        """Write and publish records reserved back to back in `seg` ((index, offset) in
+        order), finishing them as one extent (see `write_many`)."""
+        first_offset = piece[0][1]
+        size = sum(headers[i].record_bytes for i, _ in piece)
+        with seg.cond:  # reserved one by one, finished as one
+            seg.inflight -= len(piece) - 1
+        try:
+            try:
+                chunk: list[memoryview | mmap.mmap] = []
+                chunk_at, chunk_bytes = first_offset, 0
+                for i, _ in piece:
+                    if chunk and len(chunk) + len(iovs[i]) > _IOV_MAX:
+                        _pwrite_at(seg.fd, chunk, chunk_bytes, chunk_at)
+                        chunk, chunk_at, chunk_bytes = [], chunk_at + chunk_bytes, 0
+                    chunk += iovs[i]
+                    chunk_bytes += headers[i].record_bytes
+                _pwrite_at(seg.fd, chunk, chunk_bytes, chunk_at)
+            except BaseException:
+                with seg.cond:  # none of the piece may be listed in the footer
+                    seg.failed.update(offset for _, offset in piece[1:])
+                self._finish(seg, first_offset, size, ok=False)
+                raise
+            self._finish(seg, first_offset, size, ok=True)
+        except BaseException as err:
+            with self._mu:
+                seg.pending -= len(piece)
+            for i, _ in piece:
+                # As in `_append`: a record reported failed must never come back.
+                with contextlib.suppress(OSError):
+                    self._append_tombstone(headers[i].ns_id, headers[i].key, headers[i].generation)
+            if not isinstance(err, OSError):
+                raise
+            for i, _ in piece:
+                results[i] = err
+            return
+        with self._mu:  # as `_append` counts one record (keep the two in step)
+            for i, offset in piece:
+                header = headers[i]
+                seg.count_live(header.record_bytes)  # `pending` stays up until settled
+                results[i] = Placed(header.record_bytes, pack_location(seg.seg_id, offset))
+            self.written_bytes += size
+
     def _append(
         self, header: RecordHeader, iov: list[memoryview | mmap.mmap], relocating: bool
     ) -> tuple[Segment, int]:
@@ -1102,6 +1233,21 @@ class SegmentTier(NvmeTier):
                 if seg is not None:
                     out.append((seg.path, offset, header))
             return out
+
+
+def _contiguous(
+    run: list[tuple[int, int]], headers: Sequence[RecordHeader]
+) -> Iterator[list[tuple[int, int]]]:
+    """`run` ((index, offset) in reservation order) cut where an extent does not start at
+    the end of the one before (another writer reserved in between)."""
+    piece = [run[0]]
+    for index, offset in run[1:]:
+        last_index, last_offset = piece[-1]
+        if offset != last_offset + headers[last_index].record_bytes:
+            yield piece
+            piece = []
+        piece.append((index, offset))
+    yield piece
 
 
 def _pwrite_at(fd: int, iov: list[memoryview | mmap.mmap], total: int, offset: int) -> None:

@@ -57,3 +57,24 @@ def test_the_in_process_index_measure_reports_per_entry_figures(tmp_path: Path) 
     assert r["entries"] == 3000 and r["policy"] == "kvtier"
     assert r["gc_tracked_objects_per_entry"] >= 1  # the entry itself, at least
     assert isinstance(r["rss_anon_per_entry_bytes"], int) and r["full_gc_s"] >= 0
+
+
+def test_a_small_stream_ab_reports_both_sides_and_fio(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    args = ["--stream-only", "--stream-bytes", "40MiB", "--layout", "segments"]
+    r = _run(tmp_path, *args, "--baseline", str(ROOT), "--directory", str(data))
+    assert "fill" not in r
+    rows = r["stream"]
+    assert [row["block_bytes"] for row in rows] == [64 << 10, 2 << 20]
+    for row in rows:
+        put = row["kvtier_blocks_put"]
+        assert put == (40 << 20) // row["block_bytes"] == row["baseline_blocks_put"]
+        for side in ("kvtier", "baseline"):
+            # 40 MiB through a 16 MiB arena: all but what DRAM holds reached NVMe.
+            size = row["block_bytes"]
+            assert put - (16 << 20) // size <= row[f"{side}_blocks_on_nvme"] <= put
+            assert row[f"{side}_mb_per_s"] > 0 and row[f"{side}_stall_max_ms"] >= 0
+            if "fio_mb_per_s" in row:
+                expected = row[f"{side}_mb_per_s"] / row["fio_mb_per_s"]
+                assert abs(row[f"{side}_ratio"] - expected) < 0.01
+    assert list(data.iterdir()) == []

@@ -150,3 +150,25 @@ def test_cli_plot_without_matplotlib_says_how_to_get_it(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
     assert "--plot needs matplotlib" in result.stderr and "pip install" in result.stderr
     assert not (tmp_path / "r.png").exists()
+
+
+def test_the_segment_layouts_write_amplification_follows_the_eviction_order() -> None:
+    """NVMe evicting in the order it was written (no reuse: LRU is FIFO) empties whole
+    segments, so reclaim copies nothing; hits that reorder LRU leave segments part live,
+    which reclaim must copy once the tier is full."""
+    import random
+
+    config = ReplayConfig(2, 64, policy="lru", admission="write_back")
+    fifo, _ = replay(config, _requests([[n] for n in range(1, 600)]))
+    assert fifo["nvme_write_amplification"] == 1.0
+    rng = random.Random(5)
+    chains: list[list[int]] = []
+    for n in range(1, 600):
+        chains.append([n])
+        if n > 80:  # a block NVMe still holds, hit: now the most recent there
+            chains.append([rng.randrange(n - 60, n - 2)])
+    reordered, _ = replay(config, _requests(chains))
+    assert reordered["tiers"]["nvme"]["hits"] > 100
+    assert reordered["nvme_write_amplification"] > 1.05
+    none, _ = replay(ReplayConfig(2, 0, policy="lru"), _requests([[1], [2]]))
+    assert none["nvme_write_amplification"] is None

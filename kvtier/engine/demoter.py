@@ -1,0 +1,326 @@
+"""Demoter: the write path from DRAM to NVMe, off the caller and in batches.
+
+Demotion used to run inside the Reserve that found no room: a few victims a round, each
+victim's DRAM bytes hashed on the event loop, one I/O-pool job and one event-loop wake-up
+per record. Here it runs ahead of the puts:
+
+* when a tenant's arena has less than `dram.demote_free_fraction` of it free (counting
+  what batches in flight will free), the policy's victims (`Residency.dram_victims`) are
+  claimed, up to twice that fraction, in batches of at most `BATCH_BYTES` /
+  `BATCH_RECORDS`, at most one batch per I/O thread in flight;
+* each batch is one I/O-pool job (`NvmeDriver.write_batch`): the victims' DRAM bytes are
+  checked against their checksums on the I/O thread (a damaged block is never written,
+  and is dropped), then written by the tier's `write_many` (the segment layout: one
+  reservation and one pwritev for the batch); one completion per batch on the loop;
+* a Reserve that still finds no room (`make_room`) only claims a batch (a decision, no
+  I/O) if none is in flight, and waits for space to be freed; it waits bounded, in
+  DramSpace, only when DRAM is full of blocks pinned, being written, or reserved.
+
+Write-through (`policy.admission = "write_through"`) and flush use the same batches but
+keep the DRAM copy. What a demotion did before is kept: admission (`admit_on_evict`),
+the remote tier's `on_evict` put, NVMe room made by dropping the policy's NVMe victims, a
+reader that pinned a victim keeping its DRAM copy, the `store.evict` failpoint, counters.
+Without an NVMe tier (or while it is offline) nothing is demoted ahead: a victim is then
+dropped, so only a Reserve that needs the room evicts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvtier import failpoints
+from kvtier.engine.blocks import payload_of, record_header
+from kvtier.engine.core import StoreCore
+from kvtier.engine.nvme import NvmeDriver
+from kvtier.engine.residency import Released
+from kvtier.engine.shared import SharedTier
+from kvtier.index.catalog import Entry
+from kvtier.movers.io import IoPool
+
+
+class DemoterStore(StoreCore, Protocol):
+    """What the demoter needs of the store (a Protocol, so this module does not import
+    the store that imports it)."""
+
+    io: IoPool
+    nvme: NvmeDriver | None
+    shared: SharedTier
+
+    def release_copies(self, entry: Entry, released: Released | None) -> None: ...
+
+    def remove_records(self, dropped: list[Entry]) -> None: ...
+
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BATCH_BYTES", "BATCH_RECORDS", "Demoter", "Watermarks", "watermarks"]
+
+# A batch: large enough that a 64 KiB block's share of a job's fixed costs (a thread hop,
+# a loop wake-up, a syscall) is small, small enough that a few are in flight at once.
+BATCH_BYTES = 8 << 20
+BATCH_RECORDS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Watermarks:
+    """Free bytes of an arena: below `low_bytes` the demoter starts, and it claims
+    victims until `high_bytes` are free or being freed."""
+
+    low_bytes: int
+    high_bytes: int
+
+
+def watermarks(capacity_bytes: int, free_fraction: float) -> Watermarks:
+    """The demoter's watermarks for an arena of `capacity_bytes` (pure: property-tested).
+    The gap between them is what one round claims: twice the low mark, so that a stream
+    of puts is demoted in batches of many blocks, not one block per put."""
+    low = int(capacity_bytes * free_fraction)
+    return Watermarks(low, min(capacity_bytes, 2 * low))
+
+
+def claim_bytes(marks: Watermarks, free_bytes: int, claimed_bytes: int, wanted_bytes: int) -> int:
+    """Bytes of victims to claim now (0: none): up to the high mark once free space plus
+    what is being freed falls below the low mark, or what a waiting reservation lacks."""
+    coming = free_bytes + claimed_bytes
+    target = marks.high_bytes if coming < marks.low_bytes else 0
+    return max(0, max(target, wanted_bytes) - coming)
+
+
+class Demoter:
+    """Owned by the store: `notice(tenant)` after each DRAM reservation, `make_room` as
+    DramSpace's way to make room, `write_through(entry)` for each new block under
+    write-through, `flush()` at stop. Every method runs on the event loop."""
+
+    def __init__(self, store: DemoterStore) -> None:
+        self._store = store
+        self._claimed_bytes: dict[str, int] = dict.fromkeys(store.space.arenas, 0)
+        self._batches: dict[str, int] = dict.fromkeys(store.space.arenas, 0)
+        self._through: list[Entry] = []  # new blocks waiting for a write-through batch
+        self._through_batches = 0
+        self.batches_written = 0  # batches that reached the I/O pool (for tests, metrics)
+        # Arenas and `dram` settings are fixed for the daemon's life (a reload keeps them).
+        fraction = store.config.dram.demote_free_fraction
+        self._marks = {
+            tenant: watermarks(arena.capacity_bytes, fraction)
+            for tenant, arena in store.space.arenas.items()
+        }
+        self._none = Watermarks(0, 0)
+
+    def _ahead(self) -> bool:
+        # Demoting ahead of need only pays when the victims go somewhere: else it drops.
+        nvme = self._store.nvme
+        return nvme is not None and nvme.online
+
+    # ---- demotion ------------------------------------------------------------------------
+    def notice(self, tenant: str, wanted_bytes: int = 0) -> bool:
+        """Claim victims for batches if `tenant`'s arena is below its low watermark (or a
+        reservation lacks `wanted_bytes`); whether a batch is in flight after."""
+        store = self._store
+        arena = store.arena(tenant)
+        marks = self._marks[tenant]
+        free = arena.capacity_bytes - arena.used_bytes
+        if not wanted_bytes and free + self._claimed_bytes[tenant] >= marks.low_bytes:
+            return self._batches[tenant] > 0  # the common case, after every put: nothing
+        if not self._ahead():
+            marks = self._none
+        most = store.io.threads
+        while self._batches[tenant] < most:
+            free = arena.capacity_bytes - arena.used_bytes
+            need = claim_bytes(marks, free, self._claimed_bytes[tenant], wanted_bytes)
+            if need <= 0 and not (wanted_bytes and not self._batches[tenant]):
+                break
+            # At least one victim: free bytes may be too fragmented for the block.
+            victims = store.residency.dram_victims(
+                tenant, min(max(need, 1), BATCH_BYTES), BATCH_RECORDS
+            )
+            if not victims:
+                break
+            claimed = sum(v.dram_extent.size_bytes for v in victims if v.dram_extent is not None)
+            self._claimed_bytes[tenant] += claimed
+            self._batches[tenant] += 1
+            store.tasks.spawn(self._demote(tenant, victims, claimed))
+            wanted_bytes = 0  # what the waiting reservation lacked is being freed
+        return self._batches[tenant] > 0
+
+    async def make_room(self, tenant: str, size_bytes: int) -> bool:
+        """DramSpace's `make_room`: a reservation of `size_bytes` found no extent. Claims a
+        batch if none is in flight and waits until some space is freed; False if nothing
+        can be demoted (every block left is pinned, being written, or there are none)."""
+        store = self._store
+        arena = store.arena(tenant)
+        shortfall = size_bytes - (arena.capacity_bytes - arena.used_bytes)
+        freed = store.space.freed  # before claiming: a batch may end before we wait
+        if not self.notice(tenant, max(shortfall, 1)):
+            return False
+        await freed.wait()
+        return True
+
+    async def _demote(self, tenant: str, victims: list[Entry], claimed_bytes: int) -> None:
+        store = self._store
+        try:
+            await self._demote_batch(victims)
+        finally:
+            self._claimed_bytes[tenant] -= claimed_bytes
+            self._batches[tenant] -= 1
+            store.space.signal()
+        self.notice(tenant)  # the next batch of a stream, if it is still below the mark
+
+    async def _demote_batch(self, victims: list[Entry]) -> None:
+        store = self._store
+        counters = store.counters
+        finished = False
+        try:
+            if store.remote is not None and store.config.remote.admission == "on_evict":
+                await asyncio.gather(*(store.shared.put(v) for v in victims))
+            wanted: list[Entry] = []
+            for entry in victims:
+                if store.nvme is None or entry.nvme_record_bytes:
+                    continue
+                if not store.residency.admit_on_evict(entry):
+                    counters.not_admitted += 1
+                    continue
+                wanted.append(entry)
+            for _ in await self._write(wanted, "is dropped"):
+                counters.demotions += 1
+                counters.admitted += 1
+                if failpoints.ACTIVE:
+                    failpoints.fire("store.evict")
+            finished = True
+        finally:
+            if not finished:  # not evicted: they stay where they were
+                for entry in victims:
+                    store.residency.end_move(entry)
+        # A reader that pinned one while it was written out keeps its DRAM copy (now also
+        # on NVMe, so a later eviction is free), freed no earlier than unpin.
+        for entry in victims:
+            extent, released = store.residency.finish_dram_eviction(entry)
+            if extent is not None:
+                store.arena_of(entry.block_id).free(extent)
+            store.release_copies(entry, released)
+
+    async def _write(self, entries: list[Entry], then: str) -> list[Entry]:
+        """Write claimed DRAM blocks to NVMe as one batch, making room there first; the
+        ones whose record was written (the residency knows of it)."""
+        store = self._store
+        nvme = store.nvme
+        if nvme is None or not entries or not nvme.online:
+            return []
+        residency = store.residency
+        entries = [e for e in entries if e.dram_extent is not None]
+        if not entries:
+            return []
+        wanted = [record_header(entry) for entry in entries]
+        # Room on NVMe for the whole batch at once (the victims of one arena are one
+        # tenant's); record by record only if it does not all fit.
+        total = sum(h.record_bytes for h in wanted)
+        room, dropped = residency.reserve_nvme(entries[0], total)
+        store.remove_records(dropped)
+        headers, batch, views = [], [], []
+        for entry, header in zip(entries, wanted, strict=True):
+            need = header.record_bytes
+            if not room:
+                fits, dropped = residency.reserve_nvme(entry, need)
+                store.remove_records(dropped)
+                if not fits:
+                    continue
+            assert entry.dram_extent is not None
+            headers.append(header)
+            batch.append((entry, need))
+            views.append(store.arena_of(entry.block_id).view(entry.dram_extent))
+        if not batch:
+            return []
+        try:
+            result = await nvme.write_batch(
+                headers,
+                [[payload_of(view, entry)] for view, (entry, _) in zip(views, batch, strict=True)],
+                then,
+            )
+        finally:
+            for view in views:
+                view.release()
+            if room:
+                residency.unreserve_nvme(entries[0], total)
+            else:
+                for entry, need in batch:
+                    residency.unreserve_nvme(entry, need)
+        self.batches_written += 1
+        written: list[Entry] = []
+        total = 0
+        for (entry, _), record_bytes, damaged, location in zip(
+            batch, result.record_bytes, result.damaged, result.locations, strict=True
+        ):
+            if damaged:  # never a record of damaged bytes; an eviction drops the block
+                store.counters.checksum_failures += 1
+                logger.warning("a block's DRAM copy failed its checksum; not written to NVMe")
+            elif record_bytes:
+                residency.written(entry, record_bytes, location)
+                written.append(entry)
+                total += record_bytes
+        if total:
+            store.telemetry.transfer("dram", "nvme", total, result.service_s)
+        return written
+
+    # ---- write-through and flush: written, kept in DRAM --------------------------------------
+    def write_through(self, entry: Entry) -> None:
+        """policy.admission = write_through: a new block goes to NVMe right away, in the
+        next write-through batch."""
+        self._through.append(entry)
+        self._start_through()
+
+    async def _write_through_batch(self, entries: list[Entry]) -> None:
+        try:
+            written = await self.write_unmoved(entries)
+            self._store.counters.admitted += written
+        finally:
+            self._through_batches -= 1
+        self._start_through()
+
+    def _start_through(self) -> None:
+        """Batches for the write-through blocks waiting, one per free I/O thread."""
+        store = self._store
+        while self._through and self._through_batches < store.io.threads:
+            batch, self._through = self._through[:BATCH_RECORDS], self._through[BATCH_RECORDS:]
+            self._through_batches += 1
+            store.tasks.spawn(self._write_through_batch(batch))
+
+    async def write_unmoved(self, entries: list[Entry]) -> int:
+        """Write DRAM-only blocks to NVMe as one batch and keep them in DRAM (flush,
+        write-through); how many were written."""
+        store = self._store
+        claimed = [e for e in entries if store.residency.start_move(e)]
+        written: list[Entry] = []
+        try:
+            written = await self._write(claimed, "stays in DRAM only")
+        finally:
+            for entry in claimed:
+                store.residency.end_move(entry)
+                store.release_copies(entry, store.residency.release(entry))
+        return len(written)
+
+    async def flush(self) -> int:
+        """Write every DRAM-only block to NVMe (most recently stored first), in batches,
+        one per I/O thread at a time; returns how many were written."""
+        store = self._store
+        if store.nvme is None:
+            return 0
+        dram_only = list(reversed(store.residency.dram_only_entries()))
+        batches = [
+            dram_only[i : i + BATCH_RECORDS] for i in range(0, len(dram_only), BATCH_RECORDS)
+        ]
+        sem = asyncio.Semaphore(store.io.threads)
+        written = 0
+
+        async def one(batch: list[Entry]) -> None:
+            nonlocal written
+            async with sem:
+                try:
+                    count = await self.write_unmoved(batch)
+                    written += count  # after the await: `+=` would read `written` before it
+                except Exception:  # one batch must not cost the others their flush
+                    logger.exception("could not flush blocks to NVMe")
+
+        await store.tasks.run_to_end(*(one(b) for b in batches))
+        return written

@@ -1,0 +1,172 @@
+"""The demoter (kvtier/engine/demoter.py): its watermark arithmetic as properties, and the
+store under a put stream through a tiny arena — batches, not one job per block, ahead of
+the puts; every byte back; damaged DRAM bytes never written."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvtier.config import Config
+from kvtier.engine import nvme as nvme_engine
+from kvtier.engine.demoter import Watermarks, claim_bytes, watermarks
+from kvtier.engine.store import Store
+from kvtier.tiers.nvme import NvmeTier
+from kvtier.tiers.segments import SegmentTier
+from tests.conftest import block_bytes
+from tests.engine.test_store import NS, get, make_config, put
+
+sizes = st.integers(min_value=0, max_value=1 << 40)
+
+
+@given(st.integers(min_value=1 << 20, max_value=1 << 40), st.floats(0, 0.5))
+def test_watermarks_stay_inside_the_arena_and_leave_a_gap(capacity: int, fraction: float) -> None:
+    marks = watermarks(capacity, fraction)
+    assert 0 <= marks.low_bytes <= marks.high_bytes <= capacity
+    assert marks.high_bytes == min(capacity, 2 * marks.low_bytes)
+
+
+@given(sizes, sizes, sizes, sizes, sizes)
+def test_claims_reach_the_high_mark_once_below_the_low_one(
+    low: int, gap: int, free: int, claimed: int, wanted: int
+) -> None:
+    marks = Watermarks(low, low + gap)
+    need = claim_bytes(marks, free, claimed, wanted)
+    coming = free + claimed
+    assert need >= 0
+    if coming < low:  # below the low mark: claim up to the high one (or what is wanted)
+        assert coming + need == max(low + gap, wanted)
+    elif wanted <= coming:  # above it and nobody waiting: nothing
+        assert need == 0
+    else:  # a reservation lacks room that is not coming: exactly that
+        assert coming + need == wanted
+
+
+def config(tmp_path: Path, dram: int, fraction: float, layout: str = "files") -> Config:
+    base = make_config(tmp_path, dram, 256 << 20, layout=layout)
+    return base.model_copy(
+        update={"dram": base.dram.model_copy(update={"demote_free_fraction": fraction})}
+    )
+
+
+@pytest.mark.parametrize("layout", ["files", "segments"])
+async def test_a_put_stream_is_demoted_in_batches_and_comes_back_exact(
+    tmp_path: Path, layout: str
+) -> None:
+    store = Store(config(tmp_path, 4 << 20, 0.25, layout))
+    await store.start()
+    blocks = {f"s{i}".encode(): block_bytes(i, 64 << 10) for i in range(400)}  # 25 MiB
+    for key, data in blocks.items():
+        await put(store, key, data)  # none fails: NVMe has room
+    await store.tasks.drain()
+    stats = store.stats()
+    nvme = next(t for t in stats.tiers if t.name == "nvme")
+    # 25 MiB through 4 MiB: all but what DRAM still holds reached NVMe, by demotion.
+    assert stats.demotions >= 400 - 64 and nvme.blocks == stats.demotions
+    assert stats.dropped_blocks == 0 and stats.checksum_failures == 0
+    # In batches: a 1 MiB gap between the watermarks is 16 blocks a batch, not 1.
+    assert store.demoter.batches_written * 4 <= stats.demotions
+    # Ahead of the puts: the arena is kept below its low watermark's worth of use.
+    arena = store.arena("default")
+    assert arena.capacity_bytes - arena.used_bytes >= (1 << 20) - (64 << 10)
+    for key, data in blocks.items():
+        assert await get(store, key) == data
+    await store.close()
+    again = Store(config(tmp_path, 4 << 20, 0.25, layout))
+    await again.start()
+    back = [await get(again, key) == data for key, data in blocks.items()]
+    assert sum(back) >= stats.demotions  # every demoted block survives a restart
+    await again.close()
+
+
+async def test_without_a_watermark_only_a_put_that_needs_room_demotes(tmp_path: Path) -> None:
+    store = Store(config(tmp_path, 4 << 20, 0.0))
+    await store.start()
+    for i in range(4):  # exactly fills the arena: nothing demoted ahead
+        await put(store, f"f{i}".encode(), block_bytes(i, 1 << 20))
+    await store.tasks.drain()
+    assert store.stats().demotions == 0
+    await put(store, b"more", block_bytes(9, 1 << 20))
+    await store.tasks.drain()
+    assert store.stats().demotions == 1
+    assert (await store.lookup(NS, [b"f0", b"more"])).tiers == ["nvme", "dram"]
+    await store.close()
+
+
+async def test_a_block_damaged_in_dram_is_never_written_and_becomes_a_miss(
+    tmp_path: Path,
+) -> None:
+    store = Store(config(tmp_path, 4 << 20, 0.0))
+    await store.start()
+    await put(store, b"hurt", block_bytes(1, 1 << 20))
+    entry = store.stat((NS, b"hurt"))
+    assert entry is not None and entry.dram_extent is not None
+    view = store.arena("default").view(entry.dram_extent)
+    view[100] ^= 0xFF  # a bit flip in DRAM after the commit
+    view.release()
+    for i in range(4):  # the oldest, the damaged one, is the first victim
+        await put(store, f"n{i}".encode(), block_bytes(10 + i, 1 << 20))
+    await store.tasks.drain()
+    stats = store.stats()
+    assert stats.checksum_failures == 1
+    assert await get(store, b"hurt") is None
+    assert not any(h.key == b"hurt" for h in _records(store))
+    assert await get(store, b"n0") == block_bytes(10, 1 << 20)
+    await store.close()
+
+
+def _records(store: Store) -> list[object]:
+    assert store.nvme is not None
+    tier = store.nvme.tier
+    if isinstance(tier, SegmentTier):
+        return [h for _, _, h in tier.record_locations()]
+    headers = []
+    for path in (tier.root / "v1").rglob("*.kvr"):
+        headers.append(tier._read_header(path))
+    return headers
+
+
+async def test_a_put_waits_for_a_batch_in_flight_and_never_writes_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = Store(config(tmp_path, 2 << 20, 0.0))
+    await store.start()
+    release, entered = threading.Event(), threading.Event()
+    writers: set[str] = set()
+    real = NvmeTier.write_many
+
+    def slow(self: NvmeTier, headers: object, payloads: object) -> object:
+        writers.add(threading.current_thread().name)
+        entered.set()
+        release.wait(10)
+        return real(self, headers, payloads)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(NvmeTier, "write_many", slow)
+    checked_on: set[str] = set()
+    real_check = nvme_engine._payload_intact
+
+    def check(header: object, payload: object) -> bool:
+        checked_on.add(threading.current_thread().name)
+        return real_check(header, payload)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(nvme_engine, "_payload_intact", check)
+    await put(store, b"a", block_bytes(1, 1 << 20))
+    await put(store, b"b", block_bytes(2, 1 << 20))
+    third = asyncio.ensure_future(put(store, b"c", block_bytes(3, 1 << 20)))
+    assert await asyncio.to_thread(entered.wait, 10)
+    await asyncio.sleep(0.05)
+    assert not third.done()  # DRAM is full of a block being written: the put waits
+    release.set()
+    await asyncio.wait_for(third, 10)
+    # The bytes were checked and written on I/O threads, not on the event loop.
+    assert writers and all(name.startswith("kvtier-io") for name in writers)
+    assert checked_on and all(name.startswith("kvtier-io") for name in checked_on)
+    assert [await get(store, k) for k in (b"a", b"b", b"c")] == [
+        block_bytes(i, 1 << 20) for i in (1, 2, 3)
+    ]
+    await store.close()

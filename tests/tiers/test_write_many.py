@@ -1,0 +1,168 @@
+"""`write_many`, the tiers' batch write (the demoter's): the segment layout writes a batch
+with one reservation, as few pwritev calls as IOV_MAX allows and one fdatasync; a failed
+batch is never visible, not even after a restart; the file layout writes each record on
+its own, one failure failing only its record."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvtier.buffers import aligned_buffer
+from kvtier.tiers import segments
+from kvtier.tiers.allocator import round_up
+from kvtier.tiers.nvme import NvmeTier
+from kvtier.tiers.record import RecordHeader
+from kvtier.tiers.segments import SegmentTier
+from tests.tiers.test_segments import MiB, crash, data_for, get, header_for, open_tier, put, tiers
+
+__all__ = ["tiers"]  # the fixture, re-exported
+
+
+def batch(
+    count: int, first_gen: int, size: int = 4096, prefix: bytes = b"b"
+) -> tuple[list[RecordHeader], list[list[memoryview]], list[bytes]]:
+    headers, payloads, datas = [], [], []
+    for i in range(count):
+        data = data_for((first_gen + i) & 0xFFFFFFFF, size)
+        buf = aligned_buffer(round_up(size, 4096))
+        buf[:size] = data
+        headers.append(header_for(prefix + b"%d" % i, data, first_gen + i))
+        payloads.append([memoryview(buf)])
+        datas.append(data)
+    return headers, payloads, datas
+
+
+def test_a_batch_is_one_piece_per_iov_max_and_one_fdatasync(
+    tiers: list[SegmentTier], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = open_tier(tiers, tmp_path, 256 * MiB, sync_writes=True)
+    gen = tier.first_generation
+    assert gen is not None
+    put(tier, b"first", data_for(0), gen)  # the segment exists: no rotation in the batch
+    headers, payloads, datas = batch(700, gen + 1)  # 1400 buffers: over IOV_MAX once
+    pieces: list[int] = []
+    syncs = {"n": 0}
+    real_pwrite, real_sync = segments._pwrite_at, os.fdatasync
+
+    def pwrite(fd: int, iov: list[memoryview], total: int, offset: int) -> None:
+        assert len(iov) <= 1024
+        pieces.append(len(iov))
+        real_pwrite(fd, iov, total, offset)
+
+    def sync(fd: int) -> None:
+        syncs["n"] += 1
+        real_sync(fd)
+
+    monkeypatch.setattr(segments, "_pwrite_at", pwrite)
+    monkeypatch.setattr(os, "fdatasync", sync)
+    results = tier.write_many(headers, payloads)
+    monkeypatch.undo()
+    assert results == [h.record_bytes for h in headers]
+    assert sorted(pieces) == [1400 - 1024, 1024]
+    assert syncs["n"] == 1  # group commit: the batch is one extent
+    crash(tier)
+    tier = open_tier(tiers, tmp_path, 256 * MiB)
+    for header, data in zip(headers, datas, strict=True):
+        assert get(tier, header) == data
+
+
+def test_a_batch_across_segments_and_beside_other_writers_comes_back(
+    tiers: list[SegmentTier], tmp_path: Path
+) -> None:
+    tier = open_tier(tiers, tmp_path, 64 * MiB, segment_bytes=4 * MiB, sync_writes=True)
+    gen = tier.first_generation
+    assert gen is not None
+    singles: dict[int, RecordHeader] = {}
+
+    def writer() -> None:
+        for i in range(60):
+            singles[i] = put(tier, b"s%d" % i, data_for(10_000 + i, 30_000), gen + 10_000 + i)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    written = []
+    for round_ in range(4):  # 4 batches of 2.5 MiB through 4 MiB segments: rotations
+        headers, payloads, datas = batch(40, gen + 1000 * round_, 64 << 10, b"r%d-" % round_)
+        assert tier.write_many(headers, payloads) == [h.record_bytes for h in headers]
+        written += zip(headers, datas, strict=True)
+    thread.join()
+    crash(tier)
+    tier = open_tier(tiers, tmp_path, 64 * MiB, segment_bytes=4 * MiB)
+    for header, data in written:
+        assert get(tier, header) == data
+    for i, header in singles.items():
+        assert get(tier, header) == data_for(10_000 + i, 30_000)
+
+
+def test_a_failed_batch_is_never_visible_and_the_next_one_is(
+    tiers: list[SegmentTier], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = open_tier(tiers, tmp_path)
+    gen = tier.first_generation
+    assert gen is not None
+    before = put(tier, b"before", data_for(1), gen)
+    real = segments._pwrite_at
+    calls = {"n": 0}
+
+    def failing(fd: int, iov: list[memoryview], total: int, offset: int) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            real(fd, iov[:2], iov[0].nbytes + iov[1].nbytes, offset)  # the first record lands
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd, iov, total, offset)
+
+    monkeypatch.setattr(segments, "_pwrite_at", failing)
+    bad, bad_payloads, _ = batch(8, gen + 1, prefix=b"bad")
+    results = tier.write_many(bad, bad_payloads)
+    assert all(isinstance(r, OSError) for r in results)
+    good, good_payloads, good_datas = batch(8, gen + 100, prefix=b"good")
+    assert tier.write_many(good, good_payloads) == [h.record_bytes for h in good]
+    for header in bad:
+        with pytest.raises(FileNotFoundError):
+            tier.read(header)
+    crash(tier)
+    monkeypatch.undo()
+    for clean in (False, True):  # after a crash, then after a clean restart
+        tier = open_tier(tiers, tmp_path)
+        keys = {loc[2].key for loc in tier.record_locations()}
+        assert keys == {b"before"} | {h.key for h in good}
+        assert get(tier, before) == data_for(1)
+        for header, data in zip(good, good_datas, strict=True):
+            assert get(tier, header) == data
+        if clean:
+            break
+        tier.close()
+
+
+def test_the_file_layout_fails_only_the_record_that_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = NvmeTier(tmp_path, 64 * MiB, True, False)
+    tier.open()
+    gen = tier.first_generation
+    assert gen is not None
+    headers, payloads, datas = batch(5, gen)
+    real = NvmeTier.write
+
+    def write(self: NvmeTier, header: RecordHeader, payload: list[memoryview]) -> int:
+        if header.key == b"b2":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, header, payload)
+
+    monkeypatch.setattr(NvmeTier, "write", write)
+    results = tier.write_many(headers, payloads)
+    assert isinstance(results[2], OSError) and results[2].errno == errno.ENOSPC
+    for i, (header, data) in enumerate(zip(headers, datas, strict=True)):
+        if i == 2:
+            with pytest.raises(FileNotFoundError):
+                tier.read(header)
+            continue
+        assert results[i] == header.record_bytes
+        buf, offset = tier.read(header)
+        assert bytes(buf[offset : offset + header.payload_bytes]) == data
+    tier.close()
