@@ -229,6 +229,9 @@ def _daemon_restart(tree: Path, root: Path, records: int, run_dir: Path) -> dict
             stdout=log,
             stderr=log,
             env=env,
+            # `-m kvtier` imports from the working directory before PYTHONPATH: run it in
+            # the tree, or every checkout would time this one's code.
+            cwd=tree.resolve(),
         )
     try:
         while not sock.exists():

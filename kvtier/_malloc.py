@@ -31,3 +31,16 @@ def raise_thresholds(mmap_threshold_bytes: int, trim_threshold_bytes: int) -> bo
         mallopt(_M_MMAP_THRESHOLD, mmap_threshold_bytes)
         and mallopt(_M_TRIM_THRESHOLD, trim_threshold_bytes)
     )
+
+
+def trim_heap() -> bool:
+    """Return the free heap glibc keeps to the kernel (malloc_trim(0)): after a burst of
+    short-lived allocations that will not recur, such as the NVMe recovery's scan, which
+    the trim threshold set above would otherwise keep for the rest of the run. True if
+    memory was released; False on a libc without it."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        malloc_trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    return bool(malloc_trim(0))

@@ -30,6 +30,12 @@ def record_header(entry: Entry) -> RecordHeader:
     )
 
 
+def record_location(entry: Entry) -> int:
+    """Where a block's NVMe record lies, for the tier to find it by (the segment layout's
+    location; 0 for the file layout, which finds records by name)."""
+    return entry.nvme_location
+
+
 def payload_of(extent_view: memoryview, entry: Entry) -> memoryview:
     """The part of a block's DRAM extent its NVMe record holds: the payload rounded up
     to 4 KiB (an empty block still has a 4 KiB extent, but no payload on disk)."""

@@ -53,6 +53,7 @@ class DemoterStore(StoreCore, Protocol):
 
     def remove_records(self, dropped: list[Entry]) -> None: ...
 
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["BATCH_BYTES", "BATCH_RECORDS", "Demoter", "Watermarks", "watermarks"]
@@ -248,14 +249,14 @@ class Demoter:
         self.batches_written += 1
         written: list[Entry] = []
         total = 0
-        for (entry, _), record_bytes, damaged in zip(
-            batch, result.record_bytes, result.damaged, strict=True
+        for (entry, _), record_bytes, damaged, location in zip(
+            batch, result.record_bytes, result.damaged, result.locations, strict=True
         ):
             if damaged:  # never a record of damaged bytes; an eviction drops the block
                 store.counters.checksum_failures += 1
                 logger.warning("a block's DRAM copy failed its checksum; not written to NVMe")
             elif record_bytes:
-                residency.written(entry, record_bytes)
+                residency.written(entry, record_bytes, location)
                 written.append(entry)
                 total += record_bytes
         if total:

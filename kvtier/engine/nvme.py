@@ -6,6 +6,10 @@ outcomes (a `Read` whose `status` says ok / corrupt / missing / I/O error / offl
 the store applies through `Residency`. What must not be forgotten when the disk fails is
 kept here and retried by the health watcher: records to remove (else they leak disk) and
 tombstones to write (else a restart could bring a deleted block back).
+
+With the segment layout the catalog keeps where each record lies (a location column) and
+the tier keeps nothing per record: `attach_owner` answers the tier's reclaimer (on its own
+thread) from the catalog, on the event loop, a chunk of records per callback.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ import enum
 import errno
 import logging
 import mmap
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -29,9 +35,9 @@ from kvtier.engine.health import TierHealth
 from kvtier.errors import CorruptRecord
 from kvtier.movers.io import IoPool
 from kvtier.sizes import human_size
-from kvtier.tiers.nvme import NvmeTier
+from kvtier.tiers.nvme import NvmeTier, Placed
 from kvtier.tiers.record import RecordHeader, header_size_for
-from kvtier.tiers.segments import SegmentTier
+from kvtier.tiers.segments import RecordOwner, SegmentTier
 from kvtier.types import BlockId
 
 logger = logging.getLogger(__name__)
@@ -40,6 +46,59 @@ logger = logging.getLogger(__name__)
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
+T = TypeVar("T")
+_OWNER_POLL_S = 0.1  # the reclaimer waits on the loop in steps this long ...
+_OWNER_WAIT_S = 30.0  # ... this long at most (the loop is stuck or stopping)
+
+
+class _LoopOwner:
+    """The tier's RecordOwner, answered on the event loop (where the catalog lives) from
+    the reclaimer's thread: one callback a chunk (a few ms), so the loop never stalls."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        owner: RecordOwner,
+        closing: Callable[[], bool],
+    ) -> None:
+        self._loop = loop
+        self._owner = owner
+        self._closing = closing
+
+    def _on_loop(self, fn: Callable[[], T]) -> T:
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            return fn()  # asked from the loop's own thread (a test calling reclaim)
+        done: Future[T] = Future()
+
+        def run() -> None:
+            if done.set_running_or_notify_cancel():
+                try:
+                    done.set_result(fn())
+                except BaseException as err:
+                    done.set_exception(err)
+
+        self._loop.call_soon_threadsafe(run)
+        waited_s = 0.0
+        while True:
+            try:
+                return done.result(_OWNER_POLL_S)
+            except FutureTimeout:
+                waited_s += _OWNER_POLL_S
+                if self._closing() or waited_s >= _OWNER_WAIT_S:
+                    done.cancel()
+                    raise OSError(errno.ECANCELED, "the catalog did not answer reclaim") from None
+
+    def live(self, headers: Sequence[RecordHeader], locations: Sequence[int]) -> list[bool]:
+        return self._on_loop(lambda: self._owner.live(headers, locations))
+
+    def moved(
+        self, headers: Sequence[RecordHeader], old: Sequence[int], new: Sequence[int]
+    ) -> list[bool]:
+        return self._on_loop(lambda: self._owner.moved(headers, old, new))
 
 
 class ReadStatus(enum.Enum):
@@ -76,7 +135,7 @@ class NvmeDriver:
         self._offline_retry_s = config.offline_retry_s
         self._spawn = spawn
         self._take_generation = take_generation
-        self._unremoved: list[RecordHeader] = []
+        self._unremoved: list[tuple[RecordHeader, int]] = []
         self._unwritten_tombstones: list[tuple[BlockId, int]] = []
         # Records the catalog dropped (evicted, unreadable, ...) that may still be on disk:
         # the newest such generation per block. A new value of the block must not be
@@ -138,34 +197,58 @@ class NvmeDriver:
     def close_files(self) -> None:
         self.tier.close()
 
+    def attach_owner(self, owner: RecordOwner) -> None:
+        """Let the catalog keep where the segment layout's records lie (call on the event
+        loop, before recovery starts); `owner_ready` once it holds every recovered one.
+        Nothing for the file layout."""
+        tier = self.tier
+        if isinstance(tier, SegmentTier):
+            loop = asyncio.get_running_loop()
+            tier.attach_owner(_LoopOwner(loop, owner, lambda: tier.closing))
+
+    def owner_ready(self) -> None:
+        """The catalog holds every record recovery found: reclaim may ask it."""
+        tier = self.tier
+        if isinstance(tier, SegmentTier):
+            tier.owner_ready()
+
     # ---- data ---------------------------------------------------------------------------
-    async def read(self, header: RecordHeader) -> Read:
-        """The verified record into a fresh buffer (a gRPC Get streams it from there)."""
+    async def read(self, header: RecordHeader, location: int = 0) -> Read:
+        """The verified record into a fresh buffer (a gRPC Get streams it from there).
+        `location`: where the catalog has it (the segment layout's; 0 for files)."""
         if not self.health.online:
             return Read(ReadStatus.OFFLINE)
         try:
-            (buf, offset), service_s = await self.io.run_timed(self.tier.read, header)
+            (buf, offset), service_s = await self.io.run_timed(self.tier.read, header, location)
         except (CorruptRecord, OSError) as err:
             return Read(self._read_failed(err))
         self.health.succeeded()
         return Read(ReadStatus.OK, service_s, buf, offset)
 
-    async def read_into(self, header: RecordHeader, payload: memoryview) -> Read:
+    async def read_into(self, header: RecordHeader, payload: memoryview, location: int = 0) -> Read:
         """The verified payload into `payload` (an arena extent: a promotion)."""
         if not self.health.online:
             return Read(ReadStatus.OFFLINE)
         try:
-            _, service_s = await self.io.run_timed(self.tier.read_into, header, payload)
+            _, service_s = await self.io.run_timed(self.tier.read_into, header, payload, location)
         except (CorruptRecord, OSError) as err:
             return Read(self._read_failed(err))
         self.health.succeeded()
         return Read(ReadStatus.OK, service_s)
 
-    async def write(self, header: RecordHeader, payload: list[memoryview], then: str) -> int:
-        """Write a record; its size on disk, or 0 if it could not be written (`then` says
-        in the log what becomes of the block)."""
+    async def write(self, header: RecordHeader, payload: list[memoryview], then: str) -> Placed:
+        """Write a record; its size on disk (0 if it could not be written: `then` says in
+        the log what becomes of the block) and where it lies. The caller records the
+        location in the catalog before its next await (reclaim asks the catalog only
+        after `settle`, which is called here, on the loop, as this returns)."""
+        job = asyncio.ensure_future(self.io.run(self.tier.write_placed, header, payload))
         try:
-            record_bytes = await self.io.run(self.tier.write, header, payload)
+            placed = await asyncio.shield(job)
+        except asyncio.CancelledError:
+            # The write goes on; whoever waited is gone, so nobody records it: settle it
+            # when it ends (the record is dead, its room counted until a reclaim asks).
+            job.add_done_callback(self._settle_abandoned)
+            raise
         except OSError as err:
             self.failed(err)
             logger.warning(
@@ -174,9 +257,14 @@ class NvmeDriver:
                 err.strerror or err,
                 then,
             )
-            return 0
+            return Placed(0)
         self.health.succeeded()
-        return record_bytes
+        self.tier.settle(placed.location)
+        return placed
+
+    def _settle_abandoned(self, job: asyncio.Future[Placed]) -> None:
+        if not job.cancelled() and job.exception() is None:
+            self.tier.settle(job.result().location)
 
     def _read_failed(self, err: Exception) -> ReadStatus:
         if isinstance(err, CorruptRecord):
@@ -211,20 +299,22 @@ class NvmeDriver:
         none): a new value must tombstone it before it is acknowledged."""
         return self._removing.get(block_id, 0)
 
-    def schedule_removal(self, header: RecordHeader) -> None:
-        """Remove a record the catalog no longer has, in the background."""
+    def schedule_removal(self, header: RecordHeader, location: int = 0) -> None:
+        """Remove a record the catalog no longer has (it was at `location`), in the
+        background."""
         block_id = (header.ns_id, header.key)
         self._removing[block_id] = max(self._removing.get(block_id, 0), header.generation)
-        self._spawn(self._remove(header))
+        self._spawn(self._remove(header, location))
 
-    async def _remove(self, header: RecordHeader) -> None:
+    async def _remove(self, header: RecordHeader, location: int = 0) -> None:
         try:
-            await self.io.run(self.tier.remove, header)
+            await self.io.run(self.tier.remove, header, location)
         except FileNotFoundError:
             pass
         except OSError as err:
             self.failed(err, "remove a record")
-            self._unremoved.append(header)  # retried by the watcher: disk must not leak
+            # Retried by the watcher: disk must not leak.
+            self._unremoved.append((header, location))
             return
         else:
             self.health.succeeded()
@@ -279,9 +369,9 @@ class NvmeDriver:
         tombstones, self._unwritten_tombstones = self._unwritten_tombstones, []
         for block_id, generation in tombstones:
             await self.tombstone(block_id, generation)
-        headers, self._unremoved = self._unremoved, []
-        for header in headers:
-            await self._remove(header)
+        removals, self._unremoved = self._unremoved, []
+        for header, location in removals:
+            await self._remove(header, location)
 
     # ---- batches (the demoter: kvtier/engine/demoter.py) -----------------------------------
     async def write_batch(
@@ -294,18 +384,28 @@ class NvmeDriver:
         one pwritev). `then` says in the log what becomes of blocks not written."""
         count = len(headers)
         if not self.health.online or not count:
-            return BatchWritten((0,) * count, (False,) * count, 0.0)
+            return BatchWritten((0,) * count, (False,) * count, 0.0, (0,) * count)
 
-        def job() -> tuple[list[int | OSError], list[bool]]:
+        def job() -> tuple[list[Placed | OSError], list[bool]]:
             damaged = [not _payload_intact(h, p) for h, p in zip(headers, payloads, strict=True)]
             keep = [i for i in range(count) if not damaged[i]]
-            written = self.tier.write_many([headers[i] for i in keep], [payloads[i] for i in keep])
-            results: list[int | OSError] = [0] * count
+            written = self.tier.write_many_placed(
+                [headers[i] for i in keep], [payloads[i] for i in keep]
+            )
+            results: list[Placed | OSError] = [Placed(0)] * count
             for i, result in zip(keep, written, strict=True):
                 results[i] = result
             return results, damaged
 
-        (results, damaged), service_s = await self.io.run_timed(job)
+        batch = asyncio.ensure_future(self.io.run_timed(job))
+        try:
+            (results, damaged), service_s = await asyncio.shield(batch)
+        except asyncio.CancelledError:
+            batch.add_done_callback(self._settle_abandoned_batch)  # as in `write`
+            raise
+        for r in results:  # the caller records these locations before its next await
+            if isinstance(r, Placed) and r.record_bytes:
+                self.tier.settle(r.location)
         errors = {id(r): r for r in results if isinstance(r, OSError)}
         for err in errors.values():  # one failed pwritev is one error, not one per record
             self.failed(err)
@@ -318,11 +418,23 @@ class NvmeDriver:
                 ", ".join(sorted({e.strerror or str(e) for e in errors.values()})),
                 then,
             )
-        if any(isinstance(r, int) and r for r in results):
+        if any(isinstance(r, Placed) and r.record_bytes for r in results):
             self.health.succeeded()
         return BatchWritten(
-            tuple(r if isinstance(r, int) else 0 for r in results), tuple(damaged), service_s
+            tuple(r.record_bytes if isinstance(r, Placed) else 0 for r in results),
+            tuple(damaged),
+            service_s,
+            tuple(r.location if isinstance(r, Placed) else 0 for r in results),
         )
+
+    def _settle_abandoned_batch(
+        self, job: asyncio.Future[tuple[tuple[list[Placed | OSError], list[bool]], float]]
+    ) -> None:
+        if job.cancelled() or job.exception() is not None:
+            return
+        for r in job.result()[0][0]:
+            if isinstance(r, Placed) and r.record_bytes:
+                self.tier.settle(r.location)
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,6 +446,7 @@ class BatchWritten:
     record_bytes: tuple[int, ...]
     damaged: tuple[bool, ...]
     service_s: float
+    locations: tuple[int, ...]  # where each record lies (the segment layout's; else 0)
 
 
 def _payload_intact(header: RecordHeader, payload: list[memoryview]) -> bool:

@@ -25,10 +25,13 @@ import asyncio
 import contextlib
 import gc
 import logging
+import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kvtier.engine.blocks import record_header
+from kvtier._malloc import trim_heap
+from kvtier.engine.blocks import record_header, record_location
 from kvtier.engine.calibrate import CALIBRATION_NS_ID
 from kvtier.engine.nvme import NvmeDriver
 from kvtier.engine.residency import Residency
@@ -36,6 +39,8 @@ from kvtier.engine.results import Counters
 from kvtier.index.catalog import Entry
 from kvtier.sizes import human_size
 from kvtier.tiers.nvme import fan_of
+from kvtier.tiers.record import RecordHeader
+from kvtier.tiers.segments import SegmentTier
 from kvtier.tiers.startup import FanScan, RecoveredRecord, RecoveryReport
 from kvtier.types import BlockId
 
@@ -51,6 +56,12 @@ FANS = frozenset(f"{fan:02x}" for fan in range(256))
 _ESTIMATE_MARGIN = 1.05
 _ESTIMATE_AFTER_RECORDS = 64  # found in the fans added so far, or ...
 _ESTIMATE_AFTER_FANS = 16
+# The segment layout's scan makes each fan's record objects just before handing it out;
+# it waits while this many fans are handed and not yet added, so that only a few fans'
+# objects are alive at once (a million alive together left their heap, fragmented by the
+# catalog's allocations in between, resident after the restart: ~400 B a block).
+_FANS_AHEAD = 4
+_FAN_WAIT_POLL_S = 0.1
 
 
 class NvmeRecovery:
@@ -84,6 +95,10 @@ class NvmeRecovery:
         self._task: asyncio.Task[None] | None = None
         self._scan: Future[RecoveryReport] | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-recover")
+        self._window = (
+            threading.Semaphore(_FANS_AHEAD) if isinstance(driver.tier, SegmentTier) else None
+        )
+        self._stopping = threading.Event()
         residency.nvme_unindexed_bytes = driver.capacity_bytes  # no room until a fan is in
 
     # ---- for the store's flows ---------------------------------------------------------
@@ -109,13 +124,20 @@ class NvmeRecovery:
         await self._done.wait()
 
     # ---- lifecycle -------------------------------------------------------------------------
+    def _own_records(self) -> None:
+        """The catalog keeps the segment layout's record locations (see NvmeDriver)."""
+        residency = self._residency
+        self._driver.attach_owner(_CatalogOwner(residency))
+
     def start(self) -> None:
+        self._own_records()
         self.running = True
         self._task = asyncio.ensure_future(self._run_in_background())
 
     async def run_now(self) -> None:
         """Recover before serving: every record, added in generation order (oldest first in
         the policy's order); an error raises."""
+        self._own_records()
         self.running = True
         started_s = time.perf_counter()
         try:
@@ -134,6 +156,7 @@ class NvmeRecovery:
 
     async def stop(self) -> None:
         """End the scan (within a few files) and stop adding; idempotent."""
+        self._stopping.set()
         self._driver.tier.stop_recovery()
         if self._task is not None:
             self._task.cancel()
@@ -149,6 +172,10 @@ class NvmeRecovery:
         fans: asyncio.Queue[FanScan | None] = asyncio.Queue()
 
         def on_fan(fan_scan: FanScan) -> None:  # on the scan's thread, not the loop
+            if self._window is not None:
+                while not self._window.acquire(timeout=_FAN_WAIT_POLL_S):
+                    if self._stopping.is_set():
+                        return  # nobody adds it any more
             fan_scan.records.sort(key=lambda r: r.header.generation)
             loop.call_soon_threadsafe(fans.put_nowait, fan_scan)
 
@@ -163,6 +190,9 @@ class NvmeRecovery:
         try:
             while (fan_scan := await fans.get()) is not None:
                 await self._add_fan(fan_scan)
+                del fan_scan  # its records may go before the next fan is made
+                if self._window is not None:
+                    self._window.release()
             report = await asyncio.wrap_future(self._scan)
             if report.complete:
                 self._pending_fans.clear()  # a fan with no directory holds nothing
@@ -175,6 +205,7 @@ class NvmeRecovery:
                 self.indexed,
             )
         finally:
+            self._stopping.set()  # a scan waiting to hand a fan over gives up
             self.running = False
             self._done.set()
             self._executor.shutdown(wait=False)
@@ -215,12 +246,12 @@ class NvmeRecovery:
             or block_id in self._touched
             or self._residency.contains(block_id)
         ):
-            self._driver.schedule_removal(h)
+            self._driver.schedule_removal(h, record.location)
             self.dropped += 1
             return
         # Into the catalog's arrays: no Entry (nor anything else) per record outlives this.
         self._residency.add_recovered(
-            block_id, h.payload_bytes, h.xxh3_64, h.generation, h.record_bytes
+            block_id, h.payload_bytes, h.xxh3_64, h.generation, h.record_bytes, record.location
         )
         self.indexed += 1
 
@@ -231,10 +262,14 @@ class NvmeRecovery:
         self._counters.checksum_failures += report.dropped_corrupt
         dropped: list[Entry] = self._residency.make_nvme_room(0)[1]
         for entry in dropped:
-            self._driver.schedule_removal(record_header(entry))
+            self._driver.schedule_removal(record_header(entry), record_location(entry))
         await self._driver.io.run(self._driver.tier.compact_tombstones)
         self.complete = True
         self.elapsed_s = time.perf_counter() - started_s
+        # The scan's headers, keys and lists are freed by now, but glibc keeps the heap they
+        # grew (the daemon's trim threshold is 1 GiB): hand it back, on the scan's thread (a
+        # trim walks the heap: milliseconds at a million records).
+        await asyncio.get_running_loop().run_in_executor(self._executor, trim_heap)
         tier = self._driver.tier
         logger.info(
             "NVMe tier at %s: recovered %d blocks (%s) in %.1f s, dropped %d unreadable, "
@@ -249,6 +284,24 @@ class NvmeRecovery:
             report.removed_temporary,
             "on" if tier.direct_io else "off",
         )
+        # Last: reclaim may now ask the catalog (it holds every record found), and the line
+        # above is out before any reclaim of this run (the fault tests wait for it).
+        self._driver.owner_ready()
+
+
+class _CatalogOwner:
+    """The segment tier's RecordOwner: the residency's catalog (on the event loop)."""
+
+    def __init__(self, residency: Residency) -> None:
+        self._residency = residency
+
+    def live(self, headers: Sequence[RecordHeader], locations: Sequence[int]) -> list[bool]:
+        return self._residency.records_held(headers, locations)
+
+    def moved(
+        self, headers: Sequence[RecordHeader], old: Sequence[int], new: Sequence[int]
+    ) -> list[bool]:
+        return self._residency.records_moved(headers, old, new)
 
 
 def _out_of_the_collectors_way() -> None:

@@ -23,7 +23,7 @@ Lifecycle of an entry here:
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +34,7 @@ from kvtier.index.packed_policy import PackedPolicies, SlotPolicy
 from kvtier.index.policy import AdmissionMode, BlockInfo, ValueModel
 from kvtier.index.slots import NO_SLOT, extend, headroom
 from kvtier.keys import tenant_of
+from kvtier.tiers.record import RecordHeader
 from kvtier.types import BlockId, Extent, LookupResult, TierName
 
 BlockEvents = Callable[[BlockId, list[TierName]], None]
@@ -335,11 +336,39 @@ class Residency:
             self._insert(self.nvme_order, slot)
 
     def add_recovered(
-        self, block_id: BlockId, size_bytes: int, xxh3_64: int, generation: int, record_bytes: int
+        self,
+        block_id: BlockId,
+        size_bytes: int,
+        xxh3_64: int,
+        generation: int,
+        record_bytes: int,
+        location: int = 0,
     ) -> None:
         """A record recovered at start: on NVMe only, no use counted, no `Entry` made."""
-        slot = self.catalog.add_record(block_id, size_bytes, xxh3_64, generation, record_bytes)
+        slot = self.catalog.add_record(
+            block_id, size_bytes, xxh3_64, generation, record_bytes, location
+        )
         self._insert(self.nvme_order, slot)
+
+    def records_held(self, headers: Sequence[RecordHeader], locations: Sequence[int]) -> list[bool]:
+        """Which of these NVMe records the catalog still holds at those locations (the
+        segment layout's reclaim asks before it copies or deletes)."""
+        held = self.catalog.holds_record
+        return [
+            held((h.ns_id, h.key), h.generation, loc)
+            for h, loc in zip(headers, locations, strict=True)
+        ]
+
+    def records_moved(
+        self, headers: Sequence[RecordHeader], old: Sequence[int], new: Sequence[int]
+    ) -> list[bool]:
+        """Reclaim copied these records: each takes its new location where the catalog
+        still has it at the old one."""
+        move = self.catalog.move_record
+        return [
+            move((h.ns_id, h.key), h.generation, o, n)
+            for h, o, n in zip(headers, old, new, strict=True)
+        ]
 
     def used(self, entry: Entry) -> None:
         """A block was asked for and is here."""
@@ -392,9 +421,9 @@ class Residency:
             self._insert(self.dram_order[self.catalog.tenant_of_slot(slot)], slot)
         self._counters.promotions += 1
 
-    def written(self, entry: Entry, record_bytes: int) -> None:
-        """A block's record reached NVMe."""
-        self.catalog.set_nvme(entry, record_bytes)
+    def written(self, entry: Entry, record_bytes: int, location: int = 0) -> None:
+        """A block's record reached NVMe (at `location`, for the layouts that say)."""
+        self.catalog.set_nvme(entry, record_bytes, location)
         if self.catalog.is_live(entry):
             self._insert(self.nvme_order, entry.slot)
 

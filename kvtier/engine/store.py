@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 
 from kvtier import failpoints
 from kvtier.config import Config
-from kvtier.engine.blocks import BlockReader, PutWriter, intact, record_header
+from kvtier.engine.blocks import BlockReader, PutWriter, intact, record_header, record_location
 from kvtier.engine.calibrate import CALIBRATION_RECORDS, calibrate
 from kvtier.engine.costs import CostModel
 from kvtier.engine.demoter import Demoter
@@ -419,7 +419,7 @@ class Store:
         header = record_header(entry)
         started_s = time.perf_counter()
         try:
-            read = await self.nvme.read(header)
+            read = await self.nvme.read(header, record_location(entry))
         except BaseException:  # cancelled: the reader is gone, so is its pin
             self.unpin(entry)
             raise
@@ -632,7 +632,7 @@ class Store:
         view = self.arena_of(entry.block_id).view(extent)
         try:
             read = await self.nvme.read_into(
-                header, view[: round_up(entry.size_bytes, ALIGN_BYTES)]
+                header, view[: round_up(entry.size_bytes, ALIGN_BYTES)], record_location(entry)
             )
         finally:
             view.release()
@@ -679,13 +679,13 @@ class Store:
         if released.extent is not None:
             self.space.free(entry.block_id, released.extent)
         if released.had_record and self.nvme is not None:
-            self.nvme.schedule_removal(record_header(entry))
+            self.nvme.schedule_removal(record_header(entry), record_location(entry))
 
     def remove_records(self, dropped: list[Entry]) -> None:
         """Remove from disk the records the residency dropped (evicted for room)."""
         for entry in dropped:  # only ever non-empty with an NVMe tier
             assert self.nvme is not None
-            self.nvme.schedule_removal(record_header(entry))
+            self.nvme.schedule_removal(record_header(entry), record_location(entry))
 
     def _damaged(self, entry: Entry) -> None:
         self.counters.checksum_failures += 1
@@ -702,7 +702,7 @@ class Store:
             self.counters.checksum_failures += 1
         if self.residency.record_failed(entry, transient=status is ReadStatus.IO_ERROR):
             assert self.nvme is not None
-            self.nvme.schedule_removal(header)
+            self.nvme.schedule_removal(header, record_location(entry))
 
     def take_generation(self) -> int:
         gen = self._next_generation

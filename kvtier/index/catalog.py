@@ -22,7 +22,8 @@ arrays and nothing per block that the garbage collector walks. Per slot:
     ns (uint32: interned namespace)  key_off (int64), key_len (uint16): the key in one
     byte heap (a reused slot reuses its key's room when the new key is as long)
     size, xxh3, generation, record bytes (uint64)  pins (uint32)  flags, read errors, era
-    (uint8)
+    (uint8)  NVMe location (uint64: where the segment layout put the record, opaque here;
+    kvtier/tiers/segment_file.py packs it; 0 for the file layout)
 
 DRAM copies are few (an arena holds thousands of blocks, the NVMe tier millions), so
 their extents are a dict by slot rather than two more arrays for every block.
@@ -74,6 +75,7 @@ _COLUMNS: tuple[tuple[str, _Code], ...] = (
     ("_gen", "Q"),
     ("_record", "Q"),
     ("_pins", "I"),
+    ("_loc", "Q"),
 )
 _RETRY_HELD = 16  # removed slots a tier still names, looked at again per add
 
@@ -108,6 +110,7 @@ class Catalog:
     _gen: memoryview[int]
     _record: memoryview[int]
     _pins: memoryview[int]
+    _loc: memoryview[int]
 
     def __init__(
         self,
@@ -410,8 +413,8 @@ class Catalog:
         if self.slot_of(block_id) != NO_SLOT:
             raise KeyError("block already catalogued; remove the old entry first")
         own = entry._own
-        size, xxh3, gen, extent, record, pins, doomed, demoting, errors, in_remote = own
-        slot = self._put(block_id, size, xxh3, gen, extent, record)
+        size, xxh3, gen, extent, record, pins, doomed, demoting, errors, in_remote, loc = own
+        slot = self._put(block_id, size, xxh3, gen, extent, record, loc)
         self._pins[slot] = pins
         self._errors[slot] = min(errors, 255)
         flags = self._flags[slot]
@@ -423,11 +426,17 @@ class Catalog:
         self._changed_slot(slot)
 
     def add_record(
-        self, block_id: BlockId, size_bytes: int, xxh3_64: int, generation: int, record_bytes: int
+        self,
+        block_id: BlockId,
+        size_bytes: int,
+        xxh3_64: int,
+        generation: int,
+        record_bytes: int,
+        location: int = 0,
     ) -> int:
         """Add an NVMe-only block without making an `Entry` (recovery: millions of them);
         returns its slot. The block must not be catalogued already."""
-        slot = self._put(block_id, size_bytes, xxh3_64, generation, None, record_bytes)
+        slot = self._put(block_id, size_bytes, xxh3_64, generation, None, record_bytes, location)
         self._changed_slot(slot)
         return slot
 
@@ -439,6 +448,7 @@ class Catalog:
         gen: int,
         extent: Extent | None,
         record: int,
+        location: int = 0,
     ) -> int:
         ns = self._ns_id(block_id[0])
         digest = self._digest_fn(block_id)
@@ -450,6 +460,10 @@ class Catalog:
         self._xxh3[slot] = xxh3
         self._gen[slot] = gen
         self._record[slot] = record
+        if location or self._loc[slot]:
+            # Written only when set (or stale from a reused slot): in the file layout the
+            # column's pages are never touched, so it costs no RAM there.
+            self._loc[slot] = location
         self._pins[slot] = 0
         self._errors[slot] = 0
         self._flags[slot] = _LIVE
@@ -502,10 +516,11 @@ class Catalog:
         return entry._catalog is self and bool(self._flags[entry._slot] & _LIVE)
 
     # ---- copies ----------------------------------------------------------------------------
-    def set_nvme(self, entry: Entry, record_bytes: int) -> None:
+    def set_nvme(self, entry: Entry, record_bytes: int, location: int = 0) -> None:
         if entry.nvme_record_bytes:
             raise ValueError("entry already has an NVMe record")
         entry.nvme_record_bytes = record_bytes
+        entry.nvme_location = location
         if self._mine(entry):
             self._nvme_count += 1
             self._nvme_add(entry._slot, record_bytes)
@@ -575,6 +590,32 @@ class Catalog:
 
     def is_live(self, entry: Entry) -> bool:
         return self._mine(entry)
+
+    # ---- NVMe locations (the segment layout's reclaim asks, on the catalog's thread) -----
+    def _record_slot(self, block_id: BlockId, generation: int, location: int) -> int:
+        slot = self.slot_of(block_id)
+        if (
+            slot == NO_SLOT
+            or not self._record[slot]
+            or self._gen[slot] != generation
+            or self._loc[slot] != location
+        ):
+            return NO_SLOT
+        return slot
+
+    def holds_record(self, block_id: BlockId, generation: int, location: int) -> bool:
+        """Whether the catalog holds this generation's NVMe record of `block_id` at
+        `location`."""
+        return self._record_slot(block_id, generation, location) != NO_SLOT
+
+    def move_record(self, block_id: BlockId, generation: int, old: int, new: int) -> bool:
+        """The record was copied from `old` to `new`: take it if the catalog still has it
+        at `old` (else the copy is dead); whether it did."""
+        slot = self._record_slot(block_id, generation, old)
+        if slot == NO_SLOT:
+            return False
+        self._loc[slot] = new
+        return True
 
     def _forget(self, slot: int) -> None:
         """Out of the index; the slot's fields stay for its handle, if any."""

@@ -27,6 +27,7 @@ class Columns(Protocol):
     _gen: memoryview[int]
     _record: memoryview[int]
     _pins: memoryview[int]
+    _loc: memoryview[int]
     _flags: mmap.mmap  # one byte a slot
     _errors: mmap.mmap
     _dram: dict[int, Extent]
@@ -55,6 +56,7 @@ class Entry:
         demoting: bool = False,
         read_errors: int = 0,
         in_remote: bool = False,
+        nvme_location: int = 0,
     ) -> None:
         self.block_id = block_id
         self._catalog: Columns | None = None  # the Catalog, once added
@@ -70,6 +72,7 @@ class Entry:
             demoting,
             read_errors,
             in_remote,
+            nvme_location,
         ]
 
     @property
@@ -131,6 +134,21 @@ class Entry:
             self._set(4, value)
         else:
             c._record[self._slot] = value
+
+    @property
+    def nvme_location(self) -> int:
+        """Where its NVMe record lies, for the layouts that say (opaque here; 0: found by
+        name)."""
+        c = self._catalog
+        return self._get(10) if c is None else c._loc[self._slot]
+
+    @nvme_location.setter
+    def nvme_location(self, value: int) -> None:
+        c = self._catalog
+        if c is None:
+            self._set(10, value)
+        else:
+            c._loc[self._slot] = value
 
     @property
     def pins(self) -> int:

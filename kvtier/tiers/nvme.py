@@ -43,6 +43,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -112,6 +113,16 @@ _CACHED_HEADER_S = 30e-6  # per record file: ~11 µs from the page cache here, ~
 _STOP_CHECK_FILES = 256  # a stopped recovery notices within this many files of a fan
 _PLACE_ATTEMPTS = 3  # files a write may find swapped before it gives up (see `write`)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """A written record: its size on disk, and where it lies for the layouts that say (the
+    segment layout's location, which its owner hands back to read and remove; 0 for the
+    file layout, whose records are found by name)."""
+
+    record_bytes: int
+    location: int = 0
 
 
 class NvmeTier:
@@ -512,6 +523,14 @@ class NvmeTier:
                 results.append(err)
         return results
 
+    def write_many_placed(
+        self, headers: Sequence[RecordHeader], payloads: Sequence[Sequence[memoryview | mmap.mmap]]
+    ) -> list[Placed | OSError]:
+        """`write_many`, saying where each record lies (nothing here: found by name)."""
+        return [
+            r if isinstance(r, OSError) else Placed(r) for r in self.write_many(headers, payloads)
+        ]
+
     def _open_target(self, size: int, final: str) -> tuple[OpenedFile, str]:
         """A file to write a record of `size` bytes into, open for writing, and its path: a
         recycled file of exactly that size, overwritten where it lies in free/ (out of the
@@ -579,7 +598,17 @@ class NvmeTier:
             # or the kernel refuses and we raise, leaving only the temporary file).
             advance(views, written)
 
-    def read(self, header: RecordHeader) -> tuple[mmap.mmap, int]:
+    def write_placed(
+        self, header: RecordHeader, payload: Sequence[memoryview | mmap.mmap]
+    ) -> Placed:
+        """`write`, saying where the record lies (nothing here: records are found by
+        name)."""
+        return Placed(self.write(header, payload))
+
+    def settle(self, location: int) -> None:
+        """The owner recorded a location `write_placed` gave (nothing to do here)."""
+
+    def read(self, header: RecordHeader, location: int = 0) -> tuple[mmap.mmap, int]:
         """Read and verify the record `header` describes; returns (buffer, payload offset).
 
         Raises CorruptRecord when anything on disk differs from what was written, and
@@ -590,12 +619,12 @@ class NvmeTier:
             self._read_sealed(self.cipher, header, memoryview(out))
             return out, 0
         buf = aligned_buffer(header.record_bytes)
-        self._read_record(header, [memoryview(buf)])
+        self._read_record(header, [memoryview(buf)], location)
         view = memoryview(buf)
         verify_record(view[: header.header_bytes], view[header.header_bytes :], header, self.cipher)
         return buf, header.header_bytes
 
-    def read_into(self, header: RecordHeader, dest: memoryview) -> None:
+    def read_into(self, header: RecordHeader, dest: memoryview, location: int = 0) -> None:
         """Read and verify a record's payload straight into `dest` (an aligned extent of
         round_up(payload, 4096) bytes, e.g. in the DRAM arena; its padding after the
         payload ends up zero). Raises like `read`; a sealed record that fails leaves `dest`
@@ -606,7 +635,7 @@ class NvmeTier:
             self._read_sealed(self.cipher, header, dest)
             return
         head = self._scratch(header.header_bytes, "head")
-        self._read_record(header, [head, dest])
+        self._read_record(header, [head, dest], location)
         verify_record(head, dest, header, self.cipher)
 
     def _read_sealed(self, cipher: RecordCipher, header: RecordHeader, dest: memoryview) -> None:
@@ -618,8 +647,9 @@ class NvmeTier:
         assert seal is not None  # open_header refuses plaintext records to a tier with a key
         open_sealed_payload(cipher, seal, header, head, body, dest)
 
-    def _read_record(self, header: RecordHeader, iov: list[memoryview]) -> None:
-        """Fill `iov` (adding up to the record's size) from the record file."""
+    def _read_record(self, header: RecordHeader, iov: list[memoryview], location: int = 0) -> None:
+        """Fill `iov` (adding up to the record's size) from the record file (found by its
+        name: `location` is the segment layout's)."""
         path = self._record_file(header.ns_id, header.key, header.generation)
         try:
             opened = open_regular(path, self._flags(os.O_RDONLY))
@@ -648,7 +678,7 @@ class NvmeTier:
         (only that one), or sync(2) where libc has no syncfs."""
         sync_filesystem(self.root)
 
-    def remove(self, header: RecordHeader) -> None:
+    def remove(self, header: RecordHeader, location: int = 0) -> None:
         """Take a record out of the tier: its file becomes a recyclable one (the pool is
         bounded by free_limit_bytes, beyond which files are deleted)."""
         if failpoints.ACTIVE:

@@ -6,7 +6,11 @@ segment is appended to, rotated, reclaimed or recovered, is the tier's
 (kvtier/tiers/segments.py); the bytes of the footer and trailer are
 kvtier/tiers/segment_format.py's.
 
-Locking: the tier's lock guards the accounting (`records`, `live_bytes`, `pending`,
+Per segment only aggregates are kept (live and stored bytes and counts), never a Python
+object per record: where a record lies is its *location* (`pack_location`: segment id and
+page), a u64 the catalog keeps beside the record's other fields (issue 22).
+
+Locking: the tier's lock guards the accounting (`live_*`, `stored_*`, `pending`,
 `readers`, reservations); the writers of one segment coordinate on its `cond`, which is
 taken inside the tier's lock where both are held, never around it.
 """
@@ -24,23 +28,39 @@ from kvtier.tiers.posix_io import pwrite_exact
 from kvtier.tiers.record import ALIGN_BYTES, RecordHeader
 from kvtier.tiers.segment_format import EMPTY_FOOTER_BYTES, encode_footer, encode_trailer
 
-__all__ = ["RecordId", "Segment"]
+__all__ = ["NO_LOCATION", "RecordId", "Segment", "pack_location", "unpack_location"]
 
 RecordId = tuple[str, bytes, int]  # namespace, key, generation: what a record file named
+NO_LOCATION = 0  # segment ids start at 1, so no record lies at location 0
+_PAGE_BITS = 32
+
+
+def pack_location(seg_id: int, offset: int) -> int:
+    """A record's location: its segment id over its page in the segment (offsets are whole
+    pages; 2**32 pages is 16 TiB a segment, 2**32 segments a tier)."""
+    return (seg_id << _PAGE_BITS) | (offset // ALIGN_BYTES)
+
+
+def unpack_location(location: int) -> tuple[int, int]:
+    """(segment id, byte offset) of a location."""
+    return location >> _PAGE_BITS, (location & 0xFFFF_FFFF) * ALIGN_BYTES
 
 
 @dataclass(eq=False, slots=True)
 class Segment:
-    """One segment file. `records`: its live records (offset, header); `log`: every record
-    written to it this run, in order, for its footer. Writers coordinate on `cond`."""
+    """One segment file: aggregates of its records (`live_*`: those the owner still holds,
+    as far as removals told; reclaim asks the owner rather than trust them), and while it
+    is appended to, `log`: every record written to it this run, in order, for its footer.
+    Writers coordinate on `cond`."""
 
     seg_id: int
     path: str
     fd: int
     size_bytes: int
-    records: dict[RecordId, tuple[int, RecordHeader]] = field(default_factory=dict)
     live_bytes: int = 0
+    live_count: int = 0
     stored_bytes: int = 0  # of every record in it, live or dead
+    stored_count: int = 0
     loaded: bool = False  # its records are known (recovered, or written by this run)
     sealed: bool = False  # its footer is written (or it is an earlier run's)
     pending: int = 0  # reserved records not yet published or failed (under the tier's lock)
@@ -62,6 +82,17 @@ class Segment:
     # ---- lifetime ----
     readers: int = 0
     retired: bool = False
+    close_after_s: float = 0.0  # retired: its descriptor kept for reads already dispatched
+
+    def count_live(self, record_bytes: int) -> None:
+        self.live_bytes += record_bytes
+        self.live_count += 1
+
+    def count_dead(self, record_bytes: int) -> None:
+        # Clamped: a removal told twice (a retry) must not make a segment look emptier
+        # than it is (reclaim asks the owner anyway before it deletes anything).
+        self.live_bytes = max(0, self.live_bytes - record_bytes)
+        self.live_count = max(0, self.live_count - 1)
 
     def fits(self, record_bytes: int, entry_bytes: int) -> bool:
         footer_end = round_up(self.footer_bytes + entry_bytes, ALIGN_BYTES)
@@ -77,6 +108,7 @@ class Segment:
         self.log.append((offset, header))
         self.pending += 1
         self.stored_bytes += size
+        self.stored_count += 1
         with self.cond:
             self.inflight += 1
         return offset

@@ -27,6 +27,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 from kvtier.errors import CorruptRecord
@@ -35,14 +36,17 @@ from kvtier.tiers.record import ALIGN_BYTES, RecordHeader, decode_header, verify
 __all__ = [
     "EMPTY_FOOTER_BYTES",
     "SEGMENT_SUFFIX",
+    "FooterColumns",
     "SegmentScan",
     "check_segment_header",
+    "columns_of_entries",
     "encode_footer",
     "encode_segment_header",
     "encode_trailer",
     "entry_bytes",
     "footer_extent",
     "read_footer",
+    "read_footer_columns",
     "scan_records",
     "segment_id_of",
     "segment_name",
@@ -229,3 +233,226 @@ def _rest_of_header(fd: int, first_page: bytes, pos: int) -> bytes:
     if ALIGN_BYTES < header_bytes <= 64 << 10:
         return os.pread(fd, header_bytes - ALIGN_BYTES, pos + ALIGN_BYTES)
     return b""
+
+
+# ---- footers as columns (recovery at scale, issue 22) ------------------------------------
+_ENTRY_FIELDS = ("off", "gen", "payload", "xxh3", "header", "codec", "ns_len", "key_len")
+_ENTRY_FORMATS = ("<u8", "<u8", "<u8", "<u8", "<u4", "<u2", "<u2", "<u2")
+_ENTRY_OFFSETS = (0, 8, 16, 24, 32, 36, 38, 40)
+
+
+@dataclass(frozen=True, slots=True)
+class FooterColumns:
+    """A segment's records as columns (numpy, one element a record) instead of a header
+    object each: the fixed fields, the namespace as an index into `ns_names`, and the key
+    as (offset, length) in `blob` (the footer's own bytes, or the keys of a scan joined).
+    Only records whose offset is page-aligned and inside the segment's records are kept,
+    as `read_footer` keeps them."""
+
+    offset: np.ndarray  # uint64
+    generation: np.ndarray  # uint64
+    payload_bytes: np.ndarray  # uint64
+    xxh3_64: np.ndarray  # uint64
+    header_bytes: np.ndarray  # uint64
+    codec: np.ndarray  # uint16
+    ns: np.ndarray  # uint32, into ns_names
+    key_off: np.ndarray  # int64, into blob
+    key_len: np.ndarray  # int64
+    ns_names: list[str]
+    blob: bytes
+
+    def __len__(self) -> int:
+        return len(self.offset)
+
+    @property
+    def record_bytes(self) -> np.ndarray:
+        page = np.uint64(ALIGN_BYTES)
+        out: np.ndarray = self.header_bytes + (self.payload_bytes + (page - 1)) // page * page
+        return out
+
+    def key(self, i: int) -> bytes:
+        off = int(self.key_off[i])
+        return self.blob[off : off + int(self.key_len[i])]
+
+    def header(self, i: int) -> RecordHeader:
+        return RecordHeader(
+            self.ns_names[int(self.ns[i])],
+            self.key(i),
+            int(self.generation[i]),
+            int(self.payload_bytes[i]),
+            int(self.xxh3_64[i]),
+            int(self.header_bytes[i]),
+            int(self.codec[i]),
+        )
+
+
+def columns_of_entries(entries: Sequence[tuple[int, RecordHeader]]) -> FooterColumns:
+    """The columns of (offset, header) pairs (a scanned segment's records)."""
+    names: dict[str, int] = {}
+    ns = [names.setdefault(h.ns_id, len(names)) for _, h in entries]
+    lens = [len(h.key) for _, h in entries]
+    key_off = np.zeros(len(entries), np.int64)
+    if entries:
+        key_off[1:] = np.cumsum(lens[:-1])
+
+    def col(values: list[int], dtype: type[np.generic]) -> np.ndarray:
+        return np.array(values, dtype=dtype)
+
+    return FooterColumns(
+        offset=col([off for off, _ in entries], np.uint64),
+        generation=col([h.generation for _, h in entries], np.uint64),
+        payload_bytes=col([h.payload_bytes for _, h in entries], np.uint64),
+        xxh3_64=col([h.xxh3_64 for _, h in entries], np.uint64),
+        header_bytes=col([h.header_bytes for _, h in entries], np.uint64),
+        codec=col([h.codec for _, h in entries], np.uint16),
+        ns=col(ns, np.uint32),
+        key_off=key_off,
+        key_len=col(lens, np.int64),
+        ns_names=list(names),
+        blob=b"".join(h.key for _, h in entries),
+    )
+
+
+def read_footer_columns(fd: int, seg_id: int, size_bytes: int) -> FooterColumns | None:
+    """`read_footer` as columns: the same checks, the same records kept, no object per
+    record where every entry of the footer has one key and namespace length (the usual
+    case: an engine's keys are fixed-size hashes), one pass of struct unpacking else."""
+    trailer = _trailer(fd, seg_id, size_bytes)
+    if trailer is None:
+        return None
+    footer_at, footer_bytes, footer_xxh3 = trailer
+    footer = os.pread(fd, footer_bytes, footer_at)
+    if len(footer) != footer_bytes or xxhash.xxh3_64_intdigest(footer) != footer_xxh3:
+        return None
+    end = footer_bytes - _XXH3.size
+    (stored,) = _XXH3.unpack_from(footer, end)
+    if stored != xxhash.xxh3_64_intdigest(footer[:end]):
+        return None
+    magic, count = _FOOTER_HEAD.unpack_from(footer, 0)
+    if magic != _FOOTER_MAGIC:
+        return None
+    cols = _uniform_columns(footer, count, end)
+    if cols is None:
+        cols = _unpacked_columns(footer, count)
+    if cols is None:
+        return None
+    fields, ns_off, ns_len, key_off = cols
+    key_len = fields["key_len"].astype(np.int64)
+    # Namespaces: compared as bytes, one decode per distinct one (a footer holds a few);
+    # as read_footer's decode, one that is not UTF-8 refuses the footer.
+    raw_ns: list[bytes] = []
+    ns = _ns_index(footer, ns_off, ns_len, raw_ns)
+    try:
+        ns_names = [b.decode() for b in raw_ns]
+    except UnicodeDecodeError:
+        return None
+    record = fields["header"].astype(np.uint64) + (
+        (fields["payload"] + np.uint64(ALIGN_BYTES - 1)) // np.uint64(ALIGN_BYTES)
+    ) * np.uint64(ALIGN_BYTES)
+    off = fields["off"]
+    keep = (off % np.uint64(ALIGN_BYTES) == 0) & (off + record <= np.uint64(footer_at))
+    return FooterColumns(
+        offset=off[keep],
+        generation=fields["gen"][keep],
+        payload_bytes=fields["payload"][keep],
+        xxh3_64=fields["xxh3"][keep],
+        header_bytes=fields["header"].astype(np.uint64)[keep],
+        codec=fields["codec"][keep],
+        ns=ns[keep],
+        key_off=key_off[keep],
+        key_len=key_len[keep],
+        ns_names=ns_names,
+        blob=footer,
+    )
+
+
+_Cols = tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]
+
+
+def _uniform_columns(footer: bytes, count: int, end: int) -> _Cols | None:
+    """The entries as a strided numpy view, when they all have one stride."""
+    start = _FOOTER_HEAD.size
+    if count == 0:
+        empty = np.zeros(0, np.int64)
+        return (
+            {
+                f: np.zeros(0, np.dtype(t))
+                for f, t in zip(_ENTRY_FIELDS, _ENTRY_FORMATS, strict=True)
+            },
+            empty,
+            empty,
+            empty,
+        )
+    if start + _ENTRY.size > end:
+        return None
+    *_, ns_len, key_len = _ENTRY.unpack_from(footer, start)
+    stride = _ENTRY.size + ns_len + key_len
+    if start + count * stride != end:
+        return None
+    dtype = np.dtype(
+        {
+            "names": list(_ENTRY_FIELDS),
+            "formats": list(_ENTRY_FORMATS),
+            "offsets": list(_ENTRY_OFFSETS),
+            "itemsize": stride,
+        }
+    )
+    table = np.frombuffer(footer, dtype, count, offset=start)
+    if not ((table["ns_len"] == ns_len).all() and (table["key_len"] == key_len).all()):
+        return None
+    fields = {f: np.ascontiguousarray(table[f]) for f in _ENTRY_FIELDS}
+    ns_off = start + np.arange(count, dtype=np.int64) * stride + _ENTRY.size
+    return fields, ns_off, fields["ns_len"].astype(np.int64), ns_off + ns_len
+
+
+def _unpacked_columns(footer: bytes, count: int) -> _Cols | None:
+    """The entries one struct unpack each (mixed key lengths); None if the footer ends
+    inside an entry (as read_footer)."""
+    rows: list[tuple[int, ...]] = []
+    ns_offs: list[int] = []
+    pos = _FOOTER_HEAD.size
+    try:
+        for _ in range(count):
+            row = _ENTRY.unpack_from(footer, pos)
+            pos += _ENTRY.size
+            ns_offs.append(pos)
+            pos += row[6] + row[7]
+            if pos > len(footer):
+                raise struct.error("entry past the footer")
+            rows.append(row)
+    except struct.error:
+        return None
+    table = np.array(rows, dtype=np.uint64).reshape(count, len(_ENTRY_FIELDS))
+    fields = {
+        f: table[:, i].astype(np.dtype(t))
+        for i, (f, t) in enumerate(zip(_ENTRY_FIELDS, _ENTRY_FORMATS, strict=True))
+    }
+    ns_off = np.array(ns_offs, dtype=np.int64)
+    ns_len = fields["ns_len"].astype(np.int64)
+    return fields, ns_off, ns_len, ns_off + ns_len
+
+
+def _ns_index(
+    footer: bytes, ns_off: np.ndarray, ns_len: np.ndarray, raw_ns: list[bytes]
+) -> np.ndarray:
+    """Each entry's namespace as an index into `raw_ns`, which gets each distinct one
+    (compared as bytes, vectorised per length)."""
+    out = np.zeros(len(ns_off), np.uint32)
+    data = np.frombuffer(footer, np.uint8)
+    for length in np.unique(ns_len).tolist():
+        rows = np.nonzero(ns_len == length)[0]
+        if length == 0:
+            out[rows] = raw_ns.index(b"") if b"" in raw_ns else _append(raw_ns, b"")
+            continue
+        grid = data[ns_off[rows][:, None] + np.arange(length)]
+        distinct, inverse = np.unique(grid, axis=0, return_inverse=True)
+        for j, row in enumerate(distinct):
+            name = row.tobytes()
+            index = raw_ns.index(name) if name in raw_ns else _append(raw_ns, name)
+            out[rows[inverse.reshape(-1) == j]] = index
+    return out
+
+
+def _append(names: list[bytes], name: bytes) -> int:
+    names.append(name)
+    return len(names) - 1

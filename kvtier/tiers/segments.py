@@ -31,14 +31,28 @@ file layout's deletes do); the dead record stays in its segment until the segmen
 reclaimed, so after a complete recovery the tombstones that still cover a record on disk
 are carried into the live log before the older logs are removed.
 
+Where a record lies is its *location* (segment_file.pack_location: segment id and page), a
+u64 the tier reports from `write_placed` and its owner keeps — the daemon's catalog, as a
+column beside the record's other fields — and hands back to `read` / `read_into` /
+`remove`: the tier keeps no Python object per record (a dict entry per record cost ~1 KB a
+block at a million). Per segment it keeps only aggregates (live and stored bytes and
+counts) and, while the segment is appended to, the log its footer is made from. Which
+records are live is the owner's to say (`RecordOwner`): reclaim reads a victim's footer for
+its candidates and asks. Records written with the plain `write` (tests, the calibration,
+the health probe, a tier used without an owner) are the tier's own: their locations are in
+a map of the tier's (`_placed`), which in the daemon holds a handful.
+
 Reclaim (a background thread of the tier): segments without a live record are deleted at
-once; when the segments come within two segments of `nvme.capacity_bytes` (or fill more
-than half of it and one is at most half live) the sealed segment with the smallest live
-share is emptied: its live
-records (those the catalog still holds, i.e. the ones the policy kept) are re-appended,
-the copies synced, then the segment deleted; `relocated_bytes` over `written_bytes` is
-the write amplification. The room reclaim needs is kept back from the capacity the store
-sees (`capacity_bytes` below the configured one by `reserve_bytes`).
+once (after the owner confirms none is); when the segments come within two segments of
+`nvme.capacity_bytes` (or fill more than half of it and one is at most half live) the
+sealed segment with the smallest live share is emptied: its live records (those the owner
+still holds at the victim's location, i.e. the ones the policy kept) are re-appended, the
+copies synced, the moves published to the owner (which takes each only where it still
+names the old location), then the segment deleted — unlinked at once, its descriptor kept
+a few seconds for reads that took the old location just before the move (their bytes are
+still there, still verified); `relocated_bytes` over `written_bytes` is the write
+amplification. The room reclaim needs is kept back from the capacity the store sees
+(`capacity_bytes` below the configured one by `reserve_bytes`).
 
 Not done in this layout yet: encryption (refused at start with a message naming the
 option), a migration from the file layout (refused likewise), and `kvtier wipe`.
@@ -58,13 +72,17 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import xxhash
 
 from kvtier import failpoints
 from kvtier.buffers import aligned_buffer
 from kvtier.errors import ConfigError, CorruptRecord
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.crypto import RecordCipher
-from kvtier.tiers.nvme import NvmeTier, fan_of
+from kvtier.tiers.nvme import NvmeTier, Placed, fan_of
 from kvtier.tiers.posix_io import advance, preallocate, supports_o_direct
 from kvtier.tiers.record import (
     ALIGN_BYTES,
@@ -74,13 +92,22 @@ from kvtier.tiers.record import (
     verify_record,
 )
 from kvtier.tiers.safe_open import open_regular, private_dir, remove_entry
-from kvtier.tiers.segment_file import RecordId, Segment
+from kvtier.tiers.segment_file import (
+    NO_LOCATION,
+    RecordId,
+    Segment,
+    pack_location,
+    unpack_location,
+)
 from kvtier.tiers.segment_format import (
     EMPTY_FOOTER_BYTES,
+    FooterColumns,
     check_segment_header,
+    columns_of_entries,
     encode_segment_header,
     entry_bytes,
     read_footer,
+    read_footer_columns,
     scan_records,
     segment_id_of,
     segment_name,
@@ -99,6 +126,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "SEGMENTS_DIR",
+    "RecordOwner",
     "SegmentTier",
     "segment_bytes_for",
 ]
@@ -111,6 +139,24 @@ _RECLAIM_POLL_S = 1.0  # the reclaimer also looks this often without being woken
 _SPACE_WAIT_S = 5.0  # a write at the limit waits this long for the reclaimer, then ENOSPC
 _SPACE_POLL_S = 0.005
 _IOV_MAX = 1024  # buffers one pwritev takes (Linux's IOV_MAX); a batch writes in pieces
+_OWNER_CHUNK = 2048  # records per question to the owner (each answered on its event loop)
+_RETIRED_GRACE_S = 5.0  # a deleted segment's descriptor serves reads dispatched before
+
+
+class RecordOwner(Protocol):
+    """Who keeps the locations of the records the tier reports from `write_placed` and
+    `recover` (the daemon's catalog, through kvtier/engine/nvme.py). Asked from the
+    reclaimer's thread, at most _OWNER_CHUNK records a call; an OSError gives the pass up."""
+
+    def live(self, headers: Sequence[RecordHeader], locations: Sequence[int]) -> list[bool]:
+        """Whether each record is still held, at that location."""
+        ...
+
+    def moved(
+        self, headers: Sequence[RecordHeader], old: Sequence[int], new: Sequence[int]
+    ) -> list[bool]:
+        """Take each new location where the owner still names the old one; which it took."""
+        ...
 
 
 def segment_bytes_for(capacity_bytes: int) -> int:
@@ -170,8 +216,13 @@ class SegmentTier(NvmeTier):
         self._seg_str = str(self._seg_dir)
         self._mu = threading.Lock()  # the maps below, segment accounting, `_active`
         self._rotate_lock = threading.Lock()  # one thread opens the next segment
-        self._where: dict[RecordId, Segment] = {}
+        # Locations of the records the tier itself holds (see the module docstring).
+        self._placed: dict[RecordId, tuple[int, RecordHeader]] = {}
+        self._owner: RecordOwner | None = None
+        self._owner_ready = threading.Event()  # the owner holds every recovered record
+        self._owner_ready.set()
         self._segments: dict[int, Segment] = {}
+        self._retired: dict[int, Segment] = {}  # deleted, descriptor kept for late reads
         # The segment callers append to, and the one reclaim copies into: apart, so that
         # callers at the limit cannot use up the room reclaim needs to free some.
         self._active: Segment | None = None
@@ -188,6 +239,21 @@ class SegmentTier(NvmeTier):
         self._closing = threading.Event()
         self._reclaimer: threading.Thread | None = None
         self._reclaim_lock = threading.Lock()
+
+    def attach_owner(self, owner: RecordOwner) -> None:
+        """Hand the locations of the records `recover` finds and `write_placed` writes to
+        `owner` (before `recover`); reclaim waits for `owner_ready()`."""
+        self._owner = owner
+        self._owner_ready.clear()
+
+    def owner_ready(self) -> None:
+        """The owner holds every record `recover` reported: reclaim may ask it."""
+        self._owner_ready.set()
+        self._reclaim_wake.set()
+
+    @property
+    def closing(self) -> bool:
+        return self._closing.is_set()
 
     @property
     def write_amplification(self) -> float:
@@ -261,6 +327,8 @@ class SegmentTier(NvmeTier):
                 gc.enable()
 
     def _recover_all(self, on_fan: Callable[[FanScan], None] | None) -> RecoveryReport:
+        if self._owner is not None:
+            return self._recover_columns(on_fan)
         tombstones = self._read_tombstones()
         report = RecoveryReport([], 0, 0, 0, 0, max(tombstones.values(), default=0))
         with ThreadPoolExecutor(_LOAD_THREADS, thread_name_prefix="kvtier-segload") as pool:
@@ -279,6 +347,7 @@ class SegmentTier(NvmeTier):
                 continue
             seg.loaded = True
             seg.stored_bytes = sum(h.record_bytes for _, h in item.entries)
+            seg.stored_count = len(item.entries)
             for offset, header in item.entries:
                 ident = (header.ns_id, header.key)
                 dead_up_to = tombstones.get(ident, 0)
@@ -293,18 +362,19 @@ class SegmentTier(NvmeTier):
                         continue
                 newest[ident] = (seg, offset, header)
         fans: dict[str, FanScan] = {}
+        owned = self._owner is not None
         with self._mu:
             for (ns_id, key), (seg, offset, header) in newest.items():
-                rid = (ns_id, key, header.generation)
-                seg.records[rid] = (offset, header)
-                seg.live_bytes += header.record_bytes
-                self._where[rid] = seg
+                location = pack_location(seg.seg_id, offset)
+                seg.count_live(header.record_bytes)
+                if not owned:
+                    self._placed[(ns_id, key, header.generation)] = (location, header)
                 report.max_generation = max(report.max_generation, header.generation)
                 fan = fan_of(ns_id, key)
                 scan = fans.get(fan)
                 if scan is None:
                     scan = fans[fan] = FanScan(fan)
-                scan.records.append(RecoveredRecord(header, f"{seg.path}@{offset}"))
+                scan.records.append(RecoveredRecord(header, seg.path, location))
                 scan.files += 1
         # Tombstones that still kill a record on disk must outlive the logs they are in.
         self._carry = [(ns, key, gen) for (ns, key), gen in covered.items()]
@@ -316,6 +386,149 @@ class SegmentTier(NvmeTier):
             else:
                 on_fan(fans[fan])
         return report
+
+    def _recover_columns(self, on_fan: Callable[[FanScan], None] | None) -> RecoveryReport:
+        """`_recover_all` for a tier with an owner, in columns: each segment's footer
+        decoded into numpy arrays (segment_format.read_footer_columns), the newest record
+        of each block chosen by one sort (digest, generation descending, load order), the
+        tombstones applied; a `RecordHeader` is made only for the records handed out, fan
+        by fan (so no million objects are alive at once: their heap, fragmented by what
+        the catalog allocates meanwhile, stayed resident after the restart). The same
+        records, counts and locations as the per-record path (property test)."""
+        tombstones = self._read_tombstones()
+        report = RecoveryReport([], 0, 0, 0, 0, max(tombstones.values(), default=0))
+        with ThreadPoolExecutor(_LOAD_THREADS, thread_name_prefix="kvtier-segload") as pool:
+            loaded = list(pool.map(self._load_columns, self._old))
+        if self._stop_recovery.is_set():
+            report.complete = False
+            return report
+        parts: list[tuple[Segment, FooterColumns]] = []
+        for seg, cols, why in loaded:
+            if why or cols is None:
+                report.dropped_corrupt += 1
+                logger.warning("dropping unreadable segment %s: %s", seg.path, why)
+                self._retire(seg, delete=True)
+                continue
+            seg.loaded = True
+            seg.stored_bytes = int(cols.record_bytes.sum())
+            seg.stored_count = len(cols)
+            parts.append((seg, cols))
+        chosen = _newest(parts, tombstones, report)
+        if chosen is None:  # two keys with one digest: the per-record path tells them apart
+            return self._recover_records(tombstones, parts, report, on_fan)
+        rows_of, self._carry = chosen
+        fan_parts: list[np.ndarray] = []
+        with self._mu:
+            for (seg, cols), rows in zip(parts, rows_of, strict=True):
+                seg.live_bytes += int(cols.record_bytes[rows].sum())
+                seg.live_count += len(rows)
+                if len(rows):
+                    top = int(cols.generation[rows].max())
+                    report.max_generation = max(report.max_generation, top)
+                names = cols.ns_names
+                # A fan number per record (small ints: no object kept per record).
+                fan_parts.append(
+                    np.fromiter(
+                        (
+                            int(fan_of(names[int(cols.ns[r])], cols.key(r)), 16)
+                            for r in rows.tolist()
+                        ),
+                        dtype=np.uint8,
+                        count=len(rows),
+                    )
+                )
+        self._recovered.set()
+        self._reclaim_wake.set()
+        part_ids = np.repeat(np.arange(len(parts)), [len(r) for r in rows_of])
+        all_rows = np.concatenate(rows_of) if rows_of else np.zeros(0, np.int64)
+        fan_ids = np.concatenate(fan_parts) if fan_parts else np.zeros(0, np.uint8)
+        by_fan = np.argsort(fan_ids, kind="stable")  # each fan's records in load order
+        bounds = np.searchsorted(fan_ids[by_fan], np.arange(257))
+        for fan in range(256):
+            picked = by_fan[bounds[fan] : bounds[fan + 1]]
+            if not len(picked):
+                continue
+            scan = FanScan(f"{fan:02x}")
+            for i in picked.tolist():
+                seg, cols = parts[int(part_ids[i])]
+                row = int(all_rows[i])
+                location = pack_location(seg.seg_id, int(cols.offset[row]))
+                scan.records.append(RecoveredRecord(cols.header(row), seg.path, location))
+            scan.files = len(scan.records)
+            if on_fan is None:
+                report.records += scan.records
+            else:
+                on_fan(scan)  # may wait for the records before it to be added
+            del scan
+        return report
+
+    def _recover_records(
+        self,
+        tombstones: dict[tuple[str, bytes], int],
+        parts: list[tuple[Segment, FooterColumns]],
+        report: RecoveryReport,
+        on_fan: Callable[[FanScan], None] | None,
+    ) -> RecoveryReport:
+        """The per-record choice over columns already loaded (a digest collision)."""
+        report.dropped_stale = report.dropped_deleted = 0
+        self._carry = []
+        newest: dict[tuple[str, bytes], tuple[Segment, int, RecordHeader]] = {}
+        covered: dict[tuple[str, bytes], int] = {}
+        for seg, cols in parts:
+            for row in range(len(cols)):
+                header = cols.header(row)
+                ident = (header.ns_id, header.key)
+                dead_up_to = tombstones.get(ident, 0)
+                if header.generation <= dead_up_to:
+                    report.dropped_deleted += 1
+                    covered[ident] = dead_up_to
+                    continue
+                old = newest.get(ident)
+                if old is not None:
+                    report.dropped_stale += 1
+                    if old[2].generation >= header.generation:
+                        continue
+                newest[ident] = (seg, int(cols.offset[row]), header)
+        fans: dict[str, FanScan] = {}
+        with self._mu:
+            for (ns_id, key), (seg, offset, header) in newest.items():
+                seg.count_live(header.record_bytes)
+                report.max_generation = max(report.max_generation, header.generation)
+                scan = fans.setdefault(fan_of(ns_id, key), FanScan(fan_of(ns_id, key)))
+                location = pack_location(seg.seg_id, offset)
+                scan.records.append(RecoveredRecord(header, seg.path, location))
+                scan.files += 1
+        self._carry = [(ns, key, gen) for (ns, key), gen in covered.items()]
+        self._recovered.set()
+        self._reclaim_wake.set()
+        for fan in sorted(fans):
+            if on_fan is None:
+                report.records += fans[fan].records
+            else:
+                on_fan(fans[fan])
+        return report
+
+    def _load_columns(self, seg: Segment) -> tuple[Segment, FooterColumns | None, str]:
+        """`_load` as columns: (segment, its records, why it could not be read)."""
+        if self._stop_recovery.is_set():
+            return seg, None, "recovery stopped"
+        if failpoints.ACTIVE:
+            failpoints.fire("nvme.recover_fan")
+        fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            try:
+                size_bytes = check_segment_header(os.pread(fd, ALIGN_BYTES, 0), seg.seg_id)
+            except CorruptRecord as err:
+                return seg, None, str(err)
+            seg.size_bytes = min(seg.size_bytes, size_bytes)
+            cols = read_footer_columns(fd, seg.seg_id, seg.size_bytes)
+            if cols is not None:
+                return seg, cols, ""
+            scan = scan_records(fd, seg.size_bytes)
+        finally:
+            os.close(fd)
+        self._seal_scanned(seg, scan.entries, scan.tail)
+        return seg, columns_of_entries(scan.entries), ""
 
     def compact_tombstones(self) -> None:
         """Carry the tombstones that still cover records on disk into the live log (synced),
@@ -376,29 +589,84 @@ class SegmentTier(NvmeTier):
 
     # ---- writing ------------------------------------------------------------------------------
     def write(self, header: RecordHeader, payload: Sequence[memoryview | mmap.mmap]) -> int:
-        """Append one record; returns its size on disk once it is visible (and durable with
+        """Append one record the tier keeps the location of itself (see the module
+        docstring); returns its size on disk once it is visible (and durable with
         sync_writes). `payload` as for NvmeTier.write."""
+        seg, offset = self._write(header, payload)
+        rid = (header.ns_id, header.key, header.generation)
+        with self._mu:
+            old = self._placed.get(rid)
+            self._placed[rid] = (pack_location(seg.seg_id, offset), header)
+            if old is not None:  # a rewrite of the same generation: the old copy is dead
+                self._count_dead_locked(old[0], header.record_bytes)
+            seg.pending -= 1
+        return header.record_bytes
+
+    def write_placed(
+        self, header: RecordHeader, payload: Sequence[memoryview | mmap.mmap]
+    ) -> Placed:
+        """`write` for a record whose location the owner keeps: returns it. The segment
+        holds still (reclaim skips it) until `settle(location)`, called where the owner
+        records the location, so that reclaim never asks about a record the owner has
+        not been told of yet."""
+        seg, offset = self._write(header, payload)
+        return Placed(header.record_bytes, pack_location(seg.seg_id, offset))
+
+    def settle(self, location: int) -> None:
+        """The owner has recorded the location `write_placed` gave (cheap: the event loop
+        may call it)."""
+        with self._mu:
+            seg = self._segments.get(unpack_location(location)[0])
+            if seg is not None:
+                seg.pending -= 1
+
+    def _write(
+        self, header: RecordHeader, payload: Sequence[memoryview | mmap.mmap]
+    ) -> tuple[Segment, int]:
         if failpoints.ACTIVE:
             failpoints.fire("nvme.write")
         total = header.header_bytes + sum(len(b) for b in payload)
         if total != header.record_bytes:
             raise ValueError(f"payload buffers add up to {total}, expected {header.record_bytes}")
         head = encode_header(header, self._scratch(header.header_bytes, "head"))
-        self._append(header, [head, *payload], relocating=False)
+        placed = self._append(header, [head, *payload], relocating=False)
         with self._mu:
             self.written_bytes += total
-        return total
+        return placed
 
     def write_many(
         self, headers: Sequence[RecordHeader], payloads: Sequence[Sequence[memoryview | mmap.mmap]]
     ) -> list[int | OSError]:
+        """`write_many_placed` for records the tier keeps the locations of itself (as
+        `write`); per record its size on disk or the OSError that failed it."""
+        out: list[int | OSError] = []
+        for header, placed in zip(headers, self.write_many_placed(headers, payloads), strict=True):
+            if isinstance(placed, OSError):
+                out.append(placed)
+                continue
+            rid = (header.ns_id, header.key, header.generation)
+            with self._mu:
+                old = self._placed.get(rid)
+                self._placed[rid] = (placed.location, header)
+                if old is not None:
+                    self._count_dead_locked(old[0], header.record_bytes)
+                seg = self._segments.get(unpack_location(placed.location)[0])
+                if seg is not None:
+                    seg.pending -= 1
+            out.append(placed.record_bytes)
+        return out
+
+    def write_many_placed(
+        self, headers: Sequence[RecordHeader], payloads: Sequence[Sequence[memoryview | mmap.mmap]]
+    ) -> list[Placed | OSError]:
         """Append several records (a demotion batch) back to back: consecutive extents of
         the active segment reserved together, written by as few `pwritev` calls as IOV_MAX
         allows and marked written as one extent, so with sync_writes one fdatasync covers
         the batch. The visibility rule is `write`'s: a record is visible (returned here)
-        only once every extent before it is written. Per record its size on disk or the
-        OSError that failed it; `payloads` as for `write`."""
-        results: list[int | OSError] = [0] * len(headers)
+        only once every extent before it is written. Per record where it lies (each to be
+        `settle`d, as for `write_placed`) or the OSError that failed it; `payloads` as for
+        `write`."""
+        results: list[Placed | OSError] = [Placed(0)] * len(headers)
         todo: list[int] = []
         for i, (header, payload) in enumerate(zip(headers, payloads, strict=True)):
             total = header.header_bytes + sum(len(b) for b in payload)
@@ -452,7 +720,7 @@ class SegmentTier(NvmeTier):
         piece: list[tuple[int, int]],
         headers: Sequence[RecordHeader],
         iovs: list[list[memoryview | mmap.mmap]],
-        results: list[int | OSError],
+        results: list[Placed | OSError],
     ) -> None:
         """Write and publish records reserved back to back in `seg` ((index, offset) in
         order), finishing them as one extent (see `write_many`)."""
@@ -489,26 +757,21 @@ class SegmentTier(NvmeTier):
             for i, _ in piece:
                 results[i] = err
             return
-        with self._mu:  # as `_append` publishes one record (keep the two in step)
+        with self._mu:  # as `_append` counts one record (keep the two in step)
             for i, offset in piece:
                 header = headers[i]
-                rid = (header.ns_id, header.key, header.generation)
-                seg.pending -= 1
-                old = self._where.get(rid)
-                if old is not None:
-                    self._drop_locked(rid, old)
-                seg.records[rid] = (offset, header)
-                seg.live_bytes += header.record_bytes
-                self._where[rid] = seg
-                results[i] = header.record_bytes
+                seg.count_live(header.record_bytes)  # `pending` stays up until settled
+                results[i] = Placed(header.record_bytes, pack_location(seg.seg_id, offset))
             self.written_bytes += size
 
     def _append(
         self, header: RecordHeader, iov: list[memoryview | mmap.mmap], relocating: bool
-    ) -> Segment:
+    ) -> tuple[Segment, int]:
+        """Write one record at the tail; (segment, offset) once visible. A caller's write
+        leaves the segment's `pending` raised for the caller to lower once the location is
+        recorded; a relocated copy lowers it here (its move is published by reclaim)."""
         seg, offset = self._reserve(header, relocating)
         total = header.record_bytes
-        rid = (header.ns_id, header.key, header.generation)
         try:
             try:
                 _pwrite_at(seg.fd, list(iov), total, offset)
@@ -527,16 +790,10 @@ class SegmentTier(NvmeTier):
                     self._append_tombstone(header.ns_id, header.key, header.generation)
             raise
         with self._mu:
-            seg.pending -= 1
-            old = self._where.get(rid)
-            if relocating and old is None:
-                return seg  # removed while it was copied: the copy is dead (tombstoned)
-            if old is not None:  # the original of a relocated copy, or a rewrite
-                self._drop_locked(rid, old)
-            seg.records[rid] = (offset, header)
-            seg.live_bytes += total
-            self._where[rid] = seg
-        return seg
+            if relocating:
+                seg.pending -= 1
+            seg.count_live(total)
+        return seg, offset
 
     def _reserve(self, header: RecordHeader, relocating: bool) -> tuple[Segment, int]:
         """An extent of the active segment for this record (a new segment if it is full)."""
@@ -649,26 +906,36 @@ class SegmentTier(NvmeTier):
             logger.warning("could not seal NVMe segment %s: %s", seg.path, err.strerror or err)
 
     # ---- reading ------------------------------------------------------------------------------
-    def _locate(self, header: RecordHeader) -> tuple[Segment, int]:
-        rid = (header.ns_id, header.key, header.generation)
+    def _locate(self, header: RecordHeader, location: int) -> tuple[Segment, int]:
         with self._mu:
-            seg = self._where.get(rid)
-            if seg is None:
+            if location == NO_LOCATION:
+                placed = self._placed.get((header.ns_id, header.key, header.generation))
+                location = NO_LOCATION if placed is None else placed[0]
+            seg_id, offset = unpack_location(location)
+            seg = self._segments.get(seg_id) or self._retired.get(seg_id)
+            if location == NO_LOCATION or seg is None:
                 raise FileNotFoundError(errno.ENOENT, "no such record in the NVMe segments")
-            offset = seg.records[rid][0]
+            if offset < ALIGN_BYTES or offset + header.record_bytes > seg.size_bytes:
+                raise CorruptRecord("record location outside its segment")
             seg.readers += 1
         return seg, offset
 
     def _release(self, seg: Segment) -> None:
         with self._mu:
             seg.readers -= 1
-            close = seg.retired and not seg.readers
+            close = seg.retired and not seg.readers and time.monotonic() >= seg.close_after_s
+            if close:
+                self._retired.pop(seg.seg_id, None)
         if close:
             os.close(seg.fd)
 
-    def _read_record(self, header: RecordHeader, iov: list[memoryview]) -> None:
-        """Fill `iov` (the record's size) from where the record lies in its segment."""
-        seg, offset = self._locate(header)
+    def _read_record(
+        self, header: RecordHeader, iov: list[memoryview], location: int = NO_LOCATION
+    ) -> None:
+        """Fill `iov` (the record's size) from where the record lies in its segment (the
+        record's own header and checksum are verified by the caller, so a stale or lying
+        location is a miss, never wrong bytes)."""
+        seg, offset = self._locate(header, location)
         try:
             if failpoints.ACTIVE:
                 failpoints.fire("nvme.read")
@@ -683,17 +950,21 @@ class SegmentTier(NvmeTier):
             self._release(seg)
 
     # ---- removing ------------------------------------------------------------------------------
-    def remove(self, header: RecordHeader) -> None:
+    def remove(self, header: RecordHeader, location: int = NO_LOCATION) -> None:
         """Take a record out: a tombstone (its bytes stay in the segment until reclaimed,
-        so without one a restart would find it again), its room counted dead."""
+        so without one a restart would find it again), its room counted dead. `location`:
+        where the owner had it (NO_LOCATION: a record the tier holds itself)."""
         if failpoints.ACTIVE:
             failpoints.fire("nvme.remove")
         rid = (header.ns_id, header.key, header.generation)
         self._append_tombstone(header.ns_id, header.key, header.generation)
         with self._mu:
-            seg = self._where.get(rid)
-            if seg is not None:
-                self._drop_locked(rid, seg)
+            placed = self._placed.get(rid)
+            if placed is not None and location in (NO_LOCATION, placed[0]):
+                del self._placed[rid]
+                location = placed[0]
+            if location != NO_LOCATION:
+                self._count_dead_locked(location, header.record_bytes)
         self._reclaim_wake.set()
 
     def _append_tombstone(self, ns_id: str, key: bytes, generation: int) -> None:
@@ -705,12 +976,10 @@ class SegmentTier(NvmeTier):
             if os.write(self._tombstone_fd, entry) != len(entry):
                 raise OSError(errno.EIO, "short write to the tombstone log")
 
-    def _drop_locked(self, rid: RecordId, seg: Segment) -> None:
-        offset_header = seg.records.pop(rid, None)
-        if offset_header is not None:
-            seg.live_bytes -= offset_header[1].record_bytes
-        if self._where.get(rid) is seg:
-            del self._where[rid]
+    def _count_dead_locked(self, location: int, record_bytes: int) -> None:
+        seg = self._segments.get(unpack_location(location)[0])
+        if seg is not None:
+            seg.count_dead(record_bytes)
 
     # ---- reclaiming ------------------------------------------------------------------------------
     def _reclaim_forever(self) -> None:
@@ -722,6 +991,8 @@ class SegmentTier(NvmeTier):
             try:
                 self.reclaim()
             except OSError as err:
+                if self._closing.is_set():
+                    return  # the owner stopped answering because the tier is closing
                 logger.warning("NVMe segment reclaim failed: %s", err.strerror or err)
                 time.sleep(_RECLAIM_POLL_S)
             except Exception:  # the reclaimer must outlive any one failure
@@ -732,10 +1003,11 @@ class SegmentTier(NvmeTier):
         """Empty sealed segments while the tier is within two segments of its limit (or, with
         `force`, every sealed one with a dead byte): those without live records deleted,
         the emptiest one's live records re-appended first. Returns segments reclaimed."""
-        if not self._recovered.is_set():
+        if not (self._recovered.is_set() and self._owner_ready.is_set()):
             return 0
         done = 0
         with self._reclaim_lock:
+            self._close_retired()
             with self._mu:
                 before = set(self._segments)  # `force` ends: copies land in newer ones
             while not self._closing.is_set():
@@ -772,36 +1044,99 @@ class SegmentTier(NvmeTier):
         return done
 
     def _retire_emptied(self) -> int:
-        """Delete the sealed segments without a live record: free, nothing to read."""
+        """Delete the sealed segments the removals say hold no live record, once the owner
+        agrees (a live one it names is re-appended first: the counts are not trusted with
+        a block)."""
         with self._mu:
             empty = [s for s in self._segments.values() if self._emptied(s)]
-        if empty and failpoints.ACTIVE:
-            failpoints.fire("segment.reclaim")
-        with self._mu:
-            empty = [s for s in empty if self._emptied(s)]  # none revived meanwhile
-            for seg in empty:
-                self._retire_locked(seg)
+        for seg in empty:
+            self._relocate(seg)
         return len(empty)
 
     def _emptied(self, seg: Segment) -> bool:
         return (
             seg.sealed
             and seg.loaded
-            and not seg.records
+            and not seg.live_count
             and not seg.pending
             and seg is not self._active
             and seg is not self._relocating
             and seg.seg_id in self._segments
         )
 
+    def _entries_of(self, seg: Segment) -> list[tuple[int, RecordHeader]]:
+        """Every record a sealed segment lists (its footer; a segment sealed without room
+        for one is scanned)."""
+        # A buffered descriptor of its own: the tier's may be O_DIRECT (aligned I/O only).
+        fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            entries = read_footer(fd, seg.seg_id, seg.size_bytes)
+            if entries is None:
+                entries = scan_records(fd, seg.size_bytes).entries
+        finally:
+            os.close(fd)
+        return entries
+
+    def _live_of(self, seg: Segment) -> list[tuple[int, RecordHeader]]:
+        """The records of `seg` still held (by the tier itself or its owner) there."""
+        out: list[tuple[int, RecordHeader]] = []
+        entries = self._entries_of(seg)
+        for start in range(0, len(entries), _OWNER_CHUNK):
+            chunk = entries[start : start + _OWNER_CHUNK]
+            locations = [pack_location(seg.seg_id, off) for off, _ in chunk]
+            asked: list[int] = []
+            with self._mu:
+                for i, (off, h) in enumerate(chunk):
+                    placed = self._placed.get((h.ns_id, h.key, h.generation))
+                    if placed is not None:
+                        if placed[0] == locations[i]:
+                            out.append((off, h))
+                    else:
+                        asked.append(i)
+            if asked and self._owner is not None:
+                held = self._owner.live([chunk[i][1] for i in asked], [locations[i] for i in asked])
+                out.extend(chunk[i] for i, yes in zip(asked, held, strict=True) if yes)
+        return out
+
+    def _publish(self, moves: list[tuple[RecordHeader, int, Segment, int]]) -> None:
+        """Tell whoever holds each relocated record its new place; a copy nobody takes
+        (removed while it was copied: tombstoned) is counted dead where it landed."""
+        for start in range(0, len(moves), _OWNER_CHUNK):
+            chunk = moves[start : start + _OWNER_CHUNK]
+            news = [pack_location(seg.seg_id, off) for _, _, seg, off in chunk]
+            asked: list[int] = []
+            taken = [False] * len(chunk)
+            with self._mu:
+                for i, (h, old, _, _) in enumerate(chunk):
+                    rid = (h.ns_id, h.key, h.generation)
+                    placed = self._placed.get(rid)
+                    if placed is None:
+                        asked.append(i)
+                    elif placed[0] == old:
+                        self._placed[rid] = (news[i], h)
+                        taken[i] = True
+            if asked and self._owner is not None:
+                got = self._owner.moved(
+                    [chunk[i][0] for i in asked],
+                    [chunk[i][1] for i in asked],
+                    [news[i] for i in asked],
+                )
+                for i, yes in zip(asked, got, strict=True):
+                    taken[i] = yes
+            with self._mu:
+                for (h, _, seg, _), yes in zip(chunk, taken, strict=True):
+                    if not yes:
+                        seg.count_dead(h.record_bytes)
+
     def _relocate(self, victim: Segment) -> None:
-        """Re-append the live records of `victim` (each checked first: a damaged one is
-        dropped, not copied), make the copies durable, then delete it."""
-        with self._mu:
-            live = list(victim.records.items())
+        """Re-append the records of `victim` still held (each checked first: a damaged one
+        is dropped, not copied), make the copies durable, publish the moves, then delete
+        it."""
+        live = self._live_of(victim)
         buf: mmap.mmap | None = None
         touched: set[Segment] = set()
-        for _rid, (offset, header) in live:
+        moves: list[tuple[RecordHeader, int, Segment, int]] = []
+        for offset, header in live:
             if failpoints.ACTIVE:
                 failpoints.fire("segment.relocate")
             if buf is None or len(buf) < header.record_bytes:
@@ -815,16 +1150,17 @@ class SegmentTier(NvmeTier):
             except (CorruptRecord, OSError) as err:
                 logger.warning("dropping an unreadable record while reclaiming: %s", err)
                 continue
-            touched.add(self._append(header, [view], relocating=True))
+            seg, new_offset = self._append(header, [view], relocating=True)
+            touched.add(seg)
+            moves.append((header, pack_location(victim.seg_id, offset), seg, new_offset))
             with self._mu:
                 self.relocated_bytes += header.record_bytes
         for seg in touched:  # the copies survive a power loss before the originals go
             os.fdatasync(seg.fd)
         if failpoints.ACTIVE:
             failpoints.fire("segment.reclaim")
+        self._publish(moves)
         with self._mu:
-            for rid in list(victim.records):
-                self._drop_locked(rid, victim)  # removed or dropped while copying
             self._retire_locked(victim)
         logger.debug(
             "reclaimed NVMe segment %s: %d live records re-appended", victim.path, len(live)
@@ -843,7 +1179,19 @@ class SegmentTier(NvmeTier):
         if delete:
             remove_entry(seg.path)
         seg.retired = True
-        if not seg.readers:
+        # A read may have taken a location in it just before its records moved: the
+        # unlinked file keeps serving (verified) bytes for a few seconds.
+        seg.close_after_s = time.monotonic() + _RETIRED_GRACE_S
+        self._retired[seg.seg_id] = seg
+
+    def _close_retired(self, now_s: float | None = None) -> None:
+        """Close the descriptors of deleted segments past their grace with no read."""
+        now_s = time.monotonic() if now_s is None else now_s
+        with self._mu:
+            done = [s for s in self._retired.values() if not s.readers and now_s >= s.close_after_s]
+            for seg in done:
+                del self._retired[seg.seg_id]
+        for seg in done:
             os.close(seg.fd)
 
     # ---- stopping ------------------------------------------------------------------------------
@@ -862,22 +1210,29 @@ class SegmentTier(NvmeTier):
             seg.full = True
             self._seal_when_idle(seg)
         with self._mu:
+            for seg in self._retired.values():
+                seg.close_after_s = 0.0
+        self._close_retired()
+        with self._mu:
             for seg in list(self._segments.values()):
                 self._segments.pop(seg.seg_id)
                 seg.retired = True
                 if not seg.readers:
                     os.close(seg.fd)
-            self._where.clear()
+            self._placed.clear()
         super().close()
 
     def record_locations(self) -> list[tuple[str, int, RecordHeader]]:
-        """(segment file, offset, header) of every live record (for tests and tools)."""
+        """(segment file, offset, header) of every record the tier holds itself (for tests
+        and tools: with an owner, the owner's records are the owner's to list)."""
         with self._mu:
-            return [
-                (seg.path, offset, header)
-                for seg in self._segments.values()
-                for offset, header in seg.records.values()
-            ]
+            out = []
+            for location, header in self._placed.values():
+                seg_id, offset = unpack_location(location)
+                seg = self._segments.get(seg_id)
+                if seg is not None:
+                    out.append((seg.path, offset, header))
+            return out
 
 
 def _contiguous(
@@ -924,3 +1279,89 @@ def _pread_exact(fd: int, view: memoryview, offset: int) -> None:
 def payload_checksum(data: bytes) -> int:
     """The xxh3 a record header carries for `data` (re-exported for tests)."""
     return payload_xxh3(data)
+
+
+def _newest(
+    parts: list[tuple[Segment, FooterColumns]],
+    tombstones: dict[tuple[str, bytes], int],
+    report: RecoveryReport,
+) -> tuple[list[np.ndarray], list[tuple[str, bytes, int]]] | None:
+    """The rows to keep of each part (every block's newest record, the first loaded of
+    equal generations as the per-record path keeps, not covered by a tombstone; the
+    dropped ones counted in `report`) and the tombstones that still cover a record (to
+    carry). None if two distinct blocks share a key digest (the caller then chooses per
+    record)."""
+    seeds: dict[str, int] = {}
+
+    def seed(name: str) -> int:
+        got = seeds.get(name)
+        if got is None:
+            got = seeds[name] = xxhash.xxh3_64_intdigest(name.encode())
+        return got
+
+    digests: list[np.ndarray] = []
+    for _, cols in parts:
+        view = memoryview(cols.blob)
+        ns_seeds = [seed(n) for n in cols.ns_names]
+        h = xxhash.xxh3_64_intdigest
+        digests.append(
+            np.fromiter(
+                (
+                    h(view[o : o + n], ns_seeds[s])
+                    for o, n, s in zip(
+                        cols.key_off.tolist(), cols.key_len.tolist(), cols.ns.tolist(), strict=True
+                    )
+                ),
+                dtype=np.uint64,
+                count=len(cols),
+            )
+        )
+    sizes = [len(cols) for _, cols in parts]
+    total = sum(sizes)
+    part_of = np.repeat(np.arange(len(parts), dtype=np.int64), sizes)
+    row_of = (
+        np.concatenate([np.arange(n, dtype=np.int64) for n in sizes])
+        if parts
+        else np.zeros(0, np.int64)
+    )
+    digest = np.concatenate(digests) if parts else np.zeros(0, np.uint64)
+    gen = np.concatenate([c.generation for _, c in parts]) if parts else np.zeros(0, np.uint64)
+
+    def ident(i: int) -> tuple[str, bytes]:
+        _, cols = parts[int(part_of[i])]
+        row = int(row_of[i])
+        return cols.ns_names[int(cols.ns[row])], cols.key(row)
+
+    # Tombstones: only records whose digest a tombstone's matches are compared in full.
+    dead = np.zeros(total, dtype=bool)
+    covered: dict[tuple[str, bytes], int] = {}
+    if tombstones:
+        tomb = np.fromiter(
+            (xxhash.xxh3_64_intdigest(key, seed(ns)) for ns, key in tombstones),
+            dtype=np.uint64,
+            count=len(tombstones),
+        )
+        for i in np.nonzero(np.isin(digest, tomb))[0].tolist():
+            who = ident(i)
+            dead_up_to = tombstones.get(who, 0)
+            if int(gen[i]) <= dead_up_to:
+                dead[i] = True
+                covered[who] = dead_up_to
+    report.dropped_deleted = int(dead.sum())
+    alive = np.nonzero(~dead)[0]
+    # Newest first within a digest, then load order: the first of each digest wins.
+    order = alive[np.lexsort((alive, ~gen[alive], digest[alive]))]
+    d = digest[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = d[1:] != d[:-1]
+    winners = order[first]
+    report.dropped_stale = len(order) - len(winners)
+    # Records that share a winner's digest must be the same block (else: a collision).
+    group_start = np.cumsum(first) - 1
+    for j in np.nonzero(~first)[0].tolist():
+        if ident(int(order[j])) != ident(int(winners[group_start[j]])):
+            return None
+    winners.sort()
+    parts_of_winners = part_of[winners]
+    rows = [row_of[winners[parts_of_winners == p]] for p in range(len(parts))]
+    return rows, [(ns, key, g) for (ns, key), g in covered.items()]

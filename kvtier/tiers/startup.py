@@ -65,6 +65,7 @@ _TOMBSTONE_XXH3 = struct.Struct("<Q")
 class RecoveredRecord:
     header: RecordHeader
     file: str  # the record file's path (a Path per record cost ~10 µs at start)
+    location: int = 0  # where it lies in the segment layout (segment_file.pack_location)
 
     @property
     def path(self) -> Path:
