@@ -24,7 +24,13 @@ import heapq
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["SegmentSpace", "reclaim_victim", "reserve_bytes_for", "segment_bytes_for"]
+__all__ = [
+    "SegmentSpace",
+    "reclaim_victim",
+    "reserve_bytes_for",
+    "segment_bytes_fitting",
+    "segment_bytes_for",
+]
 
 _PRESSED_LIVE_SHARE = 0.9
 _MAX_SEGMENT_BYTES = 256 << 20
@@ -44,11 +50,17 @@ def segment_bytes_for(limit_bytes: int, record_bytes: int = 0, entry_bytes: int 
     then leave no slack at a segment's tail. Without it a 64 MiB block in 256 MiB segments
     left 64 MiB of every segment empty, a quarter of the disk the store counts as free."""
     size = min(_MAX_SEGMENT_BYTES, max(_MIN_SEGMENT_BYTES, limit_bytes // 16))
-    size &= ~(_PAGE_BYTES - 1)
+    return segment_bytes_fitting(size & ~(_PAGE_BYTES - 1), record_bytes, entry_bytes)
+
+
+def segment_bytes_fitting(base_bytes: int, record_bytes: int, entry_bytes: int = 0) -> int:
+    """The size of a segment of about `base_bytes` that a record of `record_bytes` (and
+    `entry_bytes` of footer entry) opens: as many such records as fit, at least one, and
+    the pages around them, nothing more (`base_bytes` itself when no record is given)."""
     if record_bytes <= 0:
-        return size
+        return base_bytes
     per_record = record_bytes + entry_bytes
-    count = max(1, (size - _OVERHEAD_BYTES) // per_record)
+    count = max(1, (base_bytes - _OVERHEAD_BYTES) // per_record)
     return -(-(count * per_record + _OVERHEAD_BYTES) // _PAGE_BYTES) * _PAGE_BYTES
 
 

@@ -37,7 +37,7 @@ def test_segment_sizes_and_reserve_follow_the_tier() -> None:
     space = SegmentSpace.for_store(100 * MiB)
     assert space.store_bytes >= 100 * MiB  # the reserve withheld from the limit
     smaller = int(space.limit_bytes * 0.97)  # and not far more than needed
-    assert SegmentSpace(smaller, segment_bytes_for(smaller)).store_bytes < 100 * MiB
+    assert SegmentSpace(smaller).store_bytes < 100 * MiB
 
 
 def test_fifo_eviction_rewrites_nothing_and_random_eviction_does() -> None:

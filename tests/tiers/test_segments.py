@@ -263,7 +263,7 @@ def test_a_failed_write_seals_the_segment_and_later_records_stay_findable(
     gen = tier.first_generation
     assert gen is not None
     first = put(tier, b"a", data_for(1), gen)
-    from kvtier.tiers import segments
+    from kvtier.tiers import segment_core as segments
 
     real = segments._pwrite_at
     calls = {"n": 0}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.buffers import aligned_buffer
-from kvtier.tiers import segments
+from kvtier.tiers import segment_core as segments
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.nvme import NvmeTier
 from kvtier.tiers.record import RecordHeader
