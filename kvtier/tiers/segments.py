@@ -44,8 +44,8 @@ a map of the tier's (`_placed`), which in the daemon holds a handful.
 
 Reclaim (a background thread of the tier): segments without a live record are deleted at
 once (after the owner confirms none is); when the segments come within two segments of
-`nvme.capacity_bytes` (or fill more than half of it and one is at most half live) the
-sealed segment with the smallest live share is emptied: its live records (those the owner
+`nvme.capacity_bytes` the sealed segment with the smallest live share (at most 90 % live)
+is emptied: its live records (those the owner
 still holds at the victim's location, i.e. the ones the policy kept) are re-appended, the
 copies synced, the moves published to the owner (which takes each only where it still
 names the old location), then the segment deleted — unlinked at once, its descriptor kept
