@@ -145,20 +145,10 @@ def encode_trailer(seg_id: int, footer_at: int, footer: bytes) -> bytes:
 def read_footer(fd: int, seg_id: int, size_bytes: int) -> list[tuple[int, RecordHeader]] | None:
     """A sealed segment's records from its footer; None if its trailer or footer fails
     its checksum (the segment is then scanned)."""
-    trailer = _trailer(fd, seg_id, size_bytes)
-    if trailer is None:
+    checked = _checked_footer(fd, seg_id, size_bytes)
+    if checked is None:
         return None
-    footer_at, footer_bytes, footer_xxh3 = trailer
-    footer = os.pread(fd, footer_bytes, footer_at)
-    if len(footer) != footer_bytes or xxhash.xxh3_64_intdigest(footer) != footer_xxh3:
-        return None
-    end = footer_bytes - _XXH3.size
-    (stored,) = _XXH3.unpack_from(footer, end)
-    if stored != xxhash.xxh3_64_intdigest(footer[:end]):
-        return None
-    magic, count = _FOOTER_HEAD.unpack_from(footer, 0)
-    if magic != _FOOTER_MAGIC:
-        return None
+    footer, footer_at, count, _ = checked
     out: list[tuple[int, RecordHeader]] = []
     pos = _FOOTER_HEAD.size
     try:
@@ -179,6 +169,26 @@ def read_footer(fd: int, seg_id: int, size_bytes: int) -> list[tuple[int, Record
     except (struct.error, UnicodeDecodeError):
         return None
     return out
+
+
+def _checked_footer(fd: int, seg_id: int, size_bytes: int) -> tuple[bytes, int, int, int] | None:
+    """A sealed segment's footer bytes, where it lies, its entry count and where its
+    entries end, once the trailer, both checksums and the magic verify; else None."""
+    trailer = _trailer(fd, seg_id, size_bytes)
+    if trailer is None:
+        return None
+    footer_at, footer_bytes, footer_xxh3 = trailer
+    footer = os.pread(fd, footer_bytes, footer_at)
+    if len(footer) != footer_bytes or xxhash.xxh3_64_intdigest(footer) != footer_xxh3:
+        return None
+    end = footer_bytes - _XXH3.size
+    (stored,) = _XXH3.unpack_from(footer, end)
+    if stored != xxhash.xxh3_64_intdigest(footer[:end]):
+        return None
+    magic, count = _FOOTER_HEAD.unpack_from(footer, 0)
+    if magic != _FOOTER_MAGIC:
+        return None
+    return footer, footer_at, count, end
 
 
 def footer_extent(fd: int, seg_id: int, size_bytes: int) -> tuple[int, int] | None:
@@ -317,20 +327,10 @@ def read_footer_columns(fd: int, seg_id: int, size_bytes: int) -> FooterColumns 
     """`read_footer` as columns: the same checks, the same records kept, no object per
     record where every entry of the footer has one key and namespace length (the usual
     case: an engine's keys are fixed-size hashes), one pass of struct unpacking else."""
-    trailer = _trailer(fd, seg_id, size_bytes)
-    if trailer is None:
+    checked = _checked_footer(fd, seg_id, size_bytes)
+    if checked is None:
         return None
-    footer_at, footer_bytes, footer_xxh3 = trailer
-    footer = os.pread(fd, footer_bytes, footer_at)
-    if len(footer) != footer_bytes or xxhash.xxh3_64_intdigest(footer) != footer_xxh3:
-        return None
-    end = footer_bytes - _XXH3.size
-    (stored,) = _XXH3.unpack_from(footer, end)
-    if stored != xxhash.xxh3_64_intdigest(footer[:end]):
-        return None
-    magic, count = _FOOTER_HEAD.unpack_from(footer, 0)
-    if magic != _FOOTER_MAGIC:
-        return None
+    footer, footer_at, count, end = checked
     cols = _uniform_columns(footer, count, end)
     if cols is None:
         cols = _unpacked_columns(footer, count)

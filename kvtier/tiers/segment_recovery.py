@@ -184,7 +184,18 @@ class SegmentRecovery(SegmentCore):
                     scan = fans[fan] = FanScan(fan)
                 scan.records.append(RecoveredRecord(header, seg.path, location))
                 scan.files += 1
-        # Tombstones that still kill a record on disk must outlive the logs they are in.
+        return self._hand_out(fans, covered, report, on_fan)
+
+    def _hand_out(
+        self,
+        fans: dict[str, FanScan],
+        covered: dict[tuple[str, bytes], int],
+        report: RecoveryReport,
+        on_fan: Callable[[FanScan], None] | None,
+    ) -> RecoveryReport:
+        """The recovered records by fan, to `on_fan` (else into the report), once the
+        tier is ready for reclaim; the tombstones that still kill a record on disk are
+        kept to outlive the logs they are in (`compact_tombstones`)."""
         self._carry = [(ns, key, gen) for (ns, key), gen in covered.items()]
         self._recovered.set()
         self._reclaim_wake.set()
@@ -306,15 +317,7 @@ class SegmentRecovery(SegmentCore):
                 location = pack_location(seg.seg_id, offset)
                 scan.records.append(RecoveredRecord(header, seg.path, location))
                 scan.files += 1
-        self._carry = [(ns, key, gen) for (ns, key), gen in covered.items()]
-        self._recovered.set()
-        self._reclaim_wake.set()
-        for fan in sorted(fans):
-            if on_fan is None:
-                report.records += fans[fan].records
-            else:
-                on_fan(fans[fan])
-        return report
+        return self._hand_out(fans, covered, report, on_fan)
 
     def _load_columns(self, seg: Segment) -> tuple[Segment, FooterColumns | None, str]:
         """`_load` as columns: (segment, its records, why it could not be read)."""
