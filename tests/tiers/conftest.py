@@ -12,6 +12,16 @@ from kvtier.tiers.nvme import NvmeTier, RecoveryReport
 
 
 @pytest.fixture
+def tiers() -> Iterator[list[NvmeTier]]:
+    """Tiers a test opens (either layout), closed after it unless it closed them itself."""
+    opened: list[NvmeTier] = []
+    yield opened
+    for tier in opened:
+        if tier._tombstone_fd is not None:
+            tier.close()
+
+
+@pytest.fixture
 def opened() -> Iterator[list[NvmeTier]]:
     tiers: list[NvmeTier] = []
     yield tiers

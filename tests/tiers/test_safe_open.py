@@ -29,14 +29,6 @@ HANG_S = 10.0  # far beyond any open here; only a blocked one takes this long
 
 
 @pytest.fixture
-def tiers() -> Iterator[list[NvmeTier]]:
-    opened: list[NvmeTier] = []
-    yield opened
-    for tier in opened:
-        tier.close()
-
-
-@pytest.fixture
 def umask() -> Iterator[Callable[[int], None]]:
     old = os.umask(0o022)
     os.umask(old)

@@ -6,7 +6,7 @@ here is a dict standing in for the catalog."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -50,15 +50,6 @@ class DictOwner:
                 self.at[rid] = n
             out.append(took)
         return out
-
-
-@pytest.fixture
-def tiers() -> Iterator[list[SegmentTier]]:
-    opened: list[SegmentTier] = []
-    yield opened
-    for tier in opened:
-        if tier._tombstone_fd is not None:
-            tier.close()
 
 
 def owned_tier(tiers: list[SegmentTier], root: Path, owner: DictOwner) -> SegmentTier:

@@ -4,34 +4,20 @@ included, and a segment recovery would have to scan), everyone else's served bit
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from kvtier.tiers.record import ALIGN_BYTES
 from kvtier.tiers.segments import SegmentTier
 from kvtier.tiers.wipe import wipe
+from tests.tiers.test_segments import open_tier as segment_tier
 from tests.tiers.test_wipe import block, everything_under, write
 
 ALICE, BOB = "alice|llama3-8b/bf16", "bob|llama3-8b/bf16"
 MiB = 1 << 20
 
 
-@pytest.fixture
-def tiers() -> Iterator[list[SegmentTier]]:
-    opened: list[SegmentTier] = []
-    yield opened
-    for tier in opened:
-        if tier._tombstone_fd is not None:
-            tier.close()
-
-
 def open_tier(tiers: list[SegmentTier], root: Path) -> SegmentTier:
-    tier = SegmentTier(root, 64 * MiB, True, False, segment_bytes=4 * MiB)
-    tiers.append(tier)
-    tier.open()
-    return tier
+    return segment_tier(tiers, root, 64 * MiB, segment_bytes=4 * MiB)
 
 
 def fill(tiers: list[SegmentTier], root: Path, alices: int) -> dict[bytes, bytes]:

@@ -9,7 +9,6 @@ import os
 import struct
 import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,15 +25,6 @@ from kvtier.tiers.segments import SegmentTier
 
 NS = "default|m/seg"
 MiB = 1 << 20
-
-
-@pytest.fixture
-def tiers() -> Iterator[list[SegmentTier]]:
-    opened: list[SegmentTier] = []
-    yield opened
-    for tier in opened:
-        if tier._tombstone_fd is not None:
-            tier.close()
 
 
 def open_tier(

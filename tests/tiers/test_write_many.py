@@ -18,9 +18,7 @@ from kvtier.tiers.allocator import round_up
 from kvtier.tiers.nvme import NvmeTier
 from kvtier.tiers.record import RecordHeader
 from kvtier.tiers.segments import SegmentTier
-from tests.tiers.test_segments import MiB, crash, data_for, get, header_for, open_tier, put, tiers
-
-__all__ = ["tiers"]  # the fixture, re-exported
+from tests.tiers.test_segments import MiB, crash, data_for, get, header_for, open_tier, put
 
 
 def batch(
