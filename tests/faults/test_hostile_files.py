@@ -114,6 +114,9 @@ def tier(start_daemon: StartDaemon, workdir: Path) -> Iterator[Callable[..., Tie
             nvme="2GiB",  # a free/ pool of up to 32 MiB (calibration's spares take 8)
             extra=["--config", str(config), "--metrics-listen", f"127.0.0.1:{port}"],
             prefix=prefix,
+            # No demotion ahead of need: a batch still in flight after the puts would take
+            # the spares these tests count (a new record reuses a spare of its size).
+            env={"KVTIER_DRAM__DEMOTE_FREE_FRACTION": "0"},
         )
         return Tier(daemon, port)
 
