@@ -9,7 +9,7 @@ import gc
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -156,19 +156,13 @@ class SegmentRecovery(SegmentCore):
             seg.loaded = True
             seg.stored_bytes = sum(h.record_bytes for _, h in item.entries)
             seg.stored_count = len(item.entries)
-            for offset, header in item.entries:
-                ident = (header.ns_id, header.key)
-                dead_up_to = tombstones.get(ident, 0)
-                if header.generation <= dead_up_to:
-                    report.dropped_deleted += 1
-                    covered[ident] = dead_up_to
-                    continue
-                old = newest.get(ident)
-                if old is not None:
-                    report.dropped_stale += 1
-                    if old[2].generation >= header.generation:
-                        continue
-                newest[ident] = (seg, offset, header)
+            _keep_newest(
+                ((seg, offset, header) for offset, header in item.entries),
+                tombstones,
+                report,
+                newest,
+                covered,
+            )
         fans: dict[str, FanScan] = {}
         owned = self._owner is not None
         with self._mu:
@@ -294,20 +288,13 @@ class SegmentRecovery(SegmentCore):
         newest: dict[tuple[str, bytes], tuple[Segment, int, RecordHeader]] = {}
         covered: dict[tuple[str, bytes], int] = {}
         for seg, cols in parts:
-            for row in range(len(cols)):
-                header = cols.header(row)
-                ident = (header.ns_id, header.key)
-                dead_up_to = tombstones.get(ident, 0)
-                if header.generation <= dead_up_to:
-                    report.dropped_deleted += 1
-                    covered[ident] = dead_up_to
-                    continue
-                old = newest.get(ident)
-                if old is not None:
-                    report.dropped_stale += 1
-                    if old[2].generation >= header.generation:
-                        continue
-                newest[ident] = (seg, int(cols.offset[row]), header)
+            _keep_newest(
+                ((seg, int(cols.offset[row]), cols.header(row)) for row in range(len(cols))),
+                tombstones,
+                report,
+                newest,
+                covered,
+            )
         fans: dict[str, FanScan] = {}
         with self._mu:
             for (ns_id, key), (seg, offset, header) in newest.items():
@@ -483,3 +470,27 @@ def _newest(
     parts_of_winners = part_of[winners]
     rows = [row_of[winners[parts_of_winners == p]] for p in range(len(parts))]
     return rows, [(ns, key, g) for (ns, key), g in covered.items()]
+
+
+def _keep_newest(
+    records: Iterable[tuple[Segment, int, RecordHeader]],
+    tombstones: dict[tuple[str, bytes], int],
+    report: RecoveryReport,
+    newest: dict[tuple[str, bytes], tuple[Segment, int, RecordHeader]],
+    covered: dict[tuple[str, bytes], int],
+) -> None:
+    """Into `newest`, each block's newest record of `records` that no tombstone covers
+    (the tombstones that did cover one into `covered`); the dropped ones counted."""
+    for seg, offset, header in records:
+        ident = (header.ns_id, header.key)
+        dead_up_to = tombstones.get(ident, 0)
+        if header.generation <= dead_up_to:
+            report.dropped_deleted += 1
+            covered[ident] = dead_up_to
+            continue
+        old = newest.get(ident)
+        if old is not None:
+            report.dropped_stale += 1
+            if old[2].generation >= header.generation:
+                continue
+        newest[ident] = (seg, offset, header)

@@ -29,6 +29,7 @@ from kvtier.tiers.segment_format import (
     read_footer_columns,
 )
 from kvtier.tiers.segments import SegmentTier
+from tests.tiers.test_segments import crash
 
 MiB = 1 << 20
 NAMESPACES = ["a|m", "b|m", "tenant|model/x"]  # two of one length: compared as bytes
@@ -115,19 +116,6 @@ OPS = st.lists(
     ),
     max_size=50,
 )
-
-
-def crash(tier: SegmentTier) -> None:
-    tier._closing.set()
-    tier._reclaim_wake.set()
-    if tier._reclaimer is not None:
-        tier._reclaimer.join(10)
-    for seg in list(tier._segments.values()):
-        os.close(seg.fd)
-    tier._segments.clear()
-    from kvtier.tiers.nvme import NvmeTier
-
-    NvmeTier.close(tier)
 
 
 def new_tier(root: Path) -> SegmentTier:
