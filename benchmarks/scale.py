@@ -378,9 +378,9 @@ def fio_write(directory: Path, block_bytes: int, total_bytes: int, direct: bool)
 
 
 def stream(args: argparse.Namespace, root: Path, run_dir: Path) -> list[dict[str, Any]]:
-    """Rounds of: per block size, this checkout's daemon, then --baseline's (if given),
-    then fio, back to back on the same directory (interleaved, so drift in the machine's
-    load falls on both sides alike)."""
+    """Rounds of: per block size, this checkout's daemon and --baseline's (if given; in
+    odd rounds the baseline first), then fio, back to back on the same directory
+    (interleaved, so drift in the machine's load falls on both sides alike)."""
     from kvtier.tiers.nvme import supports_o_direct
 
     direct = supports_o_direct(root)
@@ -394,9 +394,14 @@ def stream(args: argparse.Namespace, root: Path, run_dir: Path) -> list[dict[str
         sides.append(("ceiling", None))
     rows = []
     for round_ in range(args.rounds):
+        # This checkout's and the baseline's daemon take turns going first (ABBA): the
+        # first after fio's scratch file is deleted was slower in some rounds, whichever.
+        order = sides
+        if args.baseline is not None and round_ % 2:
+            order = [sides[1], sides[0], *sides[2:]]
         for size in (64 << 10, 2 << 20):
             row: dict[str, Any] = {"round": round_, "block_bytes": size}
-            for side, code in sides:
+            for side, code in order:
                 got = stream_once(args, root, run_dir, size, code, side == "ceiling")
                 row.update({f"{side}_{k}": v for k, v in got.items()})
                 print(f"round {round_} {human_size(size)} {side}: {got}", flush=True)

@@ -39,6 +39,7 @@ from kvtier.engine.residency import Released
 from kvtier.engine.shared import SharedTier
 from kvtier.index.catalog import Entry
 from kvtier.movers.io import IoPool
+from kvtier.types import Extent
 
 
 class DemoterStore(StoreCore, Protocol):
@@ -56,7 +57,7 @@ class DemoterStore(StoreCore, Protocol):
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BATCH_BYTES", "BATCH_RECORDS", "Demoter", "Watermarks", "watermarks"]
+__all__ = ["BATCH_BYTES", "BATCH_RECORDS", "Demoter", "Watermarks", "coalesced", "watermarks"]
 
 # A batch: large enough that a 64 KiB block's share of a job's fixed costs (a thread hop,
 # a loop wake-up, a syscall) is small, small enough that a few are in flight at once.
@@ -72,6 +73,18 @@ class Watermarks:
     low_bytes: int
     high_bytes: int
 
+    @property
+    def step_bytes(self) -> int:
+        """What one batch claims at most: half the gap, so that the next batch is claimed
+        (and its write starts) while the one before it is still being written."""
+        return (self.high_bytes - self.low_bytes) // 2
+
+    @property
+    def start_bytes(self) -> int:
+        """Free (or being freed) bytes below which a batch is claimed: a step short of
+        the high mark (never above it; at the low mark when there is no gap)."""
+        return self.high_bytes - self.step_bytes
+
 
 def watermarks(capacity_bytes: int, free_fraction: float) -> Watermarks:
     """The demoter's watermarks for an arena of `capacity_bytes` (pure: property-tested).
@@ -83,10 +96,29 @@ def watermarks(capacity_bytes: int, free_fraction: float) -> Watermarks:
 
 def claim_bytes(marks: Watermarks, free_bytes: int, claimed_bytes: int, wanted_bytes: int) -> int:
     """Bytes of victims to claim now (0: none): up to the high mark once free space plus
-    what is being freed falls below the low mark, or what a waiting reservation lacks."""
+    what is being freed falls below `start_bytes`, or what a waiting reservation lacks.
+
+    Claiming only below the low mark made a put stream demote one batch at a time: the
+    batch in flight counts as coming, so the next was claimed only once the puts had used
+    the free space up and waited, and the disk sat idle through every completion and
+    claim (64 KiB blocks: one 2 MiB batch in flight, ~40 % of the stream's time). From a
+    step short of the high mark, a batch is claimed while the one before is written."""
     coming = free_bytes + claimed_bytes
-    target = marks.high_bytes if coming < marks.low_bytes else 0
+    target = marks.high_bytes if coming < marks.start_bytes else 0
     return max(0, max(target, wanted_bytes) - coming)
+
+
+def coalesced(extents: list[Extent]) -> list[Extent]:
+    """`extents` (disjoint) as the fewest extents covering the same bytes: neighbours
+    merged (pure: property-tested)."""
+    runs: list[Extent] = []
+    for extent in sorted(extents, key=lambda e: e.offset):
+        if runs and runs[-1].offset + runs[-1].size_bytes == extent.offset:
+            last = runs[-1]
+            runs[-1] = Extent(last.offset, last.size_bytes + extent.size_bytes)
+        else:
+            runs.append(extent)
+    return runs
 
 
 class Demoter:
@@ -122,7 +154,7 @@ class Demoter:
         arena = store.arena(tenant)
         marks = self._marks[tenant]
         free = arena.capacity_bytes - arena.used_bytes
-        if not wanted_bytes and free + self._claimed_bytes[tenant] >= marks.low_bytes:
+        if not wanted_bytes and free + self._claimed_bytes[tenant] >= marks.start_bytes:
             return self._batches[tenant] > 0  # the common case, after every put: nothing
         if not self._ahead():
             marks = self._none
@@ -132,10 +164,10 @@ class Demoter:
             need = claim_bytes(marks, free, self._claimed_bytes[tenant], wanted_bytes)
             if need <= 0 and not (wanted_bytes and not self._batches[tenant]):
                 break
-            # At least one victim: free bytes may be too fragmented for the block.
-            victims = store.residency.dram_victims(
-                tenant, min(max(need, 1), BATCH_BYTES), BATCH_RECORDS
-            )
+            # At least one victim: free bytes may be too fragmented for the block. A step
+            # a batch, so that a claim of the whole gap is two batches written at once.
+            step = min(BATCH_BYTES, marks.step_bytes or BATCH_BYTES)
+            victims = store.residency.dram_victims(tenant, min(max(need, 1), step), BATCH_RECORDS)
             if not victims:
                 break
             claimed = sum(v.dram_extent.size_bytes for v in victims if v.dram_extent is not None)
@@ -194,12 +226,17 @@ class Demoter:
                 for entry in victims:
                     store.residency.end_move(entry)
         # A reader that pinned one while it was written out keeps its DRAM copy (now also
-        # on NVMe, so a later eviction is free), freed no earlier than unpin.
-        for entry in victims:
-            extent, released = store.residency.finish_dram_eviction(entry)
-            if extent is not None:
-                store.arena_of(entry.block_id).free(extent)
-            store.release_copies(entry, released)
+        # on NVMe, so a later eviction is free), freed no earlier than unpin. One pass for
+        # the batch, and its extents freed as runs: a stream's victims were mostly put
+        # one after another, so they lie side by side in the arena (the allocator merges
+        # neighbours, so its free list ends the same as freeing them one by one).
+        extents, released = store.residency.finish_dram_evictions(victims)
+        if extents:
+            arena = store.arena_of(victims[0].block_id)  # a batch is one arena's victims
+            for run in coalesced(extents):
+                arena.free(run)
+        for entry, gone in released:
+            store.release_copies(entry, gone)
 
     async def _write(self, entries: list[Entry], then: str) -> list[Entry]:
         """Write claimed DRAM blocks to NVMe as one batch, making room there first; the
@@ -247,18 +284,17 @@ class Demoter:
                 for entry, need in batch:
                     residency.unreserve_nvme(entry, need)
         self.batches_written += 1
-        written: list[Entry] = []
-        total = 0
-        for (entry, _), record_bytes, damaged, location in zip(
-            batch, result.record_bytes, result.damaged, result.locations, strict=True
-        ):
-            if damaged:  # never a record of damaged bytes; an eviction drops the block
-                store.counters.checksum_failures += 1
-                logger.warning("a block's DRAM copy failed its checksum; not written to NVMe")
-            elif record_bytes:
-                residency.written(entry, record_bytes, location)
-                written.append(entry)
-                total += record_bytes
+        done = [entry for entry, _ in batch]
+        sizes = list(result.record_bytes)
+        if any(result.damaged):
+            for i, damaged in enumerate(result.damaged):
+                if damaged:  # never a record of damaged bytes; an eviction drops the block
+                    store.counters.checksum_failures += 1
+                    sizes[i] = 0
+                    logger.warning("a block's DRAM copy failed its checksum; not written to NVMe")
+        residency.written_many(done, sizes, result.locations)
+        written = [entry for entry, size in zip(done, sizes, strict=True) if size]
+        total = sum(sizes)
         if total:
             store.telemetry.transfer("dram", "nvme", total, result.service_s)
         return written

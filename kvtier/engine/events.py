@@ -90,16 +90,28 @@ class EventLog:
         self.seq = 0
         self._keep = keep
         self._backlog = backlog
-        self._recent: collections.deque[BlockEvent] = collections.deque(maxlen=keep)
+        # The history as plain tuples (seq, block id, code of its tiers in `_tier_sets`):
+        # tuples of atoms the garbage collector stops tracking, where 65 k BlockEvents
+        # were most of what a full collection walked (a stall of the loop as the index
+        # grows). A BlockEvent is made for a watcher, or for a replay.
+        self._recent: collections.deque[tuple[int, BlockId, int]] = collections.deque(maxlen=keep)
+        self._tier_sets: list[tuple[TierName, ...]] = []
+        self._tier_codes: dict[tuple[TierName, ...], int] = {}
         self._watchers: set[Watcher] = set()
 
     def record(self, block_id: BlockId, tiers: list[TierName]) -> None:
         """A block's set of tiers changed (the catalog calls this)."""
         self.seq += 1
-        event = BlockEvent(self.seq, block_id, tuple(tiers))
-        self._recent.append(event)
-        for watcher in self._watchers:
-            watcher.offer(event)
+        held = tuple(tiers)
+        code = self._tier_codes.get(held)
+        if code is None:  # a few sets ever (the tiers' combinations, fastest first)
+            code = self._tier_codes[held] = len(self._tier_sets)
+            self._tier_sets.append(held)
+        self._recent.append((self.seq, block_id, code))
+        if self._watchers:
+            event = BlockEvent(self.seq, block_id, held)
+            for watcher in self._watchers:
+                watcher.offer(event)
 
     def watch(self, accepts: Callable[[str], bool], epoch: str, after_seq: int) -> Watcher:
         """A watcher of the events after (epoch, after_seq) — or of those from now on when
@@ -110,10 +122,15 @@ class EventLog:
                 raise Resync("the daemon restarted since (another epoch)")
             if after_seq > self.seq:
                 raise Resync(f"seq {after_seq} is ahead of this daemon's last event ({self.seq})")
-            oldest = self._recent[0].seq if self._recent else self.seq + 1
+            oldest = self._recent[0][0] if self._recent else self.seq + 1
             if after_seq + 1 < oldest:
                 raise Resync(f"events after seq {after_seq} are no longer kept (only {self._keep})")
-            watcher.replay(e for e in self._recent if e.seq > after_seq)
+            sets = self._tier_sets
+            watcher.replay(
+                BlockEvent(seq, block_id, sets[code])
+                for seq, block_id, code in self._recent
+                if seq > after_seq
+            )
         self._watchers.add(watcher)
         return watcher
 

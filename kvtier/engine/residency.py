@@ -435,16 +435,21 @@ class Residency:
         freed = 0
         order = self.dram_order[tenant]
         catalog = self.catalog
+        evictable = catalog.evictable_slot
+        # With nothing protected (no queue prefetch) the first choice is the fallback's:
+        # skip asking, per candidate, for a block id nobody looks at (the same victims).
+        first = evictable if self.protected is _nothing_protected else self._unprotected_slot
+        has_dram, handle = catalog.has_dram, catalog.handle
         while (freed < shortfall_bytes or not victims) and len(victims) < most:
-            slot = order.victim(self._unprotected_slot)
-            if slot is None:
+            slot = order.victim(first)
+            if slot is None and first is not evictable:
                 # Protection is a preference, never why a put or read finds no room.
-                slot = order.victim(catalog.evictable_slot)
+                slot = order.victim(evictable)
             if slot is None:
                 break
-            if not catalog.has_dram(slot):
+            if not has_dram(slot):
                 continue  # stale: the policy's view lagged the catalog
-            entry = catalog.handle(slot)
+            entry = handle(slot)
             entry.demoting = True  # claimed now: the next victim() must skip it
             victims.append(entry)
             extent = entry.dram_extent
@@ -471,6 +476,53 @@ class Residency:
         else:
             self._counters.eviction_reasons["dram", "demoted"] += 1
         return extent, self.release(entry)
+
+    def finish_dram_evictions(
+        self, entries: Sequence[Entry]
+    ) -> tuple[list[Extent], list[tuple[Entry, Released]]]:
+        """`finish_dram_eviction` for a demotion batch in one pass (its counters added
+        once): the extents to free, and the removed blocks' copies to release."""
+        catalog, counters = self.catalog, self._counters
+        is_live, drop_dram, release = catalog.is_live, catalog.drop_dram, self.release
+        extents: list[Extent] = []
+        released: list[tuple[Entry, Released]] = []
+        evicted = dropped = 0
+        for entry in entries:
+            entry.demoting = False
+            if entry.pins:  # a reader pinned it meanwhile: it keeps its DRAM copy
+                if is_live(entry):
+                    slot = entry.slot
+                    self._insert(self.dram_order[catalog.tenant_of_slot(slot)], slot)
+                continue
+            evicted += 1
+            live = is_live(entry)
+            extent = drop_dram(entry)
+            if live and not is_live(entry):
+                dropped += 1
+                self._dropped(entry)
+            if extent is not None:
+                extents.append(extent)
+            gone = release(entry)
+            if gone is not None:
+                released.append((entry, gone))
+        counters.evictions["dram"] += evicted
+        if dropped:
+            counters.eviction_reasons["dram", "dropped"] += dropped
+        if evicted - dropped:
+            counters.eviction_reasons["dram", "demoted"] += evicted - dropped
+        return extents, released
+
+    def written_many(
+        self, entries: Sequence[Entry], record_bytes: Sequence[int], locations: Sequence[int]
+    ) -> None:
+        """`written` for a batch's records (record_bytes 0: that one was not written)."""
+        catalog, order, insert = self.catalog, self.nvme_order, self._insert
+        set_nvme, is_live = catalog.set_nvme, catalog.is_live
+        for entry, size, location in zip(entries, record_bytes, locations, strict=True):
+            if size:
+                set_nvme(entry, size, location)
+                if is_live(entry):
+                    insert(order, entry.slot)
 
     def reserve_nvme(self, entry: Entry, need_bytes: int) -> tuple[bool, list[Entry]]:
         """Room on NVMe for `need_bytes` of a write of `entry`, held until `unreserve_nvme`:

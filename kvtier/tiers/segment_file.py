@@ -26,7 +26,12 @@ from kvtier.buffers import aligned_buffer
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.posix_io import pwrite_exact
 from kvtier.tiers.record import ALIGN_BYTES, RecordHeader
-from kvtier.tiers.segment_format import EMPTY_FOOTER_BYTES, encode_footer, encode_trailer
+from kvtier.tiers.segment_format import (
+    EMPTY_FOOTER_BYTES,
+    encode_footer_entry,
+    encode_trailer,
+    footer_of,
+)
 
 __all__ = ["NO_LOCATION", "RecordId", "Segment", "pack_location", "unpack_location"]
 
@@ -68,7 +73,10 @@ class Segment:
     cond: threading.Condition = field(default_factory=threading.Condition)
     tail: int = ALIGN_BYTES  # next free offset
     footer_bytes: int = EMPTY_FOOTER_BYTES  # its footer, were it sealed now
-    log: list[tuple[int, RecordHeader]] = field(default_factory=list)
+    # (offset, its footer entry): encoded when reserved (`encode_footer_entry`), so that
+    # the log is no objects for the garbage collector to walk; recovery's scanned
+    # segments put (offset, header) here instead.
+    log: list[tuple[int, bytes | RecordHeader]] = field(default_factory=list)
     inflight: int = 0  # reserved extents not yet written (or failed)
     done: dict[int, int] = field(default_factory=dict)  # finished extents past `done_upto`
     done_upto: int = ALIGN_BYTES  # every extent before is written
@@ -105,7 +113,7 @@ class Segment:
         offset = self.tail
         self.tail += size
         self.footer_bytes += entry_bytes
-        self.log.append((offset, header))
+        self.log.append((offset, encode_footer_entry(offset, header)))
         self.pending += 1
         self.stored_bytes += size
         self.stored_count += 1
@@ -183,7 +191,14 @@ class Segment:
         recovery scans."""
         if failpoints.ACTIVE:
             failpoints.fire("segment.seal")
-        footer = encode_footer([(off, h) for off, h in self.log if off not in self.failed])
+        failed = self.failed
+        footer = footer_of(
+            [
+                e if isinstance(e, bytes) else encode_footer_entry(off, e)
+                for off, e in self.log
+                if off not in failed
+            ]
+        )
         footer_at = self.tail
         buf = aligned_buffer(round_up(len(footer), ALIGN_BYTES))
         buf[: len(footer)] = footer

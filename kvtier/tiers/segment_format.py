@@ -41,10 +41,12 @@ __all__ = [
     "check_segment_header",
     "columns_of_entries",
     "encode_footer",
+    "encode_footer_entry",
     "encode_segment_header",
     "encode_trailer",
     "entry_bytes",
     "footer_extent",
+    "footer_of",
     "read_footer",
     "read_footer_columns",
     "scan_records",
@@ -114,23 +116,33 @@ def check_segment_header(head: bytes, seg_id: int) -> int:
 
 def encode_footer(entries: Sequence[tuple[int, RecordHeader]]) -> bytes:
     """The footer listing `entries` (offset, header), its xxh3 last."""
-    parts = [_FOOTER_HEAD.pack(_FOOTER_MAGIC, len(entries))]
-    for off, h in entries:
-        ns = h.ns_id.encode()
-        parts.append(
-            _ENTRY.pack(
-                off,
-                h.generation,
-                h.payload_bytes,
-                h.xxh3_64,
-                h.header_bytes,
-                h.codec,
-                len(ns),
-                len(h.key),
-            )
+    return footer_of([encode_footer_entry(off, h) for off, h in entries])
+
+
+def encode_footer_entry(offset: int, h: RecordHeader) -> bytes:
+    """One record's entry in a footer (`entry_bytes(h)` long). The write path encodes it
+    when the record's extent is reserved: bytes are not objects the garbage collector
+    walks, where a segment's worth of headers kept for its seal were (2 a record)."""
+    ns = h.ns_id.encode()
+    return (
+        _ENTRY.pack(
+            offset,
+            h.generation,
+            h.payload_bytes,
+            h.xxh3_64,
+            h.header_bytes,
+            h.codec,
+            len(ns),
+            len(h.key),
         )
-        parts.append(ns + h.key)
-    body = b"".join(parts)
+        + ns
+        + h.key
+    )
+
+
+def footer_of(entries: Sequence[bytes]) -> bytes:
+    """The footer listing the encoded `entries` (`encode_footer_entry`), its xxh3 last."""
+    body = _FOOTER_HEAD.pack(_FOOTER_MAGIC, len(entries)) + b"".join(entries)
     return body + _XXH3.pack(xxhash.xxh3_64_intdigest(body))
 
 

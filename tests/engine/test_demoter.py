@@ -5,6 +5,7 @@ the puts; every byte back; damaged DRAM bytes never written."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from pathlib import Path
 
@@ -14,10 +15,12 @@ from hypothesis import strategies as st
 
 from kvtier.config import Config
 from kvtier.engine import nvme as nvme_engine
-from kvtier.engine.demoter import Watermarks, claim_bytes, watermarks
+from kvtier.engine.demoter import Watermarks, claim_bytes, coalesced, watermarks
 from kvtier.engine.store import Store
+from kvtier.tiers.allocator import ExtentAllocator
 from kvtier.tiers.nvme import NvmeTier
 from kvtier.tiers.segments import SegmentTier
+from kvtier.types import Extent
 from tests.conftest import block_bytes
 from tests.engine.test_store import NS, get, make_config, put
 
@@ -32,19 +35,82 @@ def test_watermarks_stay_inside_the_arena_and_leave_a_gap(capacity: int, fractio
 
 
 @given(sizes, sizes, sizes, sizes, sizes)
-def test_claims_reach_the_high_mark_once_below_the_low_one(
+def test_claims_reach_the_high_mark_from_a_step_below_it(
     low: int, gap: int, free: int, claimed: int, wanted: int
 ) -> None:
     marks = Watermarks(low, low + gap)
     need = claim_bytes(marks, free, claimed, wanted)
     coming = free + claimed
     assert need >= 0
-    if coming < low:  # below the low mark: claim up to the high one (or what is wanted)
+    # The start is a half-gap step below the high mark: never below the low one.
+    assert marks.low_bytes <= marks.start_bytes <= marks.high_bytes
+    assert marks.high_bytes - marks.start_bytes == marks.step_bytes == gap // 2
+    if coming < low + gap - gap // 2:  # below the start: up to the high mark (or wanted)
         assert coming + need == max(low + gap, wanted)
     elif wanted <= coming:  # above it and nobody waiting: nothing
         assert need == 0
     else:  # a reservation lacks room that is not coming: exactly that
         assert coming + need == wanted
+
+
+@given(sizes, sizes, sizes)
+def test_a_batch_in_flight_does_not_stop_the_next_claim(low: int, gap: int, used: int) -> None:
+    """The stream's case: a step-sized batch is in flight (claimed) and the puts have used
+    `used` bytes of the free space since. Past a step, the next batch is claimed even while
+    the one in flight would bring the arena back over the low mark (claiming only below the
+    low mark kept one batch in flight and the puts waiting for it)."""
+    marks = Watermarks(low, low + gap)
+    claimed = marks.step_bytes
+    free = marks.high_bytes - claimed - used
+    if free < 0:
+        return
+    need = claim_bytes(marks, free, claimed, 0)
+    if used > marks.step_bytes:
+        assert need == used  # back up to the high mark
+    else:
+        assert need == 0
+    if marks.step_bytes < used <= gap:
+        assert free + claimed >= low  # where the old rule claimed nothing
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 63), st.integers(1, 4)), unique_by=lambda t: t[0], max_size=40
+    )
+)
+def test_coalesced_extents_cover_the_same_bytes_and_free_the_same(
+    picks: list[tuple[int, int]],
+) -> None:
+    """Runs of neighbours become one extent; freeing the runs leaves the allocator's free
+    list exactly as freeing each extent does."""
+    page = 4096
+    # Disjoint extents: each pick is a start page, taken only if its pages are untaken.
+    taken: set[int] = set()
+    extents = []
+    for start, pages in picks:
+        span = set(range(start, start + pages))
+        if span & taken or start + pages > 64:
+            continue
+        taken |= span
+        extents.append(Extent(start * page, pages * page))
+    runs = coalesced(extents)
+    covered = sorted(
+        p for e in runs for p in range(e.offset // page, (e.offset + e.size_bytes) // page)
+    )
+    assert covered == sorted(taken)
+    assert all(a.offset + a.size_bytes < b.offset for a, b in itertools.pairwise(runs))
+    one_by_one, by_runs = ExtentAllocator(64 * page), ExtentAllocator(64 * page)
+    for allocator in (one_by_one, by_runs):
+        for e in [Extent(p * page, page) for p in range(64)]:
+            assert allocator.allocate(page) == e  # the whole arena in use, page by page
+        for p in set(range(64)) - taken:
+            allocator.free(Extent(p * page, page))
+    for e in extents:
+        one_by_one.free(e)
+    for e in runs:
+        by_runs.free(e)
+    assert by_runs.free_extents() == one_by_one.free_extents()
+    assert by_runs.used_bytes == one_by_one.used_bytes
 
 
 def config(tmp_path: Path, dram: int, fraction: float, layout: str = "files") -> Config:

@@ -64,3 +64,25 @@ async def test_a_watcher_that_falls_behind_must_resync_and_closing_ends_the_othe
         await slow.next_batch(10)
     log.close()
     assert await other.next_batch(10) == []
+
+
+def test_the_history_is_nothing_the_garbage_collector_walks() -> None:
+    """65 k kept events were most of what a full collection walked in a filled daemon (a
+    stall of its event loop); kept as tuples of atoms they are untracked once collected,
+    and a resumed watcher still gets each event whole."""
+    import gc
+
+    log = EventLog(keep=20000)
+    gc.collect()
+    before = len(gc.get_objects())
+    for i in range(20000):
+        log.record(("t|a", b"k%d" % i), [DRAM, NVME] if i % 2 else [NVME])
+    gc.collect()
+    assert len(gc.get_objects()) - before < 1000
+    watcher = log.watch(everything, log.epoch, 19997)
+    got = [(e.seq, e.block_id[1], e.tiers) for e in watcher.queued(10)]
+    assert got == [
+        (19998, b"k19997", (DRAM, NVME)),
+        (19999, b"k19998", (NVME,)),
+        (20000, b"k19999", (DRAM, NVME)),
+    ]

@@ -248,3 +248,51 @@ class ResidencyMachine(RuleBasedStateMachine):
 
 TestResidencyMachine = ResidencyMachine.TestCase
 TestResidencyMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+
+
+def test_a_batch_completion_does_what_one_completion_per_block_does() -> None:
+    """`written_many` and `finish_dram_evictions` (the demoter's one pass per batch) leave
+    the residency as `written` and `finish_dram_eviction` block by block do: the same
+    extents handed back, the same copies released, the same counters, the same blocks on
+    NVMe, and the same victims after."""
+
+    def run(batched: bool) -> tuple[object, ...]:
+        residency, counters = make("kvtier")
+        entries = [put(residency, NS_A, bytes([i]), i * PAGE) for i in range(12)]
+        residency.used(entries[3])
+        victims = residency.dram_victims("a", 8 * PAGE, most=8)
+        residency.pin(victims[1])  # a reader pinned one meanwhile: it keeps its copy
+        doomed = victims[2]
+        residency.remove(doomed)  # overwritten meanwhile: its copies are released
+        sizes = [0 if i == 4 else 2 * PAGE for i in range(len(victims))]  # one not written
+        locations = [100 + i for i in range(len(victims))]
+        if batched:
+            residency.written_many(victims, sizes, locations)
+            extents, released = residency.finish_dram_evictions(victims)
+        else:
+            extents, released = [], []
+            for victim, size, location in zip(victims, sizes, locations, strict=True):
+                if size:
+                    residency.written(victim, size, location)
+            for victim in victims:
+                extent, gone = residency.finish_dram_eviction(victim)
+                if extent is not None:
+                    extents.append(extent)
+                if gone is not None:
+                    released.append((victim, gone))
+        after = residency.dram_victims("a", 4 * PAGE, most=4)
+        return (
+            [v.block_id for v in victims],
+            extents,
+            [(e.block_id, r) for e, r in released],
+            dict(counters.evictions),
+            dict(counters.eviction_reasons),
+            counters.dropped_blocks,
+            sorted((e.block_id, e.nvme_record_bytes, e.nvme_location) for e in residency.entries()),
+            [v.block_id for v in after],
+        )
+
+    one_by_one, batched = run(False), run(True)
+    assert batched == one_by_one
+    assert one_by_one[2], "the removed victim's copies were released"
+    assert one_by_one[5] == 1, "the victim that was not written was dropped"

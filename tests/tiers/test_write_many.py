@@ -18,7 +18,16 @@ from kvtier.tiers.allocator import round_up
 from kvtier.tiers.nvme import NvmeTier
 from kvtier.tiers.record import RecordHeader
 from kvtier.tiers.segments import SegmentTier
-from tests.tiers.test_segments import MiB, crash, data_for, get, header_for, open_tier, put
+from tests.tiers.test_segments import (
+    MiB,
+    crash,
+    data_for,
+    get,
+    header_for,
+    open_tier,
+    put,
+    recovered,
+)
 
 
 def batch(
@@ -164,3 +173,32 @@ def test_the_file_layout_fails_only_the_record_that_failed(
         buf, offset = tier.read(header)
         assert bytes(buf[offset : offset + header.payload_bytes]) == data
     tier.close()
+
+
+def test_the_open_segment_keeps_no_objects_for_the_garbage_collector(
+    tiers: list[SegmentTier], tmp_path: Path
+) -> None:
+    """An open segment keeps what its footer will list: as encoded entries (bytes), not a
+    header object and a tuple a record that every full collection walked (a segment of
+    4 KiB blocks is 32 k records); the footer still lists every record."""
+    import gc
+
+    tier = open_tier(tiers, tmp_path, 256 * MiB)
+    gen = tier.first_generation
+    assert gen is not None
+    for start in range(0, 3000, 300):
+        headers, payloads, _ = batch(300, gen + start, prefix=b"g%d-" % start)
+        # As the daemon writes (its catalog keeps the locations, not the tier).
+        for placed in tier.write_many_placed(headers, payloads):
+            assert not isinstance(placed, OSError) and placed.record_bytes
+            tier.settle(placed.location)
+    del headers, payloads
+    gc.collect()
+    assert sum(type(o) is RecordHeader for o in gc.get_objects()) < 300
+    tier.close()  # seals the segment: its footer from the encoded entries
+    again = open_tier(tiers, tmp_path, 256 * MiB)
+    found = recovered(again)
+    assert len(found) == 3000
+    for i in (0, 1234, 2999):
+        header = found[b"g%d-%d" % (i - i % 300, i % 300)]
+        assert get(again, header) == data_for((gen + i) & 0xFFFFFFFF, 4096)
