@@ -155,7 +155,7 @@ class AsyncClient(ClientBase[AsyncSharedArena, grpc.aio.Channel]):
         for tries_left in reversed(range(_core.ATTACH_TRIES)):
             try:
                 resp = await self._grpc("Attach", pb.AttachRequest())
-                self._arena = await AsyncSharedArena.attach(resp)
+                self._arena = self._attached_now(await AsyncSharedArena.attach(resp))
                 break
             except (grpc.RpcError, OSError, KVTierError) as err:
                 if not self._attach_failed(err, tries_left):

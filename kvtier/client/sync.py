@@ -56,8 +56,10 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
     certificate against when it is not the target's host. Any of them turns TLS on;
     `tls=True` turns it on with none of them, `tls=False` off. `tune_malloc=False`
     leaves this process's malloc thresholds alone (by default the first put or get raises
-    them, kvtier/_malloc.py: multi-MiB blocks otherwise page-fault in every copy). All
-    but `target` are keyword-only.
+    them, kvtier/_malloc.py: multi-MiB blocks otherwise page-fault in every copy).
+    `direct_reads=False` makes every zero-copy get acquire a lease (by default it reads
+    the tenant's directory first, docs/design.md "Direct reads"). All but `target` are
+    keyword-only.
     """
 
     put = blocking(_core.put)
@@ -167,7 +169,9 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
             return self._arena
         for tries_left in reversed(range(_core.ATTACH_TRIES)):
             try:
-                self._arena = SharedArena.attach(self._grpc("Attach", pb.AttachRequest()))
+                self._arena = self._attached_now(
+                    SharedArena.attach(self._grpc("Attach", pb.AttachRequest()))
+                )
                 break
             except (grpc.RpcError, OSError, KVTierError) as err:
                 if not self._attach_failed(err, tries_left):

@@ -350,6 +350,27 @@ class ZeroCopy:
                 released += 1
         return released
 
+    def direct_hits(self, hits: list[tuple[BlockId, int, float]]) -> int:
+        """Gets a client served from its tenant's directory: (block, bytes copied, seconds
+        the copy took) each. Counted as an Acquire's hits are (the policy's order, the hit
+        counters, the DRAM path estimate); a block no longer stored, or stored at another
+        size (overwritten since), is ignored. Returns how many were applied."""
+        store = self._store
+        residency = store.residency
+        applied = 0
+        for block_id, size_bytes, fetch_s in hits:
+            entry = residency.get(block_id)
+            if entry is None or entry.size_bytes != size_bytes:
+                continue
+            residency.used(entry)
+            store.costs.served(block_id, TierName.DRAM, size_bytes, None)
+            if math.isfinite(fetch_s) and fetch_s > 0:
+                copy_s = store.costs.engine_fetch([size_bytes], 0.0, fetch_s, size_bytes)
+                if copy_s is not None:
+                    store.telemetry.transfer("dram", "engine", size_bytes, copy_s)
+            applied += 1
+        return applied
+
     def release_session(self, session_id: int) -> int:
         """The client went away: end every lease it held, and close its write area."""
         released = self.release(session_id, self._leases.of_session(session_id))

@@ -23,7 +23,9 @@ SessionOp = Callable[[int, str, Any], Awaitable[Message]]
 # Ops that finish work a Reserve or an Acquire was admitted for: never rate-limited. So
 # is Stage, which prepares the put that will be charged (PutStaged) and costs nothing
 # unless it grows the staging range, bounded by the tenant's arena.
-FINISHING_OPS = frozenset({Op.COMMIT, Op.RELEASE, Op.CUDA_WAIT, Op.STAGE})
+# Hits reports reads already done (from the tenant's directory, which maps only what an
+# Acquire of that tenant could pin): refusing the report would only blind the policy.
+FINISHING_OPS = frozenset({Op.COMMIT, Op.RELEASE, Op.CUDA_WAIT, Op.STAGE, Op.HITS})
 
 
 class SessionDispatch:
