@@ -116,8 +116,7 @@ def request_caps(
         Op.CUDA_WAIT: fixed,
         Op.STAGE: fixed,
         Op.PUT_STAGED: batch + max_items * 2 * _SCALAR_BYTES,  # + offset and checksum
-        # Each hit names its namespace too, and carries a size and a duration.
-        Op.HITS: batch + max_items * (namespace + 2 * _SCALAR_BYTES),
+        Op.HITS: batch + max_items * 2 * _SCALAR_BYTES,  # + size and duration
     }
     return {op: min(cap, buffer_bytes) for op, cap in caps.items()}
 

@@ -1812,11 +1812,9 @@ class DirectHit(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    NAMESPACE_FIELD_NUMBER: _builtins.int
     KEY_FIELD_NUMBER: _builtins.int
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
     FETCH_SECONDS_FIELD_NUMBER: _builtins.int
-    namespace: _builtins.str
     key: _builtins.bytes
     size_bytes: _builtins.int
     fetch_seconds: _builtins.float
@@ -1824,14 +1822,13 @@ class DirectHit(_message.Message):
     def __init__(
         self,
         *,
-        namespace: _builtins.str = ...,
         key: _builtins.bytes = ...,
         size_bytes: _builtins.int = ...,
         fetch_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fetch_seconds", b"fetch_seconds", "key", b"key", "namespace", b"namespace", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fetch_seconds", b"fetch_seconds", "key", b"key", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1841,17 +1838,20 @@ Global___DirectHit: _TypeAlias = DirectHit  # noqa: Y015
 class HitsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    NAMESPACE_FIELD_NUMBER: _builtins.int
     HITS_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
     @_builtins.property
     def hits(self) -> _containers.RepeatedCompositeFieldContainer[Global___DirectHit]: ...
     def __init__(
         self,
         *,
+        namespace: _builtins.str = ...,
         hits: _abc.Iterable[Global___DirectHit] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hits", b"hits"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hits", b"hits", "namespace", b"namespace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -486,8 +486,7 @@ def get_many(
         out.append(size)
     missed = [i for i, size in enumerate(out) if size is None]
     if missed or due:
-        hits = directory.take_hits()
-        if hits is not None:  # ahead of the Acquire on the same socket: no reply awaited
+        for hits in directory.take_hits():  # ahead of the Acquire: no reply awaited
             yield SessionSend(Op.HITS, hits)
     if missed:
         acquired = yield from _acquire_into(

@@ -141,7 +141,8 @@ class DirectoryReader:
         self._mask = entries - 1
         self.enabled = DIRECT_READS  # False: every get acquires (tests run both)
         self._namespaces: dict[str, bytes] = {}
-        self._pending: list[pb.DirectHit] = []
+        self._pending: dict[str, list[pb.DirectHit]] = {}
+        self._pending_count = 0
         self._oldest_s = 0.0
 
     def read_into(
@@ -179,22 +180,21 @@ class DirectoryReader:
         return None
 
     def hit(self, namespace: str, key: bytes, size_bytes: int, fetch_s: float) -> bool:
-        """Keep a hit to report; True when the pending batch is due to be sent."""
+        """Keep a hit to report; True when the pending hits are due to be sent."""
         now_s = time.monotonic()
-        if not self._pending:
+        if not self._pending_count:
             self._oldest_s = now_s
-        self._pending.append(
-            pb.DirectHit(namespace=namespace, key=key, size_bytes=size_bytes, fetch_seconds=fetch_s)
-        )
-        return len(self._pending) >= HITS_BATCH or now_s - self._oldest_s >= HITS_EVERY_S
+        hits = self._pending.get(namespace)
+        if hits is None:
+            hits = self._pending[namespace] = []
+        hits.append(pb.DirectHit(key=key, size_bytes=size_bytes, fetch_seconds=fetch_s))
+        self._pending_count += 1
+        return self._pending_count >= HITS_BATCH or now_s - self._oldest_s >= HITS_EVERY_S
 
-    def take_hits(self) -> pb.HitsRequest | None:
-        """The pending hits as one report (None when there are none); they are no longer
-        pending."""
-        if not self._pending:
-            return None
-        pending, self._pending = self._pending, []
-        return pb.HitsRequest(hits=pending)
+    def take_hits(self) -> list[pb.HitsRequest]:
+        """The pending hits as reports, one per namespace; they are no longer pending."""
+        pending, self._pending, self._pending_count = self._pending, {}, 0
+        return [pb.HitsRequest(namespace=ns, hits=hits) for ns, hits in pending.items()]
 
     def close(self) -> None:
         self._words.release()

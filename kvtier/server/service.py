@@ -671,13 +671,10 @@ class KVTierService:
     async def _hits(self, session_id: int, tenant: str, request: pb.HitsRequest) -> pb.HitsResponse:
         """Direct reads the session's client made (docs/design.md, "Direct reads"): the
         keys are checked as an Acquire's are, in the session's tenant only."""
+        ns_id = self._ns_id(tenant, request.namespace)
         max_key_bytes = self._limits.max_key_bytes
         hits = [
-            (
-                (self._ns_id(tenant, hit.namespace), check_key(hit.key, max_key_bytes)),
-                hit.size_bytes,
-                hit.fetch_seconds,
-            )
+            ((ns_id, check_key(hit.key, max_key_bytes)), hit.size_bytes, hit.fetch_seconds)
             for hit in request.hits
         ]
         return pb.HitsResponse(applied=self._store.zero_copy.direct_hits(hits))
