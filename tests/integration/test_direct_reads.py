@@ -24,19 +24,20 @@ from tests.conftest import DaemonProcess
 StartDaemon = Callable[..., DaemonProcess]
 NS = "llama3-8b/bf16-b16"
 BLOCK_BYTES = 1 << 20
-KEYS = 24  # 24 MiB of blocks through a 12 MiB arena: puts evict all the time
+KEYS = 16  # 16 MiB of blocks through a 12 MiB arena: puts evict all the time
+WRITE_S = 6.0  # how long the writers overwrite, delete and evict
 STAMP = struct.Struct("<IIQ")  # key, writer, generation: repeated over the whole block
 
 pytestmark = pytest.mark.skipif(not DIRECT_READS, reason="direct reads need x86-64 (TSO)")
 
 WRITER = textwrap.dedent(
     """
-    import struct, sys, kvtier
-    target, ns, writer, keys, size, rounds = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
-    stamp = struct.Struct("<IIQ")
+    import struct, sys, time, kvtier
+    target, ns, writer, keys, size = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+    stamp, end_s = struct.Struct("<IIQ"), time.monotonic() + float(sys.argv[6])
     with kvtier.Client(target) as c:
         gen = 0
-        for r in range(rounds):
+        while time.monotonic() < end_s:
             for k in range(writer, keys, 2):
                 gen += 1
                 if gen % 7 == 0:
@@ -96,7 +97,7 @@ def test_reads_never_return_wrong_bytes_while_blocks_change(start_daemon: StartD
         arena = client._shared_arena()
         assert arena is not None and arena.directory is not None
         counts = counting(arena.directory)
-        deadline_s = time.monotonic() + 60
+        deadline_s = time.monotonic() + WRITE_S + 60
         i = 0
         while any(w.poll() is None for w in writers) and time.monotonic() < deadline_s:
             k = i % KEYS
@@ -112,9 +113,9 @@ def test_reads_never_return_wrong_bytes_while_blocks_change(start_daemon: StartD
         for k in range(KEYS):
             if client.get_into(NS, f"key{k}", buf) is not None:
                 check_block(k, view)
-    assert checked > 100
-    # The directory served most reads, and some fell back (changed or gone).
-    assert counts["direct"] > 50, counts
+    assert checked > 500, (checked, counts)
+    # The directory served many reads, and some fell back (changed or gone).
+    assert counts["direct"] > 200, counts
     assert counts["fallback"] > 0, counts
 
 
