@@ -141,8 +141,7 @@ class DirectoryReader:
         self._mask = entries - 1
         self.enabled = DIRECT_READS  # False: every get acquires (tests run both)
         self._namespaces: dict[str, bytes] = {}
-        self._pending: dict[str, list[pb.DirectHit]] = {}
-        self._pending_count = 0
+        self._pending: list[tuple[str, bytes, int, float]] = []
         self._oldest_s = 0.0
 
     def read_into(
@@ -182,19 +181,21 @@ class DirectoryReader:
     def hit(self, namespace: str, key: bytes, size_bytes: int, fetch_s: float) -> bool:
         """Keep a hit to report; True when the pending hits are due to be sent."""
         now_s = time.monotonic()
-        if not self._pending_count:
+        pending = self._pending
+        if not pending:
             self._oldest_s = now_s
-        hits = self._pending.get(namespace)
-        if hits is None:
-            hits = self._pending[namespace] = []
-        hits.append(pb.DirectHit(key=key, size_bytes=size_bytes, fetch_seconds=fetch_s))
-        self._pending_count += 1
-        return self._pending_count >= HITS_BATCH or now_s - self._oldest_s >= HITS_EVERY_S
+        pending.append((namespace, key, size_bytes, fetch_s))  # messages made when sent
+        return len(pending) >= HITS_BATCH or now_s - self._oldest_s >= HITS_EVERY_S
 
     def take_hits(self) -> list[pb.HitsRequest]:
         """The pending hits as reports, one per namespace; they are no longer pending."""
-        pending, self._pending, self._pending_count = self._pending, {}, 0
-        return [pb.HitsRequest(namespace=ns, hits=hits) for ns, hits in pending.items()]
+        pending, self._pending = self._pending, []
+        by_namespace: dict[str, list[pb.DirectHit]] = {}
+        for namespace, key, size_bytes, fetch_s in pending:
+            by_namespace.setdefault(namespace, []).append(
+                pb.DirectHit(key=key, size_bytes=size_bytes, fetch_seconds=fetch_s)
+            )
+        return [pb.HitsRequest(namespace=ns, hits=hits) for ns, hits in by_namespace.items()]
 
     def close(self) -> None:
         self._words.release()
