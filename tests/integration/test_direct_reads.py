@@ -4,6 +4,7 @@ evict meanwhile: never wrong bytes, and nothing of another tenant's."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import struct
 import subprocess
@@ -196,3 +197,26 @@ def test_a_tenant_gets_only_its_own_directory(start_daemon: StartDaemon, workdir
         out = bytearray(len(secret))
         assert a.get_into(NS, "k", out) == len(secret) and out == secret
         assert counts_a == {"direct": 1, "fallback": 0}
+
+
+async def test_the_async_client_reads_directly_and_reports(start_daemon: StartDaemon) -> None:
+    daemon = start_daemon(dram="32MiB")
+    blocks = {f"b{i}": os.urandom(100_000 + i) for i in range(HITS_BATCH)}
+    async with kvtier.AsyncClient(daemon.target) as client:
+        assert await client.put_many(NS, list(blocks.items())) == [True] * len(blocks)
+        arena = await client._shared_arena()
+        assert arena is not None and arena.directory is not None
+        counts = counting(arena.directory)
+        before = (await client.stats()).hits
+        sinks = [bytearray(200_000) for _ in blocks]
+        # One get_many: every block read directly, the last key a miss (acquired).
+        sizes = await client.get_many(NS, [*blocks, "missing"], [*sinks, bytearray(1)])
+        assert sizes == [len(v) for v in blocks.values()] + [None]
+        assert all(s[: len(v)] == v for s, v in zip(sinks, blocks.values(), strict=True))
+        assert counts == {"direct": len(blocks), "fallback": 1}
+        # The miss's Acquire went after the report, on the same socket.
+        deadline_s = time.monotonic() + 10
+        while (await client.stats()).hits < before + len(blocks):
+            assert time.monotonic() < deadline_s, "the direct hits were not reported"
+            await asyncio.sleep(0.01)
+        assert (await client.stats()).hits == before + len(blocks)
