@@ -174,6 +174,10 @@ class SessionSend:
 
 
 Step = Rpc | Stream[Any] | OpenSession | SessionCall | SessionSend
+# Steps that carry a request the daemon answers: the direct reads' pending hits are sent
+# on the session socket first, so a Plan (same socket, in order) already counts them, and
+# a gRPC call (Stats) almost always does.
+REPORTS_HITS_FIRST = (Rpc, Stream, SessionCall)
 Operation = Generator[Step, Any, T]
 
 
@@ -664,6 +668,13 @@ class ClientBase(ABC, Generic[ArenaT, ChannelT]):
         if arena.directory is not None:
             arena.directory.enabled = arena.directory.enabled and self.direct_reads
         return arena
+
+    def _pending_hits(self) -> list[pb.HitsRequest]:
+        """The direct reads not reported yet, taken (sent before the next request)."""
+        arena = self._arena
+        if arena is None or arena.directory is None or not arena.directory.pending:
+            return []
+        return arena.directory.take_hits()
 
     def _may_attach(self) -> bool:
         return (

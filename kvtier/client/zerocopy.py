@@ -187,6 +187,11 @@ class DirectoryReader:
         pending.append((namespace, key, size_bytes, fetch_s))  # messages made when sent
         return len(pending) >= HITS_BATCH or now_s - self._oldest_s >= HITS_EVERY_S
 
+    @property
+    def pending(self) -> bool:
+        """Whether hits wait to be reported."""
+        return bool(self._pending)
+
     def take_hits(self) -> list[pb.HitsRequest]:
         """The pending hits as reports, one per namespace; they are no longer pending."""
         pending, self._pending = self._pending, []
