@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,48 @@ async def test_direct_reads_off_publishes_nothing(tmp_path: Path) -> None:
         await put(store, b"k", b"v" * 100)
     finally:
         await store.close()
+
+
+class _RewrittenDuringCopy:
+    """A destination part that, once the reader's copy into it is done, has the daemon
+    unpublish the block and rewrite its extent (an eviction and a reuse racing the read)."""
+
+    def __init__(self, size: int, after_copy: Callable[[], None]) -> None:
+        self.view = memoryview(bytearray(size))
+        self.nbytes = size
+        self._after_copy = after_copy
+
+    def __setitem__(self, index: slice, data: memoryview) -> None:
+        self.view[index] = data
+        self._after_copy()
+
+    def __getitem__(self, index: slice) -> memoryview:
+        return self.view[index]
+
+
+@pytest.mark.parametrize("then", ["unpublish", "republish"])
+def test_a_block_changed_during_the_copy_is_not_kept(then: str) -> None:
+    directory = Directory(MIN_ENTRIES)
+    reader = reader_of(directory.fd)
+    arena = bytearray(block_bytes(1, 8192))
+    block_id = ("t|ns", b"k")
+
+    def evict_and_reuse() -> None:
+        directory.unpublish(block_id)
+        arena[:4096] = bytes(4096)  # the extent reused by another block
+        if then == "republish":  # the key put again elsewhere: same entry, new seq
+            directory.publish(block_id, 4096, 4096, 0, 2)
+
+    try:
+        assert directory.publish(block_id, 0, 4096, 0, 1)
+        part = _RewrittenDuringCopy(4096, evict_and_reuse)
+        got = reader.read_into("ns", b"k", memoryview(arena), [part], verify=False)  # type: ignore[list-item]
+        assert got is None  # the sequence word moved during the copy: acquire instead
+        # Untouched, the same read keeps its copy.
+        out = bytearray(4096)
+        if then == "republish":
+            got = reader.read_into("ns", b"k", memoryview(arena), [memoryview(out)], verify=False)
+            assert got == 4096 and out == arena[4096:]
+    finally:
+        reader.close()
+        directory.close()
