@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import xxhash
 
 from kvtier.keys import tenant_of
-from kvtier.tiers.dram import ARENA_SEALS
+from kvtier.tiers.dram import ALIGN_BYTES, ARENA_SEALS
 from kvtier.types import BlockId, Extent, TierName
 
 if TYPE_CHECKING:
@@ -159,10 +159,19 @@ class Directory:
         self._owner[slot] = None
 
     def unpublish_extent(self, extent: Extent) -> None:
-        """`extent` is about to be freed: unpublish whatever points into it."""
-        slot = self._at_offset.get(extent.offset)
-        if slot is not None:
-            owner = self._owner[slot]
+        """`extent` is about to be freed: unpublish every block that starts inside it (one
+        block's extent, or a run of several coalesced by the caller; blocks start on
+        pages). The cheaper of walking its pages and walking the published offsets."""
+        at = self._at_offset
+        if not at:
+            return
+        start, end = extent.offset, extent.offset + extent.size_bytes
+        if extent.size_bytes // ALIGN_BYTES <= len(at):
+            inside = [o for o in range(start, end, ALIGN_BYTES) if o in at]
+        else:
+            inside = [o for o in at if start <= o < end]
+        for offset in inside:
+            owner = self._owner[at[offset]]
             assert owner is not None
             self.unpublish(owner)
 

@@ -237,3 +237,17 @@ def test_a_block_changed_during_the_copy_is_not_kept(then: str) -> None:
     finally:
         reader.close()
         directory.close()
+
+
+@pytest.mark.parametrize("published", [3, 40])
+def test_freeing_a_coalesced_run_unpublishes_every_block_in_it(published: int) -> None:
+    # Both walks: a run of fewer pages than published blocks, and of more.
+    directory = Directory(MIN_ENTRIES)
+    try:
+        for i in range(published):
+            assert directory.publish(("t|ns", f"k{i}".encode()), i * 8192, 5000, 0, 1)
+        directory.unpublish_extent(Extent(8192, 2 * 8192))  # blocks 1 and 2, one run
+        left = {block[1] for block in directory._slot_of}
+        assert left == {f"k{i}".encode() for i in range(published) if i not in (1, 2)}
+    finally:
+        directory.close()
