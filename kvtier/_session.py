@@ -11,7 +11,8 @@ Stage and StagedPut exist only here (they name a write area only a session has).
     request:  u32 payload length | u8 op     | serialized request message
     response: u32 payload length | u8 status | serialized response (status 0), or a UTF-8
                                                error message (status = gRPC code value)
-    Release gets no response: the client does not wait for it; order is kept per socket.
+    Release and Hits get no response: the client does not wait for them; order is kept
+    per socket.
 
 Requests are small control messages (the bytes move through the arena), so each op has a
 cap on its payload (`request_caps`): its message with every field at its widest, batches
@@ -47,6 +48,11 @@ class Op(IntEnum):
     CUDA_WAIT = 10
     STAGE = 11  # the session's staging range for one-exchange puts
     PUT_STAGED = 12  # a put in one exchange: the blocks are in the staging range already
+    HITS = 13  # gets served from the tenant's directory, reported afterwards; no response
+
+
+# Ops the daemon answers with nothing: the client does not wait (order is kept per socket).
+NO_REPLY_OPS = frozenset({Op.RELEASE, Op.HITS})
 
 
 REQUEST_TYPES: dict[Op, type[Message]] = {
@@ -62,6 +68,7 @@ REQUEST_TYPES: dict[Op, type[Message]] = {
     Op.CUDA_WAIT: pb.CudaWaitRequest,
     Op.STAGE: pb.StageRequest,
     Op.PUT_STAGED: pb.StagedPutRequest,
+    Op.HITS: pb.HitsRequest,
 }
 
 
@@ -109,6 +116,7 @@ def request_caps(
         Op.CUDA_WAIT: fixed,
         Op.STAGE: fixed,
         Op.PUT_STAGED: batch + max_items * 2 * _SCALAR_BYTES,  # + offset and checksum
+        Op.HITS: batch + max_items * 2 * _SCALAR_BYTES,  # + size and duration
     }
     return {op: min(cap, buffer_bytes) for op, cap in caps.items()}
 

@@ -224,6 +224,12 @@ class DramConfig(_Section):
         "policy's victims to NVMe in batches ahead of puts (0: only when a put finds no "
         "room); with no NVMe tier nothing is dropped ahead",
     )
+    direct_reads: bool = Field(
+        True,
+        description="publish each tenant's DRAM blocks in a read-only directory its "
+        "same-node sessions map, so a get copies without a round trip (false: every get "
+        "acquires a lease)",
+    )
 
 
 class NvmeConfig(_Section):

@@ -1801,3 +1801,78 @@ class GetBlockResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetBlockResponse: _TypeAlias = GetBlockResponse  # noqa: Y015
+
+@_typing.final
+class DirectHit(_message.Message):
+    """Session op HITS (kvtier/_session.py): gets a client served itself from its tenant's
+    directory (docs/design.md, "Direct reads"), reported afterwards so that the policy's
+    order, the hit counters and the DRAM path estimate still see them. No response is
+    sent; keys no longer stored are ignored.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    FETCH_SECONDS_FIELD_NUMBER: _builtins.int
+    key: _builtins.bytes
+    size_bytes: _builtins.int
+    fetch_seconds: _builtins.float
+    """from the first directory read to the last byte copied"""
+    def __init__(
+        self,
+        *,
+        key: _builtins.bytes = ...,
+        size_bytes: _builtins.int = ...,
+        fetch_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fetch_seconds", b"fetch_seconds", "key", b"key", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DirectHit: _TypeAlias = DirectHit  # noqa: Y015
+
+@_typing.final
+class HitsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    HITS_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    @_builtins.property
+    def hits(self) -> _containers.RepeatedCompositeFieldContainer[Global___DirectHit]: ...
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        hits: _abc.Iterable[Global___DirectHit] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hits", b"hits", "namespace", b"namespace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HitsRequest: _TypeAlias = HitsRequest  # noqa: Y015
+
+@_typing.final
+class HitsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    APPLIED_FIELD_NUMBER: _builtins.int
+    applied: _builtins.int
+    """hits whose block was still stored"""
+    def __init__(
+        self,
+        *,
+        applied: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HitsResponse: _TypeAlias = HitsResponse  # noqa: Y015

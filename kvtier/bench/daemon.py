@@ -7,7 +7,10 @@ Starts its own daemon (DRAM arena large enough for one pool, NVMe in a temp dir)
 block size it cycles a pool of distinct buffers larger than the L3 cache (so nothing is
 measured from cache) through:
 
-  zero-copy   put_from / get_into, one block per call (shared arena)
+  zero-copy   put_from / get_into, one block per call (shared arena; gets read the
+              tenant's directory first: direct reads, no round trip)
+  zc-acquire  get_into of the same blocks by a client with direct_reads=False: every get
+              acquires a lease (the path before direct reads), interleaved with zero-copy
   zc-batch    put_many / get_many, --batch blocks per call
   grpc        put / get, the gRPC byte-stream path (what a remote client uses)
   memcpy      single-thread copy of the same buffers into a second pool (the reference)
@@ -109,6 +112,7 @@ def bench_size(
     rounds: int,
     batch: int,
     redis_client: Any | None,
+    acquire_client: kvtier.Client | None = None,
 ) -> tuple[float, list[PathFigures]]:
     count = max(batch, pool_bytes // size)
     pool = [os.urandom(size) for _ in range(count)]
@@ -121,6 +125,8 @@ def bench_size(
         PathFigures("zc-batch", size),
     )
     rpc, red = PathFigures("grpc", size), PathFigures("redis", size)
+    zca = PathFigures("zc-acquire", size)
+    zeros = bytes(size)
 
     def copy(i: int) -> None:
         memoryview(sinks[i])[:] = pool[i]
@@ -140,12 +146,33 @@ def bench_size(
                 lambda i: client.put_from(NS, keys[i], pool[i]), count, total, zc.put_latency_s
             )
         )
-        zc.get_gbps.append(
-            _timed_pass(
-                lambda i: client.get_into(NS, keys[i], sinks[i]), count, total, zc.get_latency_s
+
+        def direct_gets() -> None:
+            zc.get_gbps.append(
+                _timed_pass(
+                    lambda i: client.get_into(NS, keys[i], sinks[i]), count, total, zc.get_latency_s
+                )
             )
-        )
-        verify(sinks)
+            verify(sinks)
+
+        def acquire_gets() -> None:
+            assert acquire_client is not None
+            for sink in sinks:
+                memoryview(sink)[:] = zeros  # what the check sees is this pass's copy
+            zca.get_gbps.append(
+                _timed_pass(
+                    lambda i: acquire_client.get_into(NS, keys[i], sinks[i]),
+                    count,
+                    total,
+                    zca.get_latency_s,
+                )
+            )
+            verify(sinks)
+
+        # A/B interleaved: which of the two goes first alternates by round.
+        passes = [direct_gets] + ([acquire_gets] if acquire_client is not None else [])
+        for get_pass in passes if len(zc.get_gbps) % 2 == 0 else passes[::-1]:
+            get_pass()
         for key in keys:
             client.delete(NS, key)
 
@@ -196,7 +223,8 @@ def bench_size(
 
     for _ in range(rounds):
         run_round()
-    paths = [zc, zcb, rpc, memcpy] + ([red] if redis_client is not None else [])
+    paths = [zc, *([zca] if acquire_client is not None else []), zcb, rpc, memcpy]
+    paths += [red] if redis_client is not None else []
     return statistics.median(memcpy.get_gbps), paths
 
 
@@ -386,12 +414,15 @@ def main(argv: list[str] | None = None) -> int:
         with (
             daemon(workdir, args.transport, dram) as target,
             kvtier.Client(target) as client,
+            kvtier.Client(target, direct_reads=False) as acquire_client,
             redis_peer(workdir) if "redis" in peers else contextlib.nullcontext() as red,
         ):
             client.wait_ready()
             memcpy_by_size: dict[int, float] = {}
             for size in sizes:
-                memcpy_gbps, paths = bench_size(client, size, pool, args.rounds, args.batch, red)
+                memcpy_gbps, paths = bench_size(
+                    client, size, pool, args.rounds, args.batch, red, acquire_client
+                )
                 memcpy_by_size[size] = memcpy_gbps
                 results.extend(p.summary(memcpy_gbps) for p in paths)
                 print(f"done {format_size(size)}", file=sys.stderr)

@@ -81,12 +81,15 @@ from kvtier.client.cuda import (
     wait_request,
 )
 from kvtier.client.zerocopy import (
+    DirectoryReader,
+    Parts,
     StreamedPut,
     WriteArea,
     block_parts,
     commit_results,
     copy_bytes,
     copy_out,
+    directory_of,
     fill_slots,
     joined,
     release_request,
@@ -171,6 +174,10 @@ class SessionSend:
 
 
 Step = Rpc | Stream[Any] | OpenSession | SessionCall | SessionSend
+# Steps that carry a request the daemon answers: the direct reads' pending hits are sent
+# on the session socket first, so a Plan (same socket, in order) already counts them, and
+# a gRPC call (Stats) almost always does.
+REPORTS_HITS_FIRST = (Rpc, Stream, SessionCall)
 Operation = Generator[Step, Any, T]
 
 
@@ -468,7 +475,37 @@ def get_many(
         for key, parts in zip(keys, views, strict=True):
             copied_bytes.append(copy_bytes((yield from get(namespace, key)), parts))
         return copied_bytes
-    request = pb.AcquireRequest(namespace=namespace, keys=as_keys(keys))
+    key_bytes = as_keys(keys)
+    directory = directory_of(arena)
+    if directory is None:
+        return (yield from _acquire_into(namespace, key_bytes, views, arena, verify))
+    # Direct reads first (no round trip); what they miss is acquired in one batch.
+    out: list[int | None] = []
+    due = False
+    for key, parts in zip(key_bytes, views, strict=True):
+        started_s = time.perf_counter()
+        size = directory.read_into(namespace, key, arena, parts, verify)
+        if size is not None:
+            due |= directory.hit(namespace, key, size, time.perf_counter() - started_s)
+        out.append(size)
+    missed = [i for i, size in enumerate(out) if size is None]
+    if missed or due:
+        for hits in directory.take_hits():  # ahead of the Acquire: no reply awaited
+            yield SessionSend(Op.HITS, hits)
+    if missed:
+        acquired = yield from _acquire_into(
+            namespace, [key_bytes[i] for i in missed], [views[i] for i in missed], arena, verify
+        )
+        for i, size in zip(missed, acquired, strict=True):
+            out[i] = size
+    return out
+
+
+def _acquire_into(
+    namespace: str, keys: list[bytes], views: list[Parts], arena: memoryview, verify: bool
+) -> Operation[list[int | None]]:
+    """Pin the blocks under one lease, copy them out, release it (no reply awaited)."""
+    request = pb.AcquireRequest(namespace=namespace, keys=keys)
     started_s = time.perf_counter()
     leased = yield from session_call(Op.ACQUIRE, request, pb.AcquireResponse)
     copied: list[int | None] = []
@@ -545,6 +582,7 @@ def cuda_wait(request_id: int, group: int) -> Operation[list[bool]]:
 # ---- what both clients hold ----------------------------------------------------------------
 class _Arena(Protocol):
     view: memoryview
+    directory: DirectoryReader | None
 
     def close(self) -> None: ...
 
@@ -572,8 +610,11 @@ class ClientBase(ABC, Generic[ArenaT, ChannelT]):
         tls_key: PemSource | None = None,
         tls_server_name: str | None = None,
         tune_malloc: bool = True,
+        direct_reads: bool = True,
     ) -> None:
         self.target = normalize_target(target)
+        # False: every zero-copy get acquires a lease, never reads the directory itself.
+        self.direct_reads = direct_reads
         # The byte path's multi-MiB messages: see kvtier/_malloc.py. False leaves this
         # process's allocator as it is (then a 4 MiB get costs page faults in every copy).
         self._tune_malloc = tune_malloc
@@ -621,6 +662,19 @@ class ClientBase(ABC, Generic[ArenaT, ChannelT]):
         if self._arena is None:  # another call lost it since this operation's OpenSession
             raise Unavailable("the session with the daemon is closed")
         return self._arena
+
+    def _attached_now(self, arena: ArenaT) -> ArenaT:
+        """A session just attached, set up as this client wants it."""
+        if arena.directory is not None:
+            arena.directory.enabled = arena.directory.enabled and self.direct_reads
+        return arena
+
+    def _pending_hits(self) -> list[pb.HitsRequest]:
+        """The direct reads not reported yet, taken (sent before the next request)."""
+        arena = self._arena
+        if arena is None or arena.directory is None or not arena.directory.pending:
+            return []
+        return arena.directory.take_hits()
 
     def _may_attach(self) -> bool:
         return (

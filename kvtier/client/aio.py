@@ -14,6 +14,7 @@ import grpc
 
 import kvtier.client._core as _core
 from kvtier._proto import kvtier_pb2 as pb
+from kvtier._session import Op
 from kvtier.client._common import translate
 from kvtier.client._core import ClientBase, Operation, Run, Step, as_method
 from kvtier.client.cuda import CudaGetGroups
@@ -126,6 +127,12 @@ class AsyncClient(ClientBase[AsyncSharedArena, grpc.aio.Channel]):
         return run.result
 
     async def _perform(self, step: Step) -> Any:
+        if isinstance(step, _core.REPORTS_HITS_FIRST) and self._arena is not None:
+            try:
+                for hits in self._pending_hits():  # the direct reads' report goes ahead
+                    await self._arena.send(Op.HITS, hits)
+            except OSError:
+                self._close_session()  # lost: a call that needs it attaches again
         if isinstance(step, _core.SessionCall):
             return await self._attached().call(
                 step.op, step.request, step.response_type, step.while_waiting
@@ -155,7 +162,7 @@ class AsyncClient(ClientBase[AsyncSharedArena, grpc.aio.Channel]):
         for tries_left in reversed(range(_core.ATTACH_TRIES)):
             try:
                 resp = await self._grpc("Attach", pb.AttachRequest())
-                self._arena = await AsyncSharedArena.attach(resp)
+                self._arena = self._attached_now(await AsyncSharedArena.attach(resp))
                 break
             except (grpc.RpcError, OSError, KVTierError) as err:
                 if not self._attach_failed(err, tries_left):

@@ -14,6 +14,7 @@ import grpc
 
 import kvtier.client._core as _core
 from kvtier._proto import kvtier_pb2 as pb
+from kvtier._session import Op
 from kvtier.client._common import translate
 from kvtier.client._core import ClientBase, Operation, Run, Step, as_method
 from kvtier.client.cuda import CudaGetGroups
@@ -56,8 +57,10 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
     certificate against when it is not the target's host. Any of them turns TLS on;
     `tls=True` turns it on with none of them, `tls=False` off. `tune_malloc=False`
     leaves this process's malloc thresholds alone (by default the first put or get raises
-    them, kvtier/_malloc.py: multi-MiB blocks otherwise page-fault in every copy). All
-    but `target` are keyword-only.
+    them, kvtier/_malloc.py: multi-MiB blocks otherwise page-fault in every copy).
+    `direct_reads=False` makes every zero-copy get acquire a lease (by default it reads
+    the tenant's directory first, docs/design.md "Direct reads"). All but `target` are
+    keyword-only.
     """
 
     put = blocking(_core.put)
@@ -139,6 +142,12 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
         return run.result
 
     def _perform(self, step: Step) -> Any:
+        if isinstance(step, _core.REPORTS_HITS_FIRST) and self._arena is not None:
+            try:
+                for hits in self._pending_hits():  # the direct reads' report goes ahead
+                    self._arena.send(Op.HITS, hits)
+            except OSError:
+                self._close_session()  # lost: a call that needs it attaches again
         if isinstance(step, _core.SessionCall):
             return self._attached().call(
                 step.op, step.request, step.response_type, step.while_waiting
@@ -167,7 +176,9 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
             return self._arena
         for tries_left in reversed(range(_core.ATTACH_TRIES)):
             try:
-                self._arena = SharedArena.attach(self._grpc("Attach", pb.AttachRequest()))
+                self._arena = self._attached_now(
+                    SharedArena.attach(self._grpc("Attach", pb.AttachRequest()))
+                )
                 break
             except (grpc.RpcError, OSError, KVTierError) as err:
                 if not self._attach_failed(err, tries_left):

@@ -7,6 +7,11 @@ client does can change a committed block), and the session's write area, where a
 reserved slots are (the daemon copies them into the arena at commit and hashes its copy).
 The side connection stays open: the daemon releases the session's leases when it closes.
 
+A get reads its tenant's *directory* first where the daemon passed one (a third fd at the
+handshake, mapped read-only): a seqlock-validated copy straight out of the arena with no
+round trip (kvtier/engine/directory.py); a miss, or a copy the daemon changed under it,
+takes the Acquire path. The hits are reported afterwards, batched (`DirectoryReader`).
+
 A put takes one exchange where the daemon offers it (issue 25): the client keeps a
 *staging range* of its write area (Stage), lays the put's blocks out there, hashing each
 piece as it copies it, and sends StagedPut; else it reserves slots and commits them (two
@@ -32,6 +37,7 @@ from google.protobuf.message import Message
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import HEADER, Op, frame
+from kvtier.engine.directory import ENTRY_BYTES, ENTRY_WORDS, PROBE_SLOTS, key_digest
 from kvtier.errors import InvalidArgument, Unavailable, from_status_value
 
 M = TypeVar("M", bound=Message)
@@ -64,6 +70,14 @@ MADV_POPULATE_READ = 22
 # (tests/integration/test_vllm.py), so there the pages fault in as they are read.
 PREFAULT_MAX_BYTES = 16 << 30 if (os.cpu_count() or 1) >= 4 else 0
 PREFAULT_CHUNK_BYTES = 2 << 20  # mmap.madvise holds the GIL: ~1 ms at most per chunk
+# Direct reads validate a copy by reading the entry's sequence word after it: sound only
+# where another core sees the daemon's stores in program order (x86-64's TSO; elsewhere a
+# reader could see new bytes with the old sequence word), so elsewhere every get acquires.
+DIRECT_READS = platform.machine() in {"x86_64", "AMD64"}
+# Direct hits are reported to the daemon (HITS, no reply) once this many are pending, once
+# the oldest has waited HITS_EVERY_S, or before the next request that goes to the daemon.
+HITS_BATCH = 64
+HITS_EVERY_S = 0.05
 
 
 class WriteArea:
@@ -110,11 +124,96 @@ class WriteArea:
         os.close(self._fd)
 
 
+class DirectoryReader:
+    """This session's read-only mapping of its tenant's directory: `read_into` copies a
+    block out of the arena without asking the daemon, and keeps the hits to report."""
+
+    def __init__(self, fd: int) -> None:
+        try:
+            size = os.fstat(fd).st_size
+            entries = size // ENTRY_BYTES
+            if entries <= 0 or entries & (entries - 1) or size % ENTRY_BYTES:
+                raise Unavailable("the daemon's directory has an unexpected size")
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self._words = memoryview(self._map).cast("Q")  # an item read is one 8-byte load
+        self._mask = entries - 1
+        self.enabled = DIRECT_READS  # False: every get acquires (tests run both)
+        self._namespaces: dict[str, bytes] = {}
+        self._pending: list[tuple[str, bytes, int, float]] = []
+        self._oldest_s = 0.0
+
+    def read_into(
+        self, namespace: str, key: bytes, arena: memoryview, parts: Parts, verify: bool
+    ) -> int | None:
+        """Copy the block of (namespace, key) into `parts` if the directory has it and it
+        did not change during the copy: its size, else None (then `parts` may hold any
+        bytes; the caller acquires). A block larger than `parts` is None too: the Acquire
+        path says why."""
+        encoded = self._namespaces.get(namespace)
+        if encoded is None:
+            encoded = self._namespaces[namespace] = namespace.encode()
+        low, high = key_digest(encoded, key)
+        words = self._words
+        for i in range(PROBE_SLOTS):
+            base = ((low + i) & self._mask) * ENTRY_WORDS
+            seq = words[base]  # first: every word read below is checked against it
+            if words[base + 1] != low or words[base + 2] != high:
+                continue
+            if seq & 1 or not seq:
+                return None  # being written
+            offset = words[base + 3]
+            size = words[base + 4]
+            xxh3_64 = words[base + 5]
+            if offset + size > arena.nbytes or size > parts_bytes(parts):
+                return None
+            filled = scatter(arena[offset : offset + size], parts)
+            # After the copy in program order: a block unpublished (then freed, rewritten)
+            # while it was copied has a new sequence word by now.
+            if words[base] != seq:
+                return None
+            if verify and checksum(filled) != xxh3_64:
+                return None
+            return int(size)
+        return None
+
+    def hit(self, namespace: str, key: bytes, size_bytes: int, fetch_s: float) -> bool:
+        """Keep a hit to report; True when the pending hits are due to be sent."""
+        now_s = time.monotonic()
+        pending = self._pending
+        if not pending:
+            self._oldest_s = now_s
+        pending.append((namespace, key, size_bytes, fetch_s))  # messages made when sent
+        return len(pending) >= HITS_BATCH or now_s - self._oldest_s >= HITS_EVERY_S
+
+    @property
+    def pending(self) -> bool:
+        """Whether hits wait to be reported."""
+        return bool(self._pending)
+
+    def take_hits(self) -> list[pb.HitsRequest]:
+        """The pending hits as reports, one per namespace; they are no longer pending."""
+        pending, self._pending = self._pending, []
+        by_namespace: dict[str, list[pb.DirectHit]] = {}
+        for namespace, key, size_bytes, fetch_s in pending:
+            by_namespace.setdefault(namespace, []).append(
+                pb.DirectHit(key=key, size_bytes=size_bytes, fetch_seconds=fetch_s)
+            )
+        return [pb.HitsRequest(namespace=ns, hits=hits) for ns, hits in by_namespace.items()]
+
+    def close(self) -> None:
+        self._words.release()
+        self._map.close()
+
+
 class _ArenaMapping(mmap.mmap):
-    """The read-only arena mapping, carrying the session's write area: the client core
-    sees the arena as a memoryview, whose `.obj` is this (`write_area_of`)."""
+    """The read-only arena mapping, carrying the session's write area and directory: the
+    client core sees the arena as a memoryview, whose `.obj` is this (`write_area_of`,
+    `directory_of`)."""
 
     write_area: WriteArea | None = None
+    directory: DirectoryReader | None = None
 
 
 class SharedArena:
@@ -127,6 +226,7 @@ class SharedArena:
         mapping: mmap.mmap,
         conn: socket.socket,
         write_area: WriteArea | None = None,
+        directory: DirectoryReader | None = None,
     ) -> None:
         self.session_id = session_id
         self._mapping = mapping
@@ -134,8 +234,10 @@ class SharedArena:
         self._lock = threading.Lock()
         self._inbox = bytearray(64 << 10)
         self.write_area = write_area
+        self.directory = directory
         if isinstance(mapping, _ArenaMapping):
             mapping.write_area = write_area
+            mapping.directory = directory
         self.view = memoryview(mapping)
 
     def slot(self, slot: pb.Slot) -> memoryview:
@@ -199,17 +301,26 @@ class SharedArena:
             conn.settimeout(10)
             conn.connect(resp.arena_socket)
             conn.sendall(resp.nonce)
-            msg, fds, _flags, _addr = socket.recv_fds(conn, _REPLY.size, 2)
+            msg, fds, _flags, _addr = socket.recv_fds(conn, _REPLY.size, 3)
+            # The arena, the write area, then (where the daemon has direct reads on) the
+            # tenant's directory.
+            directory_fd = fds.pop(2) if len(fds) > 2 else None
             write_area = WriteArea(fds.pop(1)) if len(fds) > 1 else None
-            if len(msg) != _REPLY.size or not fds:
-                if write_area is not None:
-                    write_area.close()
-                raise Unavailable("the daemon refused to share its arena")
-            session_id, size = _REPLY.unpack(msg)
+            directory: DirectoryReader | None = None
             try:
+                if len(msg) != _REPLY.size or not fds:
+                    raise Unavailable("the daemon refused to share its arena")
+                session_id, size = _REPLY.unpack(msg)
+                if directory_fd is not None:
+                    handed, directory_fd = directory_fd, None  # the reader closes it
+                    directory = DirectoryReader(handed)
                 # Read-only: the daemon sealed the arena, a writable mapping is refused.
                 mapping = _ArenaMapping(fds[0], size, mmap.MAP_SHARED, mmap.PROT_READ)
             except BaseException:
+                if directory_fd is not None:
+                    os.close(directory_fd)
+                if directory is not None:
+                    directory.close()
                 if write_area is not None:
                     write_area.close()
                 raise
@@ -224,13 +335,15 @@ class SharedArena:
             threading.Thread(
                 target=_prefault, args=(mapping,), name="kvtier-arena-prefault", daemon=True
             ).start()
-        return cls(session_id, mapping, conn, write_area)
+        return cls(session_id, mapping, conn, write_area, directory)
 
     def close(self) -> None:
         self.view.release()
         self._mapping.close()
         if self.write_area is not None:
             self.write_area.close()
+        if self.directory is not None:
+            self.directory.close()
         self._conn.close()
 
 
@@ -254,6 +367,7 @@ class AsyncSharedArena:
         self.session_id = arena.session_id
         self.view = arena.view
         self.slot = arena.slot
+        self.directory = arena.directory
         self._conn = arena._conn
         self._conn.setblocking(False)
         self._lock = asyncio.Lock()
@@ -342,6 +456,14 @@ def write_area_of(arena: memoryview) -> WriteArea | _InPlace | None:
     if isinstance(mapping, _ArenaMapping):
         return mapping.write_area
     return None if arena.readonly else _InPlace(arena)
+
+
+def directory_of(arena: memoryview) -> DirectoryReader | None:
+    """The directory of the session whose arena is mapped at `arena`, if it reads directly."""
+    mapping = arena.obj
+    if isinstance(mapping, _ArenaMapping) and mapping.directory is not None:
+        return mapping.directory if mapping.directory.enabled else None
+    return None
 
 
 def fill_slots(

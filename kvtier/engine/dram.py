@@ -30,6 +30,19 @@ MakeRoom = Callable[[str, int], Awaitable[bool]]
 Busy = Callable[[str], bool]
 
 
+class Arena(DramTier):
+    """A tenant's arena, whose every free first calls `before_free` (the directory's
+    unpublish: a block readers may copy without a lease must vanish from the directory
+    before its extent can be reused). Everything frees through here, the demoter too."""
+
+    before_free: Callable[[Extent], None] | None = None
+
+    def free(self, extent: Extent) -> None:
+        if self.before_free is not None:
+            self.before_free(extent)
+        super().free(extent)
+
+
 class DramSpace:
     def __init__(self, config: Config) -> None:
         self._config = config
@@ -37,10 +50,11 @@ class DramSpace:
         self._pinning = gpu.device >= 0 and gpu.pin_arena and not gpu.emulate
         # An arena pinned for the GPU is faulted in by several threads before it is
         # registered, rather than by MAP_POPULATE on one.
-        self.arenas: dict[str, DramTier] = {
-            tenant: DramTier(size, config.dram.prefault and not self._pinning)
+        self.hooked: dict[str, Arena] = {  # the same arenas, with their free hook
+            tenant: Arena(size, config.dram.prefault and not self._pinning)
             for tenant, size in config.tenant_arenas().items()
         }
+        self.arenas: dict[str, DramTier] = dict(self.hooked)
         self._reserving: dict[str, int] = dict.fromkeys(self.arenas, 0)
         self._space_freed = asyncio.Event()
         self._pinned: list[int] = []  # arena addresses registered with CUDA

@@ -36,6 +36,7 @@ from kvtier.engine.blocks import BlockReader, PutWriter, intact, record_header, 
 from kvtier.engine.calibrate import CALIBRATION_RECORDS, calibrate
 from kvtier.engine.costs import CostModel
 from kvtier.engine.demoter import Demoter
+from kvtier.engine.directory import Directories
 from kvtier.engine.dram import DramSpace
 from kvtier.engine.events import EventLog
 from kvtier.engine.leases import LeaseTable
@@ -113,6 +114,8 @@ class Store:
         self._next_generation = 1  # with an NVMe tier: from its epoch, at start
         self.recovery: NvmeRecovery | None = None
         self.space = DramSpace(cfg)
+        # Direct reads: each tenant's DRAM blocks, published for its clients to read.
+        self.directories = Directories(self.space.hooked, cfg.dram.direct_reads)
         self.io = IoPool(cfg.nvme.io_threads)
         self.nvme: NvmeDriver | None = (
             NvmeDriver(cfg.nvme, self.io, self.tasks.spawn, self.take_generation)
@@ -152,7 +155,7 @@ class Store:
             cfg.nvme.capacity_bytes,
             self._nvme_quota,
             self.counters,
-            self.events.record,
+            self._block_changed,
             policy.min_p_reuse,
         )
         self._tier_reports: list[Callable[[], TierUsage]] = []  # tiers kept elsewhere (HBM)
@@ -160,7 +163,13 @@ class Store:
         self.prefetch = Prefetcher(self)
         self.residency.protected = self.prefetch.protected
         self.residency.on_use = self.prefetch.used
+        self.directories.lookup = self.residency.get
         self.demoter = Demoter(self)
+
+    def _block_changed(self, block_id: BlockId, tiers: list[TierName]) -> None:
+        """The catalog's change hook: the block events, and the tenant's directory."""
+        self.events.record(block_id, tiers)
+        self.directories.changed(block_id, tiers)
 
     # ---- views for the servicer, the GPU path and the metrics ---------------------------------
     @property

@@ -41,6 +41,9 @@ STREAM_PIECE_BYTES = 256 << 10
 STREAM_SPIN_S = 0.002
 STREAM_WAIT_S = 2.0
 STREAM_ABANDONED = (1 << 64) - 1
+# Of a Hits report (up to 64 direct reads), how many teach the DRAM path estimate: as
+# many as its fits need before they answer (`min_observations`), so one report warms them.
+FIT_HITS_PER_REPORT = 8
 
 
 class ZeroCopy:
@@ -349,6 +352,31 @@ class ZeroCopy:
                 self.end_lease(lease_id)
                 released += 1
         return released
+
+    def direct_hits(self, hits: list[tuple[BlockId, int, float]]) -> int:
+        """Gets a client served from its tenant's directory: (block, bytes copied, seconds
+        the copy took) each. Counted as an Acquire's hits are (the policy's order, the hit
+        counters); a block no longer stored, or stored at another size (overwritten
+        since), is ignored. Returns how many were applied. The DRAM path estimate learns
+        from the latest few only (FIT_HITS_PER_REPORT): one observation costs ~45 µs of
+        the loop here (a solve), more than the get it describes."""
+        store = self._store
+        residency = store.residency
+        applied = 0
+        for block_id, size_bytes, _ in hits:
+            entry = residency.get(block_id)
+            if entry is None or entry.size_bytes != size_bytes:
+                continue
+            residency.used(entry)
+            store.costs.served(block_id, TierName.DRAM, size_bytes, None)
+            applied += 1
+        for _, size_bytes, fetch_s in hits[-FIT_HITS_PER_REPORT:]:
+            if not (math.isfinite(fetch_s) and fetch_s > 0):
+                continue
+            copy_s = store.costs.engine_fetch([size_bytes], 0.0, fetch_s, size_bytes)
+            if copy_s is not None:
+                store.telemetry.transfer("dram", "engine", size_bytes, copy_s)
+        return applied
 
     def release_session(self, session_id: int) -> int:
         """The client went away: end every lease it held, and close its write area."""

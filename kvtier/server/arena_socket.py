@@ -41,7 +41,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier._session import HEADER, MAX_FRAME_BYTES, Op, frame, request_cap, request_caps
+from kvtier._session import (
+    HEADER,
+    MAX_FRAME_BYTES,
+    NO_REPLY_OPS,
+    Op,
+    frame,
+    request_cap,
+    request_caps,
+)
 from kvtier.config import LimitsConfig
 from kvtier.errors import InvalidArgument, ResourceExhausted, Unimplemented, to_status
 
@@ -157,6 +165,7 @@ class ArenaSocket:
         self._clock_s = clock_s
         self._handler: SessionHandler = _no_handler
         self._write_area_for: Callable[[int], int] | None = None
+        self._directory_for: Callable[[str], int | None] | None = None
         self._by_nonce: dict[bytes, Session] = {}  # attached, not yet connected; oldest first
         self._sessions: dict[int, Session] = {}
         self._per_tenant: collections.Counter[str] = collections.Counter()
@@ -194,6 +203,12 @@ class ArenaSocket:
     def set_write_areas(self, write_area_for: Callable[[int], int]) -> None:
         """Who makes a session's write area: session id -> the memfd to pass its client."""
         self._write_area_for = write_area_for
+
+    def set_directories(self, directory_for: Callable[[str], int | None]) -> None:
+        """Who holds a tenant's directory (direct reads): tenant -> the sealed memfd to
+        pass its sessions' clients, or None where there is none. Passed third, after the
+        write area; a session never gets another tenant's."""
+        self._directory_for = directory_for
 
     def new_session(self, tenant: str, limits: LimitsConfig) -> Session:
         """A session for `tenant` under `limits` (the running configuration's: a reload
@@ -367,6 +382,9 @@ class ArenaSocket:
             fds = [arena_fd]
             if self._write_area_for is not None:
                 fds.append(self._write_area_for(session.session_id))
+                directory_fd = self._directory_for(session.tenant) if self._directory_for else None
+                if directory_fd is not None:
+                    fds.append(directory_fd)
             socket.send_fds(conn, [REPLY.pack(session.session_id, arena_bytes)], fds)
             await self._serve_requests(conn, session)
         except TimeoutError:
@@ -474,7 +492,7 @@ class _SessionProtocol(asyncio.Protocol):
         dropped = min(len(buf), HEADER.size + length)
         del buf[:dropped]
         self._discard_bytes = HEADER.size + length - dropped
-        if op == Op.RELEASE:
+        if op in NO_REPLY_OPS:
             return True  # gets no reply: the session's end releases what it named
         try:
             name = Op(op).name
@@ -512,7 +530,7 @@ class _SessionProtocol(asyncio.Protocol):
                     code, reply = request.refusal
                 else:
                     code, reply = await self._handler(self._session_id, request.op, request.payload)
-                if request.op != Op.RELEASE and self._transport is not None:
+                if request.op not in NO_REPLY_OPS and self._transport is not None:
                     self._transport.write(frame(code, reply))
                 self._update_reading()
         finally:

@@ -114,6 +114,7 @@ class KVTierService:
         self._arena = arena
         if arena is not None:
             arena.set_write_areas(lambda session_id: store.zero_copy.write_area(session_id).fd)
+            arena.set_directories(store.directories.fd)
         # The GPU path (gpu.device); without one, CUDA calls are UNIMPLEMENTED.
         self._cuda = CudaOps(
             cuda, lambda: self._limits, self._ns_id, self._admit_bytes, self._drop_if_session_ended
@@ -138,6 +139,7 @@ class KVTierService:
                 Op.CUDA_WAIT: self._cuda.wait,
                 Op.STAGE: self._stage,
                 Op.PUT_STAGED: self._put_staged,
+                Op.HITS: self._hits,
             },
             self._session_tenant,
             self._admit,
@@ -665,6 +667,17 @@ class KVTierService:
         lease_id, slots = await self._store.acquire(session_id, keys)
         self._drop_if_session_ended(session_id)
         return pb.AcquireResponse(lease_id=lease_id, blocks=[leased(s) for s in slots])
+
+    async def _hits(self, session_id: int, tenant: str, request: pb.HitsRequest) -> pb.HitsResponse:
+        """Direct reads the session's client made (docs/design.md, "Direct reads"): the
+        keys are checked as an Acquire's are, in the session's tenant only."""
+        ns_id = self._ns_id(tenant, request.namespace)
+        max_key_bytes = self._limits.max_key_bytes
+        hits = [
+            ((ns_id, check_key(hit.key, max_key_bytes)), hit.size_bytes, hit.fetch_seconds)
+            for hit in request.hits
+        ]
+        return pb.HitsResponse(applied=self._store.zero_copy.direct_hits(hits))
 
     async def _release(
         self, session_id: int, tenant: str, request: pb.ReleaseRequest

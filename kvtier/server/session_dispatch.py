@@ -23,6 +23,9 @@ SessionOp = Callable[[int, str, Any], Awaitable[Message]]
 # Ops that finish work a Reserve or an Acquire was admitted for: never rate-limited. So
 # is Stage, which prepares the put that will be charged (PutStaged) and costs nothing
 # unless it grows the staging range, bounded by the tenant's arena.
+# Hits (a report of direct reads, up to a batch of them) is charged as one request: a
+# client cannot flood the loop with reports past its tenant's rate; one over the rate is
+# dropped unanswered, as any Hits is (the reads were done; the policy sees fewer of them).
 FINISHING_OPS = frozenset({Op.COMMIT, Op.RELEASE, Op.CUDA_WAIT, Op.STAGE})
 
 

@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 import kvtier
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
-from kvtier._session import HEADER, Op, frame
+from kvtier._session import HEADER, NO_REPLY_OPS, Op, frame
 from tests.conftest import DaemonProcess, block_bytes
 from tests.faults.harness import Report, Row, Shadow, check_all, still_serves, wait_for
 
@@ -531,9 +531,10 @@ class SideSession:
         self.session_id = struct.unpack("<QQ", msg)[0]
 
     def call(self, op: int, payload: bytes) -> tuple[int, bytes] | None:
-        """Send a frame; its (code, reply), or None for a Release (which gets no answer)."""
+        """Send a frame; its (code, reply), or None for a Release or a Hits (which get no
+        answer)."""
         self.conn.sendall(frame(op, payload))
-        if op == Op.RELEASE:
+        if op in NO_REPLY_OPS:
             return None
         length, code = HEADER.unpack(self._recv(HEADER.size))
         return code, self._recv(length)

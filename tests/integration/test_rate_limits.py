@@ -96,7 +96,9 @@ def test_the_refusal_carries_a_retry_hint_in_trailing_metadata(daemon: DaemonPro
 
 
 def test_zero_copy_session_ops_count_against_the_same_rate(daemon: DaemonProcess) -> None:
-    with kvtier.Client(daemon.target, token=TOKENS["slow"]) as slow:
+    # Acquires, not direct reads (a get served from the tenant's directory asks the daemon
+    # nothing: docs/design.md, "Direct reads").
+    with kvtier.Client(daemon.target, token=TOKENS["slow"], direct_reads=False) as slow:
         # Attach and Reserve are charged; Commit, finishing the put, is not.
         assert slow.put_from(NS, "zc", b"zero-copy bytes") is True
         assert slow._arena is not None  # the session socket, not the gRPC fallback

@@ -85,6 +85,9 @@ def widest(op: Op, limits: LimitsConfig) -> bytes:
     elif op == Op.PUT_STAGED:
         staged = [pb.StagedPutItem(key=key, size_bytes=big, offset=big, xxh3_64=big)] * n
         message = pb.StagedPutRequest(session_id=big, namespace=ns, items=staged, overwrite=True)
+    elif op == Op.HITS:
+        hit = pb.DirectHit(key=key, size_bytes=big, fetch_seconds=-1e300)
+        message = pb.HitsRequest(namespace=ns, hits=[hit] * n)
     else:
         message = pb.CudaWaitRequest(session_id=big, request_id=big, group=(1 << 32) - 1)
     assert isinstance(message, REQUEST_TYPES[op])

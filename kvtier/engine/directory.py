@@ -1,0 +1,227 @@
+"""Per-tenant directories: where each DRAM block of a tenant is, for its clients to read
+without asking (direct reads, docs/design.md).
+
+A directory is a sealed memfd (`F_SEAL_FUTURE_WRITE`, like the arena: only this process's
+mapping writes it) that a tenant's sessions map read-only, received at the handshake
+beside the arena. It is an open-addressed table of ENTRY_BYTES entries, each eight
+little-endian u64 words:
+
+    seq | digest_lo | digest_hi | offset | size_bytes | xxh3_64 | generation | 0
+
+`digest` is the xxh3-128 of `key_encoding(namespace, key)`; a client trusts a digest match
+as a key match (a 2^-128 chance per pair of keys of reading another key of the same
+tenant, which that client could read anyway). A block's entry is one of the PROBE_SLOTS
+entries from `digest_lo % entries`; when all of them hold other blocks it is not
+published and readers take the Acquire path.
+
+Seqlock: the writer makes `seq` odd, writes the other words, and makes it even again
+(+2 in all); unpublishing makes it odd, clears the entry and makes it even. A reader
+reads `seq` (even, non-zero), the entry, the block's bytes, then `seq` again, and keeps
+the copy only if both reads agree. Every extent is unpublished before it is freed
+(`DramSpace`'s arenas call `unpublish_extent` first), and an extent is only written
+after it is allocated again, so bytes a reader copied from a rewritten extent always
+come with a changed `seq`. That needs the stores to become visible in program order
+(x86-64's TSO); clients elsewhere do not read directories (`kvtier.client.zerocopy`).
+
+Lifecycle: `Directory(entries)` -> `publish`/`unpublish` from the catalog's changes, and
+`unpublish_extent` from the arena's frees -> `close()`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import struct
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from kvtier.keys import tenant_of
+from kvtier.tiers.dram import ALIGN_BYTES, ARENA_SEALS
+from kvtier.types import BlockId, Extent, TierName
+
+if TYPE_CHECKING:
+    from kvtier.engine.dram import Arena
+    from kvtier.index.catalog import Entry
+
+ENTRY_WORDS = 8
+ENTRY_BYTES = 8 * ENTRY_WORDS  # one cache line: entries never share one
+PROBE_SLOTS = 8
+# Sized from the arena: an entry for every DIRECTORY_BLOCK_BYTES of it, twice over (the
+# table at most half full for blocks of that size or larger), a power of two within the
+# bounds. 64 KiB is a small KV block (16 tokens of a 1B model); smaller blocks beyond the
+# table's room are simply not published.
+DIRECTORY_BLOCK_BYTES = 64 << 10
+MIN_ENTRIES = 1024
+MAX_ENTRIES = 1 << 22  # 256 MiB of table at most
+_FIELDS = struct.Struct("<6Q")  # digest_lo .. generation
+_MASK_64 = (1 << 64) - 1
+
+
+def key_encoding(namespace: bytes, key: bytes) -> bytes:
+    """An unambiguous byte string for (namespace, key): length-prefixed namespace, key."""
+    return len(namespace).to_bytes(4, "little") + namespace + key
+
+
+def key_digest(namespace: bytes, key: bytes) -> tuple[int, int]:
+    """(low, high) 64-bit halves of the xxh3-128 of (namespace, key)."""
+    digest = xxhash.xxh3_128_intdigest(key_encoding(namespace, key))
+    return digest & _MASK_64, digest >> 64
+
+
+def entries_for(arena_bytes: int) -> int:
+    wanted = max(MIN_ENTRIES, 2 * arena_bytes // DIRECTORY_BLOCK_BYTES)
+    return min(MAX_ENTRIES, 1 << (wanted - 1).bit_length())
+
+
+class Directory:
+    """One tenant's directory: written only here, on the event loop's thread."""
+
+    def __init__(self, entries: int) -> None:
+        if entries <= 0 or entries & (entries - 1):
+            raise ValueError("a directory's entries must be a power of two")
+        self.entries = entries
+        self._fd = os.memfd_create("kvtier-directory", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(self._fd, entries * ENTRY_BYTES)
+        self._map = mmap.mmap(self._fd, entries * ENTRY_BYTES, flags=mmap.MAP_SHARED)
+        # Sealed once this writable mapping exists: any other mapping is read-only.
+        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, ARENA_SEALS)
+        self._words = memoryview(self._map).cast("Q")  # an item store is one 8-byte store
+        self._owner: list[BlockId | None] = [None] * entries
+        self._slot_of: dict[BlockId, int] = {}
+        self._at_offset: dict[int, int] = {}  # extent offset -> slot
+        self.unpublished_full = 0  # blocks not published: their probe window was full
+
+    @property
+    def fd(self) -> int:
+        """The sealed memfd handed to this tenant's sessions (mapped read-only there)."""
+        return self._fd
+
+    def publish(
+        self, block_id: BlockId, offset: int, size_bytes: int, xxh3_64: int, generation: int
+    ) -> bool:
+        """Make a DRAM block readable at `offset` (replacing what its key had); False
+        when its probe window is full of other blocks (not published)."""
+        slot = self._slot_of.get(block_id)
+        if slot is None:
+            slot = self._free_slot(block_id)
+            if slot is None:
+                self.unpublished_full += 1
+                return False
+        else:
+            self._at_offset.pop(self._words[slot * ENTRY_WORDS + 3], None)
+        namespace = block_id[0].partition("|")[2].encode()
+        low, high = key_digest(namespace, block_id[1])
+        base = slot * ENTRY_WORDS
+        words = self._words
+        seq = words[base]
+        words[base] = seq + 1 | 1  # odd: readers of this entry retry
+        _FIELDS.pack_into(
+            self._map, base * 8 + 8, low, high, offset, size_bytes, xxh3_64, generation
+        )
+        words[base] = (seq | 1) + 1  # even again, and never 0
+        self._owner[slot] = block_id
+        self._slot_of[block_id] = slot
+        self._at_offset[offset] = slot
+        return True
+
+    def _free_slot(self, block_id: BlockId) -> int | None:
+        namespace = block_id[0].partition("|")[2].encode()
+        low, high = key_digest(namespace, block_id[1])
+        mask = self.entries - 1
+        free: int | None = None
+        for i in range(PROBE_SLOTS):
+            slot = (low + i) & mask
+            owner = self._owner[slot]
+            if owner is None:
+                if free is None:
+                    free = slot
+            elif self._words[slot * ENTRY_WORDS + 1] == low and (
+                self._words[slot * ENTRY_WORDS + 2] == high
+            ):
+                return None  # another key with this digest: neither is told apart, skip
+        return free
+
+    def unpublish(self, block_id: BlockId) -> None:
+        """Readers stop finding `block_id` here (before its extent may be rewritten)."""
+        slot = self._slot_of.pop(block_id, None)
+        if slot is None:
+            return
+        base = slot * ENTRY_WORDS
+        words = self._words
+        self._at_offset.pop(words[base + 3], None)
+        seq = words[base]
+        words[base] = seq + 1  # odd: a reader copying this block now will not keep it
+        _FIELDS.pack_into(self._map, base * 8 + 8, 0, 0, 0, 0, 0, 0)
+        words[base] = seq + 2
+        self._owner[slot] = None
+
+    def unpublish_extent(self, extent: Extent) -> None:
+        """`extent` is about to be freed: unpublish every block that starts inside it (one
+        block's extent, or a run of several coalesced by the caller; blocks start on
+        pages). The cheaper of walking its pages and walking the published offsets."""
+        at = self._at_offset
+        if not at:
+            return
+        start, end = extent.offset, extent.offset + extent.size_bytes
+        if extent.size_bytes // ALIGN_BYTES <= len(at):
+            inside = [o for o in range(start, end, ALIGN_BYTES) if o in at]
+        else:
+            inside = [o for o in at if start <= o < end]
+        for offset in inside:
+            owner = self._owner[at[offset]]
+            assert owner is not None
+            self.unpublish(owner)
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def close(self) -> None:
+        self._words.release()
+        self._map.close()
+        os.close(self._fd)
+
+
+class Directories:
+    """Every tenant's directory, kept in step with the catalog (`changed`, its change
+    hook: a block whose DRAM copy appears is published, one whose DRAM copy goes or that
+    is removed is unpublished) and with the arenas (each unpublishes an extent before
+    freeing it: the one place every free passes, so no path can free a published
+    extent). `lookup` finds a block's entry (set once the residency exists)."""
+
+    def __init__(self, arenas: Mapping[str, Arena], enabled: bool) -> None:
+        self._by_tenant: dict[str, Directory] = {}
+        self.lookup: Callable[[BlockId], Entry | None] = lambda _: None
+        if not enabled:
+            return
+        for tenant, arena in arenas.items():
+            directory = self._by_tenant[tenant] = Directory(entries_for(arena.capacity_bytes))
+            arena.before_free = directory.unpublish_extent
+
+    def fd(self, tenant: str) -> int | None:
+        """The memfd of `tenant`'s directory, for its sessions only; None when off."""
+        directory = self._by_tenant.get(tenant)
+        return directory.fd if directory is not None else None
+
+    def of(self, tenant: str) -> Directory | None:
+        return self._by_tenant.get(tenant)
+
+    def changed(self, block_id: BlockId, tiers: list[TierName]) -> None:
+        directory = self._by_tenant.get(tenant_of(block_id[0]))
+        if directory is None:
+            return
+        entry = self.lookup(block_id) if TierName.DRAM in tiers else None
+        extent = entry.dram_extent if entry is not None else None
+        if entry is None or extent is None:
+            directory.unpublish(block_id)
+            return
+        directory.publish(
+            block_id, extent.offset, entry.size_bytes, entry.xxh3_64, entry.generation
+        )
+
+    def close(self) -> None:
+        for directory in self._by_tenant.values():
+            directory.close()
+        self._by_tenant.clear()

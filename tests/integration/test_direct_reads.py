@@ -1,0 +1,222 @@
+"""Direct reads (docs/design.md): gets copied through the tenant's directory without a
+round trip, against a real daemon whose blocks other processes overwrite, delete and
+evict meanwhile: never wrong bytes, and nothing of another tenant's."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import kvtier
+from kvtier.client.zerocopy import DIRECT_READS, HITS_BATCH, DirectoryReader
+from kvtier.engine.directory import key_digest
+from kvtier.keys import hash_token
+from tests.conftest import DaemonProcess
+
+StartDaemon = Callable[..., DaemonProcess]
+NS = "llama3-8b/bf16-b16"
+BLOCK_BYTES = 1 << 20
+KEYS = 16  # 16 MiB of blocks through a 12 MiB arena: puts evict all the time
+WRITE_S = 6.0  # how long the writers overwrite, delete and evict
+STAMP = struct.Struct("<IIQ")  # key, writer, generation: repeated over the whole block
+
+pytestmark = pytest.mark.skipif(not DIRECT_READS, reason="direct reads need x86-64 (TSO)")
+
+WRITER = textwrap.dedent(
+    """
+    import struct, sys, time, kvtier
+    target, ns, writer, keys, size = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+    stamp, end_s = struct.Struct("<IIQ"), time.monotonic() + float(sys.argv[6])
+    with kvtier.Client(target) as c:
+        gen = 0
+        while time.monotonic() < end_s:
+            for k in range(writer, keys, 2):
+                gen += 1
+                if gen % 7 == 0:
+                    c.delete(ns, f"key{k}")
+                    continue
+                block = stamp.pack(k, writer, gen) * (size // 16)
+                c.put_from(ns, f"key{k}", block, overwrite=True)
+    """
+)
+
+
+def check_block(key_index: int, data: memoryview) -> None:
+    """A block is one stamp repeated, naming its own key: a torn or misplaced copy is not."""
+    stamp = bytes(data[: STAMP.size])
+    k, _, _ = STAMP.unpack(stamp)
+    assert k == key_index, f"key{key_index} returned key{k}'s block"
+    assert data == stamp * (data.nbytes // STAMP.size), f"key{key_index}: a torn block"
+
+
+def counting(reader: DirectoryReader) -> dict[str, int]:
+    counts = {"direct": 0, "fallback": 0}
+    read_into = reader.read_into
+
+    def wrapped(*args: object, **kwargs: object) -> int | None:
+        got = read_into(*args, **kwargs)  # type: ignore[arg-type]
+        counts["direct" if got is not None else "fallback"] += 1
+        return got
+
+    reader.read_into = wrapped  # type: ignore[method-assign]
+    return counts
+
+
+def test_reads_never_return_wrong_bytes_while_blocks_change(start_daemon: StartDaemon) -> None:
+    daemon = start_daemon(dram="12MiB", nvme="256MiB")
+    writers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                WRITER,
+                daemon.target,
+                NS,
+                str(w),
+                str(KEYS),
+                str(BLOCK_BYTES),
+                "6",
+            ],
+            env=dict(os.environ),
+        )
+        for w in range(2)
+    ]
+    buf = bytearray(BLOCK_BYTES)
+    view = memoryview(buf)
+    checked = 0
+    with kvtier.Client(daemon.target) as client:
+        client.put_from(NS, "warm", b"x")  # attach the session
+        arena = client._shared_arena()
+        assert arena is not None and arena.directory is not None
+        counts = counting(arena.directory)
+        deadline_s = time.monotonic() + WRITE_S + 60
+        i = 0
+        while any(w.poll() is None for w in writers) and time.monotonic() < deadline_s:
+            k = i % KEYS
+            i += 1
+            got = client.get_into(NS, f"key{k}", buf)
+            if got is not None:
+                assert got == BLOCK_BYTES
+                check_block(k, view)
+                checked += 1
+        for w in writers:
+            assert w.wait(60) == 0
+        # Still right once the writers stopped, read by a fresh session too.
+        for k in range(KEYS):
+            if client.get_into(NS, f"key{k}", buf) is not None:
+                check_block(k, view)
+    assert checked > 500, (checked, counts)
+    # The directory served many reads, and some fell back (changed or gone).
+    assert counts["direct"] > 200, counts
+    assert counts["fallback"] > 0, counts
+
+
+def test_hits_reach_the_daemon_and_off_switches_work(start_daemon: StartDaemon) -> None:
+    daemon = start_daemon(dram="32MiB")
+    data = os.urandom(256 << 10)
+    buf = bytearray(len(data))
+    with kvtier.Client(daemon.target) as client:
+        client.put_from(NS, "k", data)
+        arena = client._shared_arena()
+        assert arena is not None and arena.directory is not None
+        counts = counting(arena.directory)
+        before = client.stats().hits
+        for _ in range(HITS_BATCH):
+            assert client.get_into(NS, "k", buf) == len(data) and buf == data
+        assert counts == {"direct": HITS_BATCH, "fallback": 0}
+        # Sent with the last of them (no reply awaited): the daemon counts them as hits.
+        deadline_s = time.monotonic() + 10
+        while client.stats().hits < before + HITS_BATCH and time.monotonic() < deadline_s:
+            time.sleep(0.01)
+        assert client.stats().hits == before + HITS_BATCH
+    # The client's switch: every get acquires.
+    with kvtier.Client(daemon.target, direct_reads=False) as client:
+        before = client.stats().hits
+        assert client.get_into(NS, "k", buf) == len(data) and buf == data
+        arena = client._shared_arena()
+        assert arena is not None and arena.directory is not None
+        assert not arena.directory.enabled
+        assert client.stats().hits == before + 1  # counted at once: it was an Acquire
+
+
+def test_the_daemon_switch_sends_no_directory(start_daemon: StartDaemon, workdir: Path) -> None:
+    config = workdir / "kvtier.toml"
+    config.write_text("[dram]\ndirect_reads = false\n")
+    daemon = start_daemon(dram="32MiB", extra=["--config", str(config)])
+    with kvtier.Client(daemon.target) as client:
+        client.put_from(NS, "k", b"v" * 5000)
+        arena = client._shared_arena()
+        assert arena is not None and arena.directory is None
+        buf = bytearray(5000)
+        assert client.get_into(NS, "k", buf) == 5000 and buf == b"v" * 5000
+
+
+TOKENS = {"a": "token-of-tenant-a", "b": "token-of-tenant-b"}
+
+
+def test_a_tenant_gets_only_its_own_directory(start_daemon: StartDaemon, workdir: Path) -> None:
+    config = workdir / "kvtier.toml"
+    config.write_text(
+        "[auth.tokens]\n"
+        + "".join(f'"{hash_token(tok)}" = "{tenant}"\n' for tenant, tok in TOKENS.items())
+        + '[tenants.a]\ndram_capacity_bytes = "16MiB"\n'
+        + '[tenants.b]\ndram_capacity_bytes = "8MiB"\n'
+    )
+    daemon = start_daemon(dram="32MiB", nvme="256MiB", extra=["--config", str(config)])
+    secret = b"SECRET-OF-A" * 1000
+    with (
+        kvtier.Client(daemon.target, token=TOKENS["a"]) as a,
+        kvtier.Client(daemon.target, token=TOKENS["b"]) as b,
+    ):
+        a.put_from(NS, "k", secret)
+        b.put_from(NS, "own", b"b's bytes")
+        arena_a, arena_b = a._shared_arena(), b._shared_arena()
+        assert arena_a is not None and arena_b is not None
+        dir_a, dir_b = arena_a.directory, arena_b.directory
+        assert dir_a is not None and dir_b is not None
+        # b's mapping is b's directory: a's block is not in it, b's own is.
+        words_a, words_b = bytes(dir_a._map), bytes(dir_b._map)
+        low, high = key_digest(NS.encode(), b"k")
+        digest = struct.pack("<QQ", low, high)
+        assert digest in words_a and digest not in words_b
+        assert struct.pack("<QQ", *key_digest(NS.encode(), b"own")) in words_b
+        # b's get of the same name misses (directory and Acquire both), a's hits directly.
+        counts_b = counting(dir_b)
+        assert b.get_into(NS, "k", bytearray(len(secret))) is None
+        assert counts_b == {"direct": 0, "fallback": 1}
+        counts_a = counting(dir_a)
+        out = bytearray(len(secret))
+        assert a.get_into(NS, "k", out) == len(secret) and out == secret
+        assert counts_a == {"direct": 1, "fallback": 0}
+
+
+async def test_the_async_client_reads_directly_and_reports(start_daemon: StartDaemon) -> None:
+    daemon = start_daemon(dram="32MiB")
+    blocks = {f"b{i}": os.urandom(100_000 + i) for i in range(HITS_BATCH)}
+    async with kvtier.AsyncClient(daemon.target) as client:
+        assert await client.put_many(NS, list(blocks.items())) == [True] * len(blocks)
+        arena = await client._shared_arena()
+        assert arena is not None and arena.directory is not None
+        counts = counting(arena.directory)
+        before = (await client.stats()).hits
+        sinks = [bytearray(200_000) for _ in blocks]
+        # One get_many: every block read directly, the last key a miss (acquired).
+        sizes = await client.get_many(NS, [*blocks, "missing"], [*sinks, bytearray(1)])
+        assert sizes == [len(v) for v in blocks.values()] + [None]
+        assert all(s[: len(v)] == v for s, v in zip(sinks, blocks.values(), strict=True))
+        assert counts == {"direct": len(blocks), "fallback": 1}
+        # The miss's Acquire went after the report, on the same socket.
+        deadline_s = time.monotonic() + 10
+        while (await client.stats()).hits < before + len(blocks):
+            assert time.monotonic() < deadline_s, "the direct hits were not reported"
+            await asyncio.sleep(0.01)
+        assert (await client.stats()).hits == before + len(blocks)
