@@ -35,9 +35,9 @@ from typing import Any, TypeVar
 import xxhash
 from google.protobuf.message import Message
 
+from kvtier._directory import ENTRY_BYTES, ENTRY_WORDS, PROBE_SLOTS, key_digest
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import HEADER, Op, frame
-from kvtier.engine.directory import ENTRY_BYTES, ENTRY_WORDS, PROBE_SLOTS, key_digest
 from kvtier.errors import InvalidArgument, Unavailable, from_status_value
 
 M = TypeVar("M", bound=Message)

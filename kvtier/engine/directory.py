@@ -36,8 +36,7 @@ import struct
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-import xxhash
-
+from kvtier._directory import ENTRY_BYTES, ENTRY_WORDS, PROBE_SLOTS, key_digest
 from kvtier.keys import tenant_of
 from kvtier.tiers.dram import ALIGN_BYTES, ARENA_SEALS
 from kvtier.types import BlockId, Extent, TierName
@@ -46,9 +45,6 @@ if TYPE_CHECKING:
     from kvtier.engine.dram import Arena
     from kvtier.index.catalog import Entry
 
-ENTRY_WORDS = 8
-ENTRY_BYTES = 8 * ENTRY_WORDS  # one cache line: entries never share one
-PROBE_SLOTS = 8
 # Sized from the arena: an entry for every DIRECTORY_BLOCK_BYTES of it, twice over (the
 # table at most half full for blocks of that size or larger), a power of two within the
 # bounds. 64 KiB is a small KV block (16 tokens of a 1B model); smaller blocks beyond the
@@ -57,18 +53,6 @@ DIRECTORY_BLOCK_BYTES = 64 << 10
 MIN_ENTRIES = 1024
 MAX_ENTRIES = 1 << 22  # 256 MiB of table at most
 _FIELDS = struct.Struct("<6Q")  # digest_lo .. generation
-_MASK_64 = (1 << 64) - 1
-
-
-def key_encoding(namespace: bytes, key: bytes) -> bytes:
-    """An unambiguous byte string for (namespace, key): length-prefixed namespace, key."""
-    return len(namespace).to_bytes(4, "little") + namespace + key
-
-
-def key_digest(namespace: bytes, key: bytes) -> tuple[int, int]:
-    """(low, high) 64-bit halves of the xxh3-128 of (namespace, key)."""
-    digest = xxhash.xxh3_128_intdigest(key_encoding(namespace, key))
-    return digest & _MASK_64, digest >> 64
 
 
 def entries_for(arena_bytes: int) -> int:

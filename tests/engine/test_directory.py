@@ -12,17 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier._directory import PROBE_SLOTS, key_digest, key_encoding
 from kvtier.client.zerocopy import DirectoryReader
 from kvtier.config import Config
-from kvtier.engine.directory import (
-    MAX_ENTRIES,
-    MIN_ENTRIES,
-    PROBE_SLOTS,
-    Directory,
-    entries_for,
-    key_digest,
-    key_encoding,
-)
+from kvtier.engine.directory import MAX_ENTRIES, MIN_ENTRIES, Directory, entries_for
 from kvtier.engine.store import Store
 from kvtier.types import Extent
 from tests.conftest import block_bytes

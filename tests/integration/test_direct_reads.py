@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import kvtier
+from kvtier._directory import key_digest
 from kvtier.client.zerocopy import DIRECT_READS, HITS_BATCH, DirectoryReader
-from kvtier.engine.directory import key_digest
 from kvtier.keys import hash_token
 from tests.conftest import DaemonProcess
 
