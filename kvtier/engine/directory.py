@@ -33,7 +33,7 @@ import fcntl
 import mmap
 import os
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from kvtier._directory import ENTRY_BYTES, ENTRY_WORDS, PROBE_SLOTS, key_digest
@@ -175,9 +175,12 @@ class Directories:
     freeing it: the one place every free passes, so no path can free a published
     extent). `lookup` finds a block's entry (set once the residency exists)."""
 
-    def __init__(self, arenas: Mapping[str, Arena], enabled: bool) -> None:
+    def __init__(self, arenas: Mapping[str, Arena], enabled: bool, max_key_bytes: int) -> None:
         self._by_tenant: dict[str, Directory] = {}
         self.lookup: Callable[[BlockId], Entry | None] = lambda _: None
+        # A direct read asks the daemon nothing, so no request check sees its key: a
+        # block whose key the limits refuse (lowered by a reload) is never published.
+        self.max_key_bytes = max_key_bytes
         if not enabled:
             return
         for tenant, arena in arenas.items():
@@ -196,7 +199,8 @@ class Directories:
         directory = self._by_tenant.get(tenant_of(block_id[0]))
         if directory is None:
             return
-        entry = self.lookup(block_id) if TierName.DRAM in tiers else None
+        readable = TierName.DRAM in tiers and len(block_id[1]) <= self.max_key_bytes
+        entry = self.lookup(block_id) if readable else None
         extent = entry.dram_extent if entry is not None else None
         if entry is None or extent is None:
             directory.unpublish(block_id)
@@ -204,6 +208,22 @@ class Directories:
         directory.publish(
             block_id, extent.offset, entry.size_bytes, entry.xxh3_64, entry.generation
         )
+
+    def limit_keys(self, max_key_bytes: int, blocks: Iterable[BlockId]) -> int:
+        """A reload's new `limits.max_key_bytes`: unpublish the `blocks` (those in DRAM)
+        whose keys it now refuses, so that their gets take the Acquire path and its
+        InvalidArgument, as every other request of such a key does. How many."""
+        self.max_key_bytes = max_key_bytes
+        if not self._by_tenant:
+            return 0
+        withdrawn = 0
+        for block_id in blocks:
+            if len(block_id[1]) > max_key_bytes:
+                directory = self._by_tenant.get(tenant_of(block_id[0]))
+                if directory is not None:
+                    directory.unpublish(block_id)
+                    withdrawn += 1
+        return withdrawn
 
     def close(self) -> None:
         for directory in self._by_tenant.values():

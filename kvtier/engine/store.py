@@ -115,7 +115,9 @@ class Store:
         self.recovery: NvmeRecovery | None = None
         self.space = DramSpace(cfg)
         # Direct reads: each tenant's DRAM blocks, published for its clients to read.
-        self.directories = Directories(self.space.hooked, cfg.dram.direct_reads)
+        self.directories = Directories(
+            self.space.hooked, cfg.dram.direct_reads, cfg.limits.max_key_bytes
+        )
         self.io = IoPool(cfg.nvme.io_threads)
         self.nvme: NvmeDriver | None = (
             NvmeDriver(cfg.nvme, self.io, self.tasks.spawn, self.take_generation)
@@ -292,6 +294,10 @@ class Store:
             update={"limits": config.limits, "planner": config.planner, "policy": config.policy}
         )
         self.space.reconfigure(self.config)
+        if config.limits.max_key_bytes != self.directories.max_key_bytes:
+            catalog = self.residency.catalog
+            dram_blocks = (catalog.block_id_of(slot) for slot in catalog.dram_slots())
+            self.directories.limit_keys(config.limits.max_key_bytes, dram_blocks)
         self.leases.max_per_session = self.config.limits.max_leases_per_session
         self.leases.ttl_s = self.config.limits.lease_ttl_s
         self.costs.default_model = self.config.planner.default_model

@@ -244,3 +244,37 @@ def test_freeing_a_coalesced_run_unpublishes_every_block_in_it(published: int) -
         assert left == {f"k{i}".encode() for i in range(published) if i not in (1, 2)}
     finally:
         directory.close()
+
+
+async def test_a_reload_that_lowers_the_key_limit_withdraws_longer_keys(tmp_path: Path) -> None:
+    """A direct read asks the daemon nothing: once a reload lowers limits.max_key_bytes,
+    a key it refuses must leave the directory (its gets then acquire, and are refused
+    as every request of that key is), and is not published again by a later put."""
+    config = make_config(tmp_path, 4 << 20, 64 << 20)
+    store = Store(config)
+    await store.start()
+    fd = store.directories.fd("default")
+    assert fd is not None
+    reader = reader_of(fd)
+    arena = store.arena("default").whole
+    long_key, short_key = b"L" * 40, b"s" * 8
+    try:
+        for key in (long_key, short_key):
+            await put(store, key, block_bytes(len(key), 4096))
+
+        def readable(key: bytes) -> bool:
+            out = bytearray(4096)
+            return reader.read_into("m/l", key, arena, [memoryview(out)], verify=False) == 4096
+
+        assert readable(long_key) and readable(short_key)
+        lowered = config.model_copy(
+            update={"limits": config.limits.model_copy(update={"max_key_bytes": 32})}
+        )
+        store.reconfigure(lowered)
+        assert not readable(long_key)
+        assert readable(short_key)
+        await put(store, long_key, block_bytes(7, 4096), overwrite=True)  # not via a request
+        assert not readable(long_key)
+    finally:
+        reader.close()
+        await store.close()
