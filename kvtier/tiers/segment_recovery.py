@@ -57,6 +57,11 @@ from kvtier.tiers.startup import (
 )
 
 logger = logging.getLogger(__name__)
+# One footer decoded at a time: decoding is Python and numpy holding the GIL, and eight
+# loader threads queued for it kept the event loop waiting ~100-280 ms at a time at 1 M
+# records (with one decoder, the loop waits a switch interval at most). Reading the
+# segment headers and scanning unsealed segments stay on every loader thread.
+_DECODING = threading.Lock()
 
 
 @dataclass(slots=True)
@@ -420,7 +425,8 @@ class SegmentRecovery(SegmentCore):
             except CorruptRecord as err:
                 return seg, None, str(err)
             seg.size_bytes = min(seg.size_bytes, size_bytes)
-            cols = read_footer_columns(fd, seg.seg_id, seg.size_bytes)
+            with _DECODING:
+                cols = read_footer_columns(fd, seg.seg_id, seg.size_bytes)
             if cols is not None:
                 return seg, cols, ""
             scan = scan_records(fd, seg.size_bytes)
