@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from kvtier._malloc import trim_heap
+from kvtier._malloc import trim_heap, trimming_as_freed
 from kvtier.engine.blocks import record_header, record_location
 from kvtier.engine.calibrate import CALIBRATION_NS_ID
 from kvtier.engine.nvme import NvmeDriver
@@ -217,30 +217,33 @@ class NvmeRecovery:
             finally:
                 loop.call_soon_threadsafe(fans.put_nowait, None)
 
-        started_s = time.perf_counter()
-        self._scan = self._executor.submit(scan)
-        try:
-            while (fan_scan := await fans.get()) is not None:
-                await self._add_fan(fan_scan)
-                del fan_scan  # its records may go before the next fan is made
-                if self._window is not None:
-                    self._window.release()
-            report = await asyncio.wrap_future(self._scan)
-            if report.complete:
-                self._pending_fans.clear()  # a fan with no directory holds nothing
-                await self._finish(report, started_s)
-        except OSError as err:
-            logger.error(
-                "NVMe index recovery failed (%s) after %d records: the blocks not yet "
-                "indexed stay misses until a restart",
-                err.strerror or err,
-                self.indexed,
-            )
-        finally:
-            self._stopping.set()  # a scan waiting to hand a fan over gives up
-            self.running = False
-            self._done.set()
-            self._executor.shutdown(wait=False)
+        # The scan's arrays are made on its threads' arenas and freed as it goes: handed
+        # back as they are freed (trimming_as_freed says why).
+        with trimming_as_freed():
+            started_s = time.perf_counter()
+            self._scan = self._executor.submit(scan)
+            try:
+                while (fan_scan := await fans.get()) is not None:
+                    await self._add_fan(fan_scan)
+                    del fan_scan  # its records may go before the next fan is made
+                    if self._window is not None:
+                        self._window.release()
+                report = await asyncio.wrap_future(self._scan)
+                if report.complete:
+                    self._pending_fans.clear()  # a fan with no directory holds nothing
+                    await self._finish(report, started_s)
+            except OSError as err:
+                logger.error(
+                    "NVMe index recovery failed (%s) after %d records: the blocks not yet "
+                    "indexed stay misses until a restart",
+                    err.strerror or err,
+                    self.indexed,
+                )
+            finally:
+                self._stopping.set()  # a scan waiting to hand a fan over gives up
+                self.running = False
+                self._done.set()
+                self._executor.shutdown(wait=False)
 
     # ---- adding ------------------------------------------------------------------------------
     async def _add_fan(self, fan_scan: FanScan | FanColumns) -> None:
