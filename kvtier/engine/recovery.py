@@ -55,7 +55,6 @@ SLICE_S = 0.002  # longest run of catalog additions between two yields to the ev
 # loop's stall while keeping the per-call overhead small.
 BULK_SLICE_S = 0.004
 _FIRST_CHUNK = 256
-_RECLAIM_AFTER_S = 0.5  # after a background recovery completes (see _run_in_background)
 _MAX_CHUNK = 1 << 16
 FANS = frozenset(f"{fan:02x}" for fan in range(256))
 # Fans differ in what they hold by chance (~5 % apart at 100 k small records): the bytes
@@ -111,7 +110,6 @@ class NvmeRecovery:
             threading.Semaphore(_FANS_AHEAD) if isinstance(driver.tier, SegmentTier) else None
         )
         self._stopping = threading.Event()
-        self._stopped = False  # stop() was called
         residency.nvme_unindexed_bytes = driver.capacity_bytes  # no room until a fan is in
 
     # ---- for the store's flows ---------------------------------------------------------
@@ -163,7 +161,6 @@ class NvmeRecovery:
             self._pending_fans.clear()
             self.max_generation = max(report.max_generation, report.max_tombstone_generation)
             await self._finish(report, started_s)
-            self._driver.owner_ready()  # before serving: nothing to announce first
         finally:
             self.running = False
             self._done.set()
@@ -171,7 +168,6 @@ class NvmeRecovery:
 
     async def stop(self) -> None:
         """End the scan (within a few files) and stop adding; idempotent."""
-        self._stopped = True
         self._stopping.set()
         self._driver.tier.stop_recovery()
         if self._task is not None:
@@ -248,17 +244,6 @@ class NvmeRecovery:
                 self.running = False
                 self._done.set()
                 self._executor.shutdown(wait=False)
-        if self.complete and not self._stopped:
-            # Reclaim may now ask the catalog (it holds every record found), but only once
-            # the daemon has said so (health SERVING and its "index recovered" line, after
-            # `wait()` returns): a reclaim of this run starting at once could come first
-            # (the fault tests kill the daemon at a relocation and wait for that line; the
-            # bulk add left nothing else to delay the reclaim, and it lost that race).
-            loop.call_later(_RECLAIM_AFTER_S, self._owner_ready_unless_stopped)
-
-    def _owner_ready_unless_stopped(self) -> None:
-        if not self._stopped:
-            self._driver.owner_ready()
 
     # ---- adding ------------------------------------------------------------------------------
     async def _add_fan(self, fan_scan: FanScan | FanColumns) -> None:
@@ -382,6 +367,9 @@ class NvmeRecovery:
             report.removed_temporary,
             "on" if tier.direct_io else "off",
         )
+        # Last: reclaim may now ask the catalog (it holds every record found), and the line
+        # above is out before any reclaim of this run (the fault tests wait for it).
+        self._driver.owner_ready()
 
 
 class _CatalogOwner:
