@@ -344,6 +344,18 @@ def fill_and_restart(args: argparse.Namespace, root: Path, run_dir: Path) -> dic
                 "rss_anon_bytes": restarted,
                 "rss_anon_per_block_bytes": round((restarted - empty) / n),
             }
+            # And once the whole index is in (the recovery's heap trimmed after): what a
+            # restarted daemon holds from then on.
+            while client.stats().tiers["nvme"].recovering:
+                time.sleep(0.05)
+            out["restart"]["index_complete_s"] = round(time.perf_counter() - daemon.started_s, 2)
+            time.sleep(2.0)  # the trim runs on the recovery's thread after `complete`
+            complete = rss_anon_bytes(daemon.pid)
+            out["restart"]["rss_anon_complete_bytes"] = complete
+            out["restart"]["rss_anon_complete_per_block_bytes"] = round((complete - empty) / n)
+            out["restart"]["stall_max_complete_ms"] = round(
+                client.stats().event_loop_stall_max_s * 1e3, 1
+            )
             out["readback"] = read_back(client, sample, size)
             out["latency"] = chain_latency(client, keys, rng)
         daemon.stop()
@@ -608,6 +620,13 @@ def print_report(result: dict[str, Any]) -> None:
             (
                 "RssAnon per block, restart",
                 f"{r['rss_anon_per_block_bytes']} B (raw {human_size(r['rss_anon_bytes'])})",
+            ),
+            ("restart: whole index in", f"{r['index_complete_s']} s"),
+            ("longest loop stall, restart to index in", f"{r['stall_max_complete_ms']} ms"),
+            (
+                "RssAnon per block, index in (+2 s)",
+                f"{r['rss_anon_complete_per_block_bytes']} B "
+                f"(raw {human_size(r['rss_anon_complete_bytes'])})",
             ),
         ]
         b = result["readback"]

@@ -27,10 +27,12 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kvtier._malloc import trim_heap
+import numpy as np
+
+from kvtier._malloc import trim_heap, trimming_as_freed
 from kvtier.engine.blocks import record_header, record_location
 from kvtier.engine.calibrate import CALIBRATION_NS_ID
 from kvtier.engine.nvme import NvmeDriver
@@ -40,6 +42,7 @@ from kvtier.index.catalog import Entry
 from kvtier.sizes import human_size
 from kvtier.tiers.nvme import fan_of
 from kvtier.tiers.record import RecordHeader
+from kvtier.tiers.segment_recovery import FanColumns
 from kvtier.tiers.segments import SegmentTier
 from kvtier.tiers.startup import FanScan, RecoveredRecord, RecoveryReport
 from kvtier.types import BlockId
@@ -47,6 +50,12 @@ from kvtier.types import BlockId
 logger = logging.getLogger(__name__)
 
 SLICE_S = 0.002  # longest run of catalog additions between two yields to the event loop
+# The segment layout's fans go in as columns, in chunks sized (from the time the last one
+# took) to about this much loop time each: a chunk is one bulk call, so this bounds the
+# loop's stall while keeping the per-call overhead small.
+BULK_SLICE_S = 0.004
+_FIRST_CHUNK = 256
+_MAX_CHUNK = 1 << 16
 FANS = frozenset(f"{fan:02x}" for fan in range(256))
 # Fans differ in what they hold by chance (~5 % apart at 100 k small records): the bytes
 # not yet added are estimated as the mean of the fans added so far times those left, plus
@@ -82,6 +91,8 @@ class NvmeRecovery:
         self._first_generation = first_generation
         self._pending_fans = set(FANS)  # not yet (entirely) in the catalog
         self._touched: dict[BlockId, asyncio.Task[None]] = {}
+        self._touched_by_fan: dict[str, set[BlockId]] = {}  # the same blocks, by fan
+        self._chunk = _FIRST_CHUNK  # rows per bulk add (adapted to BULK_SLICE_S)
         self._fans_added = 0
         self._records_added = 0  # found in the added fans (before any was dropped)
         self._bytes_added = 0  # record bytes found in the fans added (before any was dropped)
@@ -117,6 +128,7 @@ class NvmeRecovery:
                 self._driver.tombstone(block_id, self._first_generation - 1)
             )
             self._touched[block_id] = task
+            self._touched_by_fan.setdefault(fan_of(*block_id), set()).add(block_id)
         await asyncio.shield(task)
 
     async def wait(self) -> None:
@@ -169,64 +181,92 @@ class NvmeRecovery:
 
     async def _run_in_background(self) -> None:
         loop = asyncio.get_running_loop()
-        fans: asyncio.Queue[FanScan | None] = asyncio.Queue()
 
-        def on_fan(fan_scan: FanScan) -> None:  # on the scan's thread, not the loop
+        fans: asyncio.Queue[FanScan | FanColumns | None] = asyncio.Queue()
+
+        def wait_window() -> bool:
             if self._window is not None:
                 while not self._window.acquire(timeout=_FAN_WAIT_POLL_S):
                     if self._stopping.is_set():
-                        return  # nobody adds it any more
-            fan_scan.records.sort(key=lambda r: r.header.generation)
-            loop.call_soon_threadsafe(fans.put_nowait, fan_scan)
+                        return False  # nobody adds it any more
+            return True
+
+        def on_fan(fan_scan: FanScan) -> None:  # on the scan's thread, not the loop
+            if wait_window():
+                fan_scan.records.sort(key=lambda r: r.header.generation)
+                loop.call_soon_threadsafe(fans.put_nowait, fan_scan)
+
+        def on_columns(fan_cols: FanColumns) -> None:  # on the scan's thread, oldest first
+            if wait_window():
+                loop.call_soon_threadsafe(fans.put_nowait, fan_cols)
+
+        tier = self._driver.tier
+        recover: Callable[[], RecoveryReport]
+        if isinstance(tier, SegmentTier):
+
+            def recover() -> RecoveryReport:
+                return tier.recover_columns(on_columns)
+        else:
+
+            def recover() -> RecoveryReport:
+                return tier.recover(on_fan)
 
         def scan() -> RecoveryReport:
             try:
-                return self._driver.tier.recover(on_fan)
+                return recover()
             finally:
                 loop.call_soon_threadsafe(fans.put_nowait, None)
 
-        started_s = time.perf_counter()
-        self._scan = self._executor.submit(scan)
-        try:
-            while (fan_scan := await fans.get()) is not None:
-                await self._add_fan(fan_scan)
-                del fan_scan  # its records may go before the next fan is made
-                if self._window is not None:
-                    self._window.release()
-            report = await asyncio.wrap_future(self._scan)
-            if report.complete:
-                self._pending_fans.clear()  # a fan with no directory holds nothing
-                await self._finish(report, started_s)
-        except OSError as err:
-            logger.error(
-                "NVMe index recovery failed (%s) after %d records: the blocks not yet "
-                "indexed stay misses until a restart",
-                err.strerror or err,
-                self.indexed,
-            )
-        finally:
-            self._stopping.set()  # a scan waiting to hand a fan over gives up
-            self.running = False
-            self._done.set()
-            self._executor.shutdown(wait=False)
+        # The scan's arrays are made on its threads' arenas and freed as it goes: handed
+        # back as they are freed (trimming_as_freed says why).
+        with trimming_as_freed():
+            started_s = time.perf_counter()
+            self._scan = self._executor.submit(scan)
+            try:
+                while (fan_scan := await fans.get()) is not None:
+                    await self._add_fan(fan_scan)
+                    del fan_scan  # its records may go before the next fan is made
+                    if self._window is not None:
+                        self._window.release()
+                report = await asyncio.wrap_future(self._scan)
+                if report.complete:
+                    self._pending_fans.clear()  # a fan with no directory holds nothing
+                    await self._finish(report, started_s)
+            except OSError as err:
+                logger.error(
+                    "NVMe index recovery failed (%s) after %d records: the blocks not yet "
+                    "indexed stay misses until a restart",
+                    err.strerror or err,
+                    self.indexed,
+                )
+            finally:
+                self._stopping.set()  # a scan waiting to hand a fan over gives up
+                self.running = False
+                self._done.set()
+                self._executor.shutdown(wait=False)
 
     # ---- adding ------------------------------------------------------------------------------
-    async def _add_fan(self, fan_scan: FanScan) -> None:
+    async def _add_fan(self, fan_scan: FanScan | FanColumns) -> None:
         """A fan's records (oldest first), in slices between yields to the loop."""
-        records = fan_scan.records
-        done = 0
-        while done < len(records):
-            deadline_s = time.perf_counter() + SLICE_S
+        if isinstance(fan_scan, FanColumns):
+            await self._add_fan_columns(fan_scan)
+            count = len(fan_scan)
+        else:
+            records = fan_scan.records
+            count = len(records)
+            done = 0
             while done < len(records):
-                self._add(records[done])
-                done += 1
-                if not done % 32 and time.perf_counter() >= deadline_s:
-                    break
-            await asyncio.sleep(0)
-        _out_of_the_collectors_way()
+                deadline_s = time.perf_counter() + SLICE_S
+                while done < len(records):
+                    self._add(records[done])
+                    done += 1
+                    if not done % 32 and time.perf_counter() >= deadline_s:
+                        break
+                await asyncio.sleep(0)
+            _out_of_the_collectors_way()
         self._pending_fans.discard(fan_scan.fan)
         self._fans_added += 1
-        self._records_added += len(records)
+        self._records_added += count
         if (
             self._records_added >= _ESTIMATE_AFTER_RECORDS
             or self._fans_added >= _ESTIMATE_AFTER_FANS
@@ -255,9 +295,52 @@ class NvmeRecovery:
         )
         self.indexed += 1
 
+    async def _add_fan_columns(self, fan: FanColumns) -> None:
+        """A fan in columns, in chunks of about BULK_SLICE_S between yields."""
+        done = 0
+        while done < len(fan):
+            upto = min(done + self._chunk, len(fan))
+            started_s = time.perf_counter()
+            self._add_rows(fan, done, upto)
+            took_s = time.perf_counter() - started_s
+            # The next chunk sized from this one's rate (halved at most, doubled at most).
+            rate = (upto - done) / max(took_s, 1e-6)
+            self._chunk = int(min(max(rate * BULK_SLICE_S, self._chunk / 2, 16), _MAX_CHUNK))
+            self._chunk = min(self._chunk, 2 * (upto - done))
+            done = upto
+            await asyncio.sleep(0)
+
+    def _add_rows(self, fan: FanColumns, lo: int, hi: int) -> None:
+        """`_add` of rows [lo, hi) of a fan, in one bulk call for those the catalog takes."""
+        cols = fan.columns.take(slice(lo, hi))
+        self.max_generation = max(self.max_generation, int(cols.generation.max()))
+        self._bytes_added += int(cols.record_bytes.sum())
+        drop = np.zeros(len(cols), dtype=bool)
+        if CALIBRATION_NS_ID in cols.ns_names:  # a crash during the last calibration
+            drop |= cols.ns == cols.ns_names.index(CALIBRATION_NS_ID)
+        touched = self._touched_by_fan.get(fan.fan)
+        if touched:
+            if cols.digest is None:
+                maybe = np.arange(len(cols))
+            else:
+                digest = self._residency.catalog.digest
+                near = np.array([digest(b) for b in touched], dtype=np.uint64)
+                maybe = np.nonzero(np.isin(cols.digest, near))[0]
+            for i in maybe.tolist():
+                if cols.block_id(i) in touched:
+                    drop[i] = True
+        keep = np.nonzero(~drop)[0]
+        slots = self._residency.add_recovered_many(cols.take(keep))
+        refused = np.concatenate([np.nonzero(drop)[0], keep[slots < 0]])  # held already
+        for i in refused.tolist():
+            self._driver.schedule_removal(fan.header(lo + i), int(cols.location[i]))
+        self.dropped += len(refused)
+        self.indexed += len(keep) - int(np.count_nonzero(slots < 0))
+
     async def _finish(self, report: RecoveryReport, started_s: float) -> None:
         """Every fan is in: room made, the old tombstone logs removed, the totals logged."""
         self._touched.clear()
+        self._touched_by_fan.clear()
         self._residency.nvme_unindexed_bytes = 0
         self._counters.checksum_failures += report.dropped_corrupt
         dropped: list[Entry] = self._residency.make_nvme_room(0)[1]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.engine.results import Counters
-from kvtier.index.catalog import Catalog, Entry
+from kvtier.index.catalog import Catalog, Entry, RecordColumns
 from kvtier.index.packed_policy import PackedPolicies, SlotPolicy
 from kvtier.index.policy import AdmissionMode, BlockInfo, ValueModel
 from kvtier.index.slots import NO_SLOT, extend, headroom
@@ -349,6 +349,18 @@ class Residency:
             block_id, size_bytes, xxh3_64, generation, record_bytes, location
         )
         self._insert(self.nvme_order, slot)
+
+    def add_recovered_many(self, cols: RecordColumns) -> np.ndarray:
+        """`add_recovered` of each row in order, in bulk (Catalog.add_records, then the NVMe
+        order's insert_many); returns each row's slot, NO_SLOT for a block catalogued
+        already (not added)."""
+        slots = self.catalog.add_records(cols)
+        added = slots[slots >= 0]
+        if len(added):
+            self.nvme_order.insert_many(
+                added, self.catalog.sizes_of(added), self.catalog.digests_of(added)
+            )
+        return slots
 
     def records_held(self, headers: Sequence[RecordHeader], locations: Sequence[int]) -> list[bool]:
         """Which of these NVMe records the catalog still holds at those locations (the

@@ -62,6 +62,8 @@ from array import array
 from collections.abc import Callable
 from heapq import heappop, heappush
 
+import numpy as np
+
 from kvtier.index.packed_arc import PackedChainArc
 from kvtier.index.policy import (
     POLICIES,
@@ -116,6 +118,32 @@ class PackedLru(SlotPolicy):
         else:
             self._len += 1
         self._append(node)
+
+    def insert_many(self, slots: np.ndarray, sizes: np.ndarray, digests: np.ndarray) -> None:
+        """`insert` of each: new slots linked after the newest in one pass."""
+        nodes = slots.astype(np.int64) + 1
+        if not len(nodes):
+            return
+        top = int(nodes.max())
+        if top >= len(self._next):
+            count = headroom(len(self._next), top + 1) - len(self._next)
+            extend(self._prev, count, -1)
+            extend(self._next, count, -1)
+        nxt = np.frombuffer(self._next, dtype=np.int32)
+        if len(np.unique(nodes)) != len(nodes) or (nxt[nodes] >= 0).any():
+            del nxt
+            super().insert_many(slots, sizes, digests)  # some are here already: hits
+            return
+        prv = np.frombuffer(self._prev, dtype=np.int32)
+        last = int(prv[0])
+        nxt[last] = nodes[0]
+        prv[nodes[0]] = last
+        nxt[nodes[:-1]] = nodes[1:]
+        prv[nodes[1:]] = nodes[:-1]
+        nxt[nodes[-1]] = 0
+        prv[0] = nodes[-1]
+        self._len += len(nodes)
+        del nxt, prv
 
     def hit(self, slot: int) -> None:
         node = slot + 1
@@ -302,6 +330,17 @@ class DigestSketch:
             self._added = 0
             self._rows = [row.translate(_HALVE) for row in self._rows]  # C speed: ~0.1 ms
 
+    def count_many(self, digests: np.ndarray) -> np.ndarray:
+        """`count` of each digest (uint64 array in, int64 out)."""
+        mask = np.uint64(self._mask)
+        out: np.ndarray | None = None
+        for r, row in enumerate(self._rows):
+            values = np.frombuffer(row, dtype=np.uint8)
+            got = values[((digests >> np.uint64(16 * r)) & mask).astype(np.intp)]
+            out = got if out is None else np.minimum(out, got)
+        assert out is not None
+        return out.astype(np.int64)
+
     def count(self, digest: int) -> int:
         mask = self._mask
         r0, r1, r2, r3 = self._rows
@@ -342,8 +381,12 @@ class PackedValue(SlotPolicy):
         uses_of: Callable[[int], int],
         digest_of: Callable[[int], int] | None = None,
         shadow: bool = False,
+        sketch: DigestSketch | None = None,
     ) -> None:
         self._tier = tier
+        # The sketch `uses_of` counts in, by the digests `insert_many` is given (None:
+        # insert_many goes one by one).
+        self._sketch = sketch
         self._fallback = fallback
         self._model = model
         self._uses_of = uses_of  # the sketch's count for the slot's block
@@ -524,6 +567,89 @@ class PackedValue(SlotPolicy):
         else:
             self._push(slot)
         self._set(slot, prio[slot])
+
+    def insert_many(self, slots: np.ndarray, sizes: np.ndarray, digests: np.ndarray) -> None:
+        """`insert` of each (position 0, no parent) on arrays: the priorities computed
+        at once (one saving per distinct size, the sketch's counts of the digests), the
+        recency list linked in one pass, and the heap appended to as it stands when no
+        new item would sift up (else pushed one by one: the same heap either way)."""
+        n = len(slots)
+        if not n:
+            return
+        slots = slots.astype(np.int64)
+        top = int(slots.max())
+        if top >= len(self._where):
+            self._grow(top)
+        where = np.frombuffer(self._where, dtype=np.int32)
+        first = np.frombuffer(self._first, dtype=np.int32)
+        if (
+            self._shadow is not None
+            or self._sketch is None
+            or len(np.unique(slots)) != n
+            or (where[slots] != _ABSENT).any()
+            or (first[slots] >= 0).any()
+        ):
+            del where, first
+            super().insert_many(slots, sizes, digests)
+            return
+        del first
+        sizes = sizes.astype(np.int64)
+        uses = np.maximum(self._sketch.count_many(digests.astype(np.uint64)), 1)
+        distinct, inverse = np.unique(sizes, return_inverse=True)
+        saving = np.array(
+            [
+                self._model.saving_s(self._tier, self._fallback, BlockInfo(size, 0))
+                for size in distinct.tolist()
+            ],
+            dtype=np.float64,
+        )[inverse]
+        priority = self._inflation + uses * saving / np.maximum(sizes, 1)
+        prio = np.frombuffer(self._prio, dtype=np.float64)
+        seq = np.frombuffer(self._seq, dtype=np.int64)
+        pos = np.frombuffer(self._pos, dtype=np.int32)
+        prio[slots] = priority
+        seq[slots] = np.arange(self._tick + 1, self._tick + 1 + n, dtype=np.int64)
+        self._tick += n
+        pos[slots] = 0
+        np.frombuffer(self._size, dtype=np.uint32)[slots] = sizes
+        np.frombuffer(self._parent, dtype=np.int32)[slots] = NO_SLOT
+        # Recency: after the most recent, in order (_touch without a shadow).
+        nodes = slots + 1
+        rprev = np.frombuffer(self._rprev, dtype=np.int32)
+        rnext = np.frombuffer(self._rnext, dtype=np.int32)
+        last = int(rprev[0])
+        rnext[last] = nodes[0]
+        rprev[nodes[0]] = last
+        rnext[nodes[:-1]] = nodes[1:]
+        rprev[nodes[1:]] = nodes[:-1]
+        rnext[nodes[-1]] = 0
+        rprev[0] = nodes[-1]
+        self._len += n
+        # Would any new item sift up? Its parent in the heap as appended must come first
+        # by (priority, -position, seq); then pushing one by one moves nothing.
+        h0 = len(self._heap)
+        heap = np.frombuffer(self._heap, dtype=np.int32) if h0 else np.zeros(0, np.int32)
+        index = np.arange(h0, h0 + n, dtype=np.int64)
+        child = index > 0
+        up = (index[child] - 1) >> 1
+        mine = slots[child]
+        parent = np.empty(len(up), dtype=np.int64)
+        old = up < h0
+        parent[old] = heap[up[old]]
+        parent[~old] = slots[up[~old] - h0]
+        pp, pq, pn = prio[parent], pos[parent], seq[parent]
+        p, q, s = prio[mine], pos[mine], seq[mine]
+        before = (pp < p) | ((pp == p) & ((pq > q) | ((pq == q) & (pn < s))))
+        still = bool(before.all())
+        del heap, prio, seq, pos, rprev, rnext
+        if still:
+            self._heap.extend(array("i", slots.tolist()))
+            where[slots] = index
+            del where
+        else:
+            del where
+            for slot in slots.tolist():
+                self._push(slot)
 
     def hit(self, slot: int) -> None:
         if slot in self:
@@ -758,4 +884,5 @@ class PackedPolicies:
             return PackedS3Fifo(capacity_bytes, digest_of)
         if fallback is not None:
             return PackedChainArc(uses_of, digest_of)  # Policies.new_tier says why
-        return PackedValue(tier, fallback, self.model, uses_of, digest_of)
+        counted_in = self.sketch if uses_of == self.uses_of else None
+        return PackedValue(tier, fallback, self.model, uses_of, digest_of, sketch=counted_in)

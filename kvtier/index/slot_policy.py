@@ -6,6 +6,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
+import numpy as np
+
 from kvtier.index.slots import NO_SLOT
 
 __all__ = ["SlotPolicy"]
@@ -25,6 +27,13 @@ class SlotPolicy(ABC):
     def insert(
         self, slot: int, size_bytes: int, position: int = 0, parent: int = NO_SLOT
     ) -> None: ...
+
+    def insert_many(self, slots: np.ndarray, sizes: np.ndarray, digests: np.ndarray) -> None:
+        """`insert` of each slot in order, at position 0 with no parent (blocks recovered
+        from disk: nothing is known of their chains); `digests` are their key digests.
+        The same state after as the one-by-one calls; a policy may do it on arrays."""
+        for slot, size in zip(slots.tolist(), sizes.tolist(), strict=True):
+            self.insert(slot, size)
 
     @abstractmethod
     def hit(self, slot: int) -> None: ...

@@ -18,6 +18,7 @@ import xxhash
 
 from kvtier import failpoints
 from kvtier.errors import CorruptRecord
+from kvtier.index.catalog import RecordColumns
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.nvme import fan_of
 from kvtier.tiers.posix_io import supports_o_direct
@@ -31,6 +32,7 @@ from kvtier.tiers.segment_core import (
     SegmentCore,
 )
 from kvtier.tiers.segment_file import (
+    _PAGE_BITS,
     Segment,
     pack_location,
 )
@@ -55,6 +57,11 @@ from kvtier.tiers.startup import (
 )
 
 logger = logging.getLogger(__name__)
+# One footer decoded at a time: decoding is Python and numpy holding the GIL, and eight
+# loader threads queued for it kept the event loop waiting ~100-280 ms at a time at 1 M
+# records (with one decoder, the loop waits a switch interval at most). Reading the
+# segment headers and scanning unsealed segments stay on every loader thread.
+_DECODING = threading.Lock()
 
 
 @dataclass(slots=True)
@@ -65,6 +72,66 @@ class _Loaded:
     entries: list[tuple[int, RecordHeader]]
     sealed: bool
     why: str = ""  # why the segment could not be read at all ("" if it could)
+
+
+@dataclass(slots=True)
+class FanColumns:
+    """One fan's recovered records as columns (`recover_columns`), oldest generation
+    first (load order among equal ones): what the catalog takes in bulk, plus what a
+    record's header needs besides (to remove one the catalog does not take)."""
+
+    fan: str
+    columns: RecordColumns
+    header_bytes: np.ndarray  # uint64
+    codec: np.ndarray  # uint16
+
+    def __len__(self) -> int:
+        return len(self.columns)
+
+    def header(self, i: int) -> RecordHeader:
+        cols = self.columns
+        return RecordHeader(
+            cols.ns_names[int(cols.ns[i])],
+            cols.key(i),
+            int(cols.generation[i]),
+            int(cols.size_bytes[i]),
+            int(cols.xxh3_64[i]),
+            int(self.header_bytes[i]),
+            int(self.codec[i]),
+        )
+
+
+def fan_columns(scan: FanScan) -> FanColumns:
+    """A FanScan's records as columns, oldest generation first (a stable sort)."""
+    records = sorted(scan.records, key=lambda r: r.header.generation)
+    names: dict[str, int] = {}
+    ns = [names.setdefault(r.header.ns_id, len(names)) for r in records]
+    lens = np.array([len(r.header.key) for r in records], dtype=np.int64)
+    key_off = np.zeros(len(records), np.int64)
+    if len(records):
+        key_off[1:] = np.cumsum(lens)[:-1]
+
+    def col(values: list[int]) -> np.ndarray:
+        return np.array(values, dtype=np.uint64)
+
+    headers = [r.header for r in records]
+    return FanColumns(
+        scan.fan,
+        RecordColumns(
+            list(names),
+            np.array(ns, dtype=np.uint32),
+            b"".join(h.key for h in headers),
+            key_off,
+            lens,
+            col([h.payload_bytes for h in headers]),
+            col([h.xxh3_64 for h in headers]),
+            col([h.generation for h in headers]),
+            col([h.record_bytes for h in headers]),
+            col([r.location for r in records]),
+        ),
+        col([h.header_bytes for h in headers]),
+        np.array([h.codec for h in headers], dtype=np.uint16),
+    )
 
 
 class SegmentRecovery(SegmentCore):
@@ -130,6 +197,19 @@ class SegmentRecovery(SegmentCore):
         gc.disable()
         try:
             return self._recover_all(on_fan)
+        finally:
+            if collecting:
+                gc.enable()
+
+    def recover_columns(self, on_fan: Callable[[FanColumns], None]) -> RecoveryReport:
+        """`recover` for a tier with an owner, each fan handed out as columns (no object
+        per record: the catalog takes them in bulk, kvtier/engine/recovery.py)."""
+        if self._owner is None:
+            raise RuntimeError("recover_columns needs the tier's owner attached first")
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return self._recover_columns(lambda scan: on_fan(fan_columns(scan)), on_fan)
         finally:
             if collecting:
                 gc.enable()
@@ -200,7 +280,11 @@ class SegmentRecovery(SegmentCore):
                 on_fan(fans[fan])
         return report
 
-    def _recover_columns(self, on_fan: Callable[[FanScan], None] | None) -> RecoveryReport:
+    def _recover_columns(
+        self,
+        on_fan: Callable[[FanScan], None] | None,
+        on_columns: Callable[[FanColumns], None] | None = None,
+    ) -> RecoveryReport:
         """`_recover_all` for a tier with an owner, in columns: each segment's footer
         decoded into numpy arrays (segment_format.read_footer_columns), the newest record
         of each block chosen by one sort (digest, generation descending, load order), the
@@ -229,7 +313,7 @@ class SegmentRecovery(SegmentCore):
         chosen = _newest(parts, tombstones, report)
         if chosen is None:  # two keys with one digest: the per-record path tells them apart
             return self._recover_records(tombstones, parts, report, on_fan)
-        rows_of, self._carry = chosen
+        rows_of, self._carry, digests_of = chosen
         fan_parts: list[np.ndarray] = []
         with self._mu:
             for (seg, cols), rows in zip(parts, rows_of, strict=True):
@@ -257,6 +341,28 @@ class SegmentRecovery(SegmentCore):
         fan_ids = np.concatenate(fan_parts) if fan_parts else np.zeros(0, np.uint8)
         by_fan = np.argsort(fan_ids, kind="stable")  # each fan's records in load order
         bounds = np.searchsorted(fan_ids[by_fan], np.arange(257))
+        del fan_ids
+        if on_columns is not None:
+            table = _winners(parts, rows_of, digests_of)
+            # The footers' columns are not needed any more: freed before the hand-out
+            # (~100 B a record at 1 M, in small arrays from the heap).
+            del rows_of, digests_of, part_ids, all_rows, parts, loaded
+            for fan in range(256):
+                picked = by_fan[bounds[fan] : bounds[fan + 1]]
+                if not len(picked):
+                    continue
+                # Oldest first, load order among equal generations (the per-record sort).
+                picked = picked[np.argsort(table.columns.generation[picked], kind="stable")]
+                on_columns(
+                    FanColumns(
+                        f"{fan:02x}",
+                        table.columns.take(picked),
+                        table.header_bytes[picked],
+                        table.codec[picked],
+                    )
+                )
+                del picked
+            return report
         for fan in range(256):
             picked = by_fan[bounds[fan] : bounds[fan + 1]]
             if not len(picked):
@@ -319,7 +425,8 @@ class SegmentRecovery(SegmentCore):
             except CorruptRecord as err:
                 return seg, None, str(err)
             seg.size_bytes = min(seg.size_bytes, size_bytes)
-            cols = read_footer_columns(fd, seg.seg_id, seg.size_bytes)
+            with _DECODING:
+                cols = read_footer_columns(fd, seg.seg_id, seg.size_bytes)
             if cols is not None:
                 return seg, cols, ""
             scan = scan_records(fd, seg.size_bytes)
@@ -390,12 +497,12 @@ def _newest(
     parts: list[tuple[Segment, FooterColumns]],
     tombstones: dict[tuple[str, bytes], int],
     report: RecoveryReport,
-) -> tuple[list[np.ndarray], list[tuple[str, bytes, int]]] | None:
+) -> tuple[list[np.ndarray], list[tuple[str, bytes, int]], list[np.ndarray]] | None:
     """The rows to keep of each part (every block's newest record, the first loaded of
     equal generations as the per-record path keeps, not covered by a tombstone; the
     dropped ones counted in `report`) and the tombstones that still cover a record (to
-    carry). None if two distinct blocks share a key digest (the caller then chooses per
-    record)."""
+    carry), and the kept rows' key digests (the catalog's: seeded xxh3). None if two
+    distinct blocks share a key digest (the caller then chooses per record)."""
     seeds: dict[str, int] = {}
 
     def seed(name: str) -> int:
@@ -468,8 +575,67 @@ def _newest(
             return None
     winners.sort()
     parts_of_winners = part_of[winners]
-    rows = [row_of[winners[parts_of_winners == p]] for p in range(len(parts))]
-    return rows, [(ns, key, g) for (ns, key), g in covered.items()]
+    picks = [winners[parts_of_winners == p] for p in range(len(parts))]
+    rows = [row_of[w] for w in picks]
+    return rows, [(ns, key, g) for (ns, key), g in covered.items()], [digest[w] for w in picks]
+
+
+def _winners(
+    parts: list[tuple[Segment, FooterColumns]],
+    rows_of: list[np.ndarray],
+    digests_of: list[np.ndarray],
+) -> FanColumns:
+    """The chosen rows of every part as one table (in part order, then row order), keys
+    gathered into one blob, namespaces into one list of names, locations packed."""
+    names: dict[str, int] = {}
+    ns_parts, key_parts, len_parts, loc_parts = [], [], [], []
+    for (seg, cols), rows in zip(parts, rows_of, strict=True):
+        mapped = np.array([names.setdefault(n, len(names)) for n in cols.ns_names], np.uint32)
+        ns_parts.append(mapped[cols.ns[rows].astype(np.intp)] if len(mapped) else cols.ns[rows])
+        lens = cols.key_len[rows].astype(np.int64)
+        starts = cols.key_off[rows].astype(np.int64)
+        ends = np.cumsum(lens)
+        total = int(ends[-1]) if len(ends) else 0
+        gather = np.repeat(starts - (ends - lens), lens) + np.arange(total, dtype=np.int64)
+        key_parts.append(np.frombuffer(cols.blob, dtype=np.uint8)[gather])
+        len_parts.append(lens)
+        page = np.uint64(ALIGN_BYTES)
+        loc_parts.append(
+            (np.uint64(seg.seg_id) << np.uint64(_PAGE_BITS)) | (cols.offset[rows] // page)
+        )
+    lens = np.concatenate(len_parts) if len_parts else np.zeros(0, np.int64)
+    key_off = np.zeros(len(lens), np.int64)
+    if len(lens):
+        key_off[1:] = np.cumsum(lens)[:-1]
+
+    def cat(pick: Callable[[FooterColumns], np.ndarray], dtype: type[np.generic]) -> np.ndarray:
+        if not parts:
+            return np.zeros(0, dtype)
+        return np.concatenate(
+            [pick(cols)[rows] for (_, cols), rows in zip(parts, rows_of, strict=True)]
+        ).astype(dtype, copy=False)
+
+    def joined(chunks: list[np.ndarray], dtype: type[np.generic]) -> np.ndarray:
+        return np.concatenate(chunks).astype(dtype) if chunks else np.zeros(0, dtype)
+
+    return FanColumns(
+        "",
+        RecordColumns(
+            list(names),
+            joined(ns_parts, np.uint32),
+            joined(key_parts, np.uint8).tobytes(),
+            key_off,
+            lens,
+            cat(lambda c: c.payload_bytes, np.uint64),
+            cat(lambda c: c.xxh3_64, np.uint64),
+            cat(lambda c: c.generation, np.uint64),
+            cat(lambda c: c.record_bytes, np.uint64),
+            joined(loc_parts, np.uint64),
+            joined(digests_of, np.uint64),
+        ),
+        cat(lambda c: c.header_bytes, np.uint64),
+        cat(lambda c: c.codec, np.uint16),
+    )
 
 
 def _keep_newest(
