@@ -37,12 +37,11 @@ from typing import Any
 from unittest import mock
 
 import kvtier.sim.replay as replay_module
+from kvtier.index.packed_policies import PackedGhosts, PackedReuse
 from kvtier.index.packed_policy import (
     NO_SLOT,
     DigestSketch,
-    PackedGhosts,
     PackedLru,
-    PackedReuse,
     PackedS3Fifo,
     PackedValue,
     SlotPolicy,

@@ -46,7 +46,7 @@ from kvtier.engine.store import CommitOutcome, TierUsage
 from kvtier.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvtier.index.catalog import BlockId, TierName
 from kvtier.index.estimators import PathEstimator
-from kvtier.index.packed_policy import PackedPolicies
+from kvtier.index.packed_policies import PackedPolicies
 from kvtier.index.planner import TierCost
 from kvtier.index.policy import BlockInfo, Key, TierPolicy
 from kvtier.index.slots import NO_SLOT, key_digest

@@ -30,8 +30,9 @@ import numpy as np
 
 from kvtier.engine.results import Counters
 from kvtier.index.catalog import Catalog, Entry, RecordColumns
-from kvtier.index.packed_policy import PackedPolicies, SlotPolicy
+from kvtier.index.packed_policies import PackedPolicies
 from kvtier.index.policy import AdmissionMode, BlockInfo, ValueModel
+from kvtier.index.slot_policy import SlotPolicy
 from kvtier.index.slots import NO_SLOT, extend, headroom
 from kvtier.keys import tenant_of
 from kvtier.tiers.record import RecordHeader

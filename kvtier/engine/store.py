@@ -65,7 +65,7 @@ from kvtier.errors import (
 )
 from kvtier.index.catalog import Entry
 from kvtier.index.estimators import PathEstimator, PrefillEstimator
-from kvtier.index.packed_policy import PackedPolicies
+from kvtier.index.packed_policies import PackedPolicies
 from kvtier.index.planner import Family, Plan
 from kvtier.index.policy import BlockInfo, ValueModel
 from kvtier.keys import tenant_of

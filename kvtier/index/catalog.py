@@ -49,12 +49,13 @@ import weakref
 from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import xxhash
 
+from kvtier.index import catalog_bulk
+from kvtier.index.catalog_bulk import RecordColumns
 from kvtier.index.entry import DEMOTING, DOOMED, FREE, IN_REMOTE, LIVE, Entry
 from kvtier.index.slots import NO_SLOT, mapping, remap
 from kvtier.keys import tenant_of
@@ -100,52 +101,6 @@ def seeded_digest(ns_id: str, key: bytes | memoryview) -> int:
     """The catalog's default key digest: xxh3-64 of the key seeded by the namespace's own
     xxh3-64 (what `RecordColumns.digest` must hold)."""
     return xxhash.xxh3_64_intdigest(key, xxhash.xxh3_64_intdigest(ns_id.encode()))
-
-
-@dataclass(frozen=True, slots=True)
-class RecordColumns:
-    """NVMe-only blocks as columns, one element a block (numpy arrays of one length), for
-    `Catalog.add_records`: recovery hands a fan of records over this way, with no object
-    per record. The namespace is an index into `ns_names`, the key (offset, length) in
-    `blob`; `digest` is `seeded_digest` of each (None: the catalog computes it)."""
-
-    ns_names: list[str]
-    ns: np.ndarray  # uint32, into ns_names
-    blob: bytes
-    key_off: np.ndarray  # int64, into blob
-    key_len: np.ndarray  # int64
-    size_bytes: np.ndarray  # uint64: the payload
-    xxh3_64: np.ndarray  # uint64
-    generation: np.ndarray  # uint64
-    record_bytes: np.ndarray  # uint64
-    location: np.ndarray  # uint64 (0: none)
-    digest: np.ndarray | None = None  # uint64
-
-    def __len__(self) -> int:
-        return len(self.ns)
-
-    def key(self, i: int) -> bytes:
-        off = int(self.key_off[i])
-        return self.blob[off : off + int(self.key_len[i])]
-
-    def block_id(self, i: int) -> BlockId:
-        return self.ns_names[int(self.ns[i])], self.key(i)
-
-    def take(self, rows: np.ndarray | slice) -> RecordColumns:
-        """These rows (the same blob and names)."""
-        return RecordColumns(
-            self.ns_names,
-            self.ns[rows],
-            self.blob,
-            self.key_off[rows],
-            self.key_len[rows],
-            self.size_bytes[rows],
-            self.xxh3_64[rows],
-            self.generation[rows],
-            self.record_bytes[rows],
-            self.location[rows],
-            None if self.digest is None else self.digest[rows],
-        )
 
 
 def tier_of(entry: Entry | None) -> TierName | None:
@@ -516,223 +471,14 @@ class Catalog:
         return slot
 
     def add_records(self, cols: RecordColumns) -> np.ndarray:
-        """`add_record` for many NVMe-only blocks at once (recovery: a chunk of a fan):
-        the same slots, fields, accounting, events and index as adding them one by one in
-        order, with the hashing, the column writes and the hash-table inserts done on
-        arrays. Returns each row's slot (int64), NO_SLOT for a block catalogued already,
-        which is not added. Rows must name distinct blocks (else ValueError)."""
-        n = len(cols)
-        out = np.full(n, NO_SLOT, dtype=np.int64)
-        if not n:
-            return out
-        # Namespaces interned in the order rows first name them, as one by one would.
-        used, first_row = np.unique(cols.ns, return_index=True)
-        ns_map = np.zeros(len(cols.ns_names), dtype=np.uint32)
-        for u in used[np.argsort(first_row)].tolist():
-            ns_map[u] = self._ns_id(cols.ns_names[u])
-        ns = ns_map[cols.ns.astype(np.intp)]
-        digest = self._digests_of(cols)
-        if len(np.unique(digest)) != n:
-            # Two rows with one digest: the same block twice (an error), or a collision,
-            # which the per-record path resolves by comparing keys.
-            ids = {cols.block_id(i) for i in range(n)}
-            if len(ids) != n:
-                raise ValueError("add_records: a block appears twice")
-            for i in range(n):
-                if self.slot_of(cols.block_id(i)) == NO_SLOT:
-                    out[i] = self.add_record(
-                        cols.block_id(i),
-                        int(cols.size_bytes[i]),
-                        int(cols.xxh3_64[i]),
-                        int(cols.generation[i]),
-                        int(cols.record_bytes[i]),
-                        int(cols.location[i]),
-                    )
-            return out
-        new = ~self._present(cols, ns, digest)
-        rows = np.nonzero(new)[0]
-        m = len(rows)
-        if not m:
-            return out
-        fresh = self._free == NO_SLOT and not self._to_free and not self._held
-        if fresh:
-            # No slot to reuse, and _new_slot's reclaim would find none: the next m slots.
-            while self._slots + m > self._capacity:
-                self._grow()
-            slots = np.arange(self._slots, self._slots + m, dtype=np.int64)
-            self._slots += m
-        else:
-            slots = np.array([self._new_slot() for _ in range(m)], dtype=np.int64)
-        out[rows] = slots
-        self._write_rows(cols, rows, slots, ns[rows], digest[rows], fresh)
-        record = cols.record_bytes[rows]
-        self._nvme_count += int(np.count_nonzero(record))
-        local_ns = cols.ns[rows]
-        for u in np.unique(local_ns).tolist():
-            added_bytes = int(record[local_ns == u].sum())
-            if added_bytes:
-                self.nvme_used_bytes += added_bytes
-                self.nvme_used_by_tenant[self._ns_tenants[int(ns_map[u])]] += added_bytes
-        self._link_many(slots)
-        if self._on_change is not None:
-            for slot in slots.tolist():
-                self._changed_slot(slot)
-        return out
-
-    def _digests_of(self, cols: RecordColumns) -> np.ndarray:
-        if cols.digest is not None and self._fast:
-            return cols.digest.astype(np.uint64, copy=False)
-        view, names = memoryview(cols.blob), cols.ns_names
-        if self._fast:
-            seeds = [self._seed(name) for name in names]
-            h = xxhash.xxh3_64_intdigest
-            values = (
-                h(view[o : o + k], seeds[s])
-                for o, k, s in zip(
-                    cols.key_off.tolist(), cols.key_len.tolist(), cols.ns.tolist(), strict=True
-                )
-            )
-        else:
-            fn = self._digest_fn
-            values = (fn(cols.block_id(i)) for i in range(len(cols)))
-        return np.fromiter(values, dtype=np.uint64, count=len(cols))
+        """`add_record` for many NVMe-only blocks at once (recovery: a chunk of a fan);
+        kvtier/index/catalog_bulk.py, `add_records`, says how."""
+        return catalog_bulk.add_records(self, cols)
 
     def _np(self, name: str) -> np.ndarray:
         """A numpy view of a column (drop it before the column can grow: _grow)."""
         code = dict(_COLUMNS)[name]
         return np.frombuffer(self._maps[name], dtype=_DTYPES[code], count=self._capacity)
-
-    def _buckets(self, digest: np.ndarray) -> np.ndarray:
-        """`_bucket` of each digest (int64)."""
-        low = digest & np.uint64(self._base - 1)
-        high = digest & np.uint64(2 * self._base - 1)
-        return np.where(low < np.uint64(self._split), high, low).astype(np.int64)
-
-    def _present(self, cols: RecordColumns, ns: np.ndarray, digest: np.ndarray) -> np.ndarray:
-        """Whether each row's block is catalogued: every bucket chain walked at once, the
-        key compared only where digest and namespace match."""
-        found = np.zeros(len(digest), dtype=bool)
-        heads = np.frombuffer(self._heads, dtype=np.int32)
-        chain, digests, nss = self._np("_chain"), self._np("_digest"), self._np("_ns")
-        rows = np.arange(len(digest))
-        cur = heads[self._buckets(digest)].astype(np.int64)
-        while len(rows):
-            keep = cur >= 0
-            rows, cur = rows[keep], cur[keep]
-            hit = (digests[cur] == digest[rows]) & (nss[cur] == ns[rows])
-            for i, s in zip(rows[hit].tolist(), cur[hit].tolist(), strict=True):
-                if self._key_is(s, cols.key(i)):
-                    found[i] = True
-            cur = chain[cur].astype(np.int64)
-        del heads, chain, digests, nss
-        return found
-
-    def _write_rows(
-        self,
-        cols: RecordColumns,
-        rows: np.ndarray,
-        slots: np.ndarray,
-        ns: np.ndarray,
-        digest: np.ndarray,
-        fresh: bool,
-    ) -> None:
-        """_put's column writes for these rows, into these slots."""
-        if fresh:
-            # The keys, in order, appended to the heap (as _store_key does for new slots).
-            lens = cols.key_len[rows].astype(np.int64)
-            starts = cols.key_off[rows].astype(np.int64)
-            ends = np.cumsum(lens)
-            total = int(ends[-1]) if len(ends) else 0
-            begins = ends - lens
-            gather = np.repeat(starts - begins, lens) + np.arange(total, dtype=np.int64)
-            data = np.frombuffer(cols.blob, dtype=np.uint8)[gather].tobytes()
-            off = self._keys_used
-            if off + total > len(self._keys):
-                size = len(self._keys)
-                while size < off + total:
-                    size = max(2 * size, off + total)
-                self._keys = remap(self._keys, size)
-            self._keys[off : off + total] = data
-            self._keys_used = off + total
-            key_off = begins + off
-        else:
-            for i, slot in zip(rows.tolist(), slots.tolist(), strict=True):
-                self._store_key(slot, cols.key(i))
-        loc = cols.location[rows]
-        col = self._np("_loc")
-        # Written only where set (or stale from a reused slot): see _put.
-        where = loc != 0 if fresh else (loc != 0) | (col[slots] != 0)
-        col[slots[where]] = loc[where]
-        values = (
-            ("_digest", digest),
-            ("_ns", ns),
-            ("_size", cols.size_bytes[rows]),
-            ("_xxh3", cols.xxh3_64[rows]),
-            ("_gen", cols.generation[rows]),
-            ("_record", cols.record_bytes[rows]),
-            ("_pins", 0),
-        )
-        for name, value in values:
-            col = self._np(name)
-            col[slots] = value
-        if fresh:
-            col = self._np("_key_off")
-            col[slots] = key_off
-            col = self._np("_key_len")
-            col[slots] = lens
-        del col
-        for name, value in (("_errors", 0), ("_flags", _LIVE)):
-            view = np.frombuffer(getattr(self, name), dtype=np.uint8, count=self._capacity)
-            view[slots] = value
-            del view
-
-    def _link_many(self, slots: np.ndarray) -> None:
-        """`_link` of each slot: the same buckets, table size and split point after (the
-        order within a bucket's chain may differ; nothing depends on it). The buckets the
-        table splits meanwhile are emptied and their blocks placed again with the new."""
-        m = len(slots)
-        before = self._base + self._split
-        after = max(before, self._len + m)
-        base, split = self._base, self._split
-        affected: list[np.ndarray] = []
-        left = after - before
-        while left:
-            k = min(base - split, left)
-            affected.append(np.arange(split, split + k, dtype=np.int64))
-            left -= k
-            split += k
-            if split == base:
-                base, split = 2 * base, 0
-        if after > before:
-            self._heads.extend(array("i", [NO_SLOT]) * (after - before))
-        heads = np.frombuffer(self._heads, dtype=np.int32)
-        chain = self._np("_chain")
-        moved: list[np.ndarray] = []
-        if affected:
-            old = np.concatenate(affected)
-            old = old[old < before]
-            cur = heads[old].astype(np.int64)
-            heads[old] = NO_SLOT
-            cur = cur[cur >= 0]
-            while len(cur):
-                moved.append(cur)
-                cur = chain[cur].astype(np.int64)
-                cur = cur[cur >= 0]
-        self._base, self._split = base, split
-        items = np.concatenate([*moved, slots]) if moved else slots
-        bucket = self._buckets(self._np("_digest")[items])
-        order = np.argsort(bucket, kind="stable")
-        b, s = bucket[order], items[order]
-        nxt = np.empty(len(s), dtype=np.int64)
-        same = b[1:] == b[:-1]
-        nxt[:-1] = np.where(same, s[1:], heads[b[:-1]])
-        nxt[-1] = heads[b[-1]]
-        chain[s] = nxt
-        first = np.ones(len(s), dtype=bool)
-        first[1:] = ~same
-        heads[b[first]] = s[first]
-        self._len += m
-        del heads, chain
 
     def _put(
         self,

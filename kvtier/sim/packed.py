@@ -17,10 +17,10 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable
 
+from kvtier.index.packed_policies import PackedPolicies
 from kvtier.index.packed_policy import (
     NO_SLOT,
     PackedChainArc,
-    PackedPolicies,
     PackedValue,
     SlotPolicy,
 )

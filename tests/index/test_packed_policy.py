@@ -21,12 +21,11 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import kvtier.sim.replay as replay_module
+from kvtier.index.packed_policies import PackedGhosts, PackedReuse
 from kvtier.index.packed_policy import (
     NO_SLOT,
     DigestSketch,
-    PackedGhosts,
     PackedLru,
-    PackedReuse,
     PackedS3Fifo,
     PackedValue,
     SlotPolicy,

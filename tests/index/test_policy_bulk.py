@@ -10,7 +10,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.index.packed_policy import NO_SLOT, PackedPolicies, SlotPolicy
+from kvtier.index.packed_policies import PackedPolicies
+from kvtier.index.packed_policy import NO_SLOT, SlotPolicy
 from kvtier.index.planner import PrefillCost, TierCost
 from kvtier.index.policy import ValueModel
 
