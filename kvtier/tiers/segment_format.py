@@ -457,7 +457,12 @@ def _ns_index(
             out[rows] = raw_ns.index(b"") if b"" in raw_ns else _append(raw_ns, b"")
             continue
         grid = data[ns_off[rows][:, None] + np.arange(length)]
-        distinct, inverse = np.unique(grid, axis=0, return_inverse=True)
+        if (grid == grid[0]).all():
+            # One namespace (the usual footer): np.unique over rows sorts a void dtype,
+            # holding the GIL ~70 ms a footer of 8 k entries (the event loop waits).
+            distinct, inverse = grid[:1], np.zeros(len(rows), np.int64)
+        else:
+            distinct, inverse = np.unique(grid, axis=0, return_inverse=True)
         for j, row in enumerate(distinct):
             name = row.tobytes()
             index = raw_ns.index(name) if name in raw_ns else _append(raw_ns, name)
