@@ -19,8 +19,8 @@ import pytest
 import kvtier
 from kvtier._directory import key_digest
 from kvtier.client.zerocopy import DIRECT_READS, HITS_BATCH, DirectoryReader
-from kvtier.keys import hash_token
 from tests.conftest import DaemonProcess
+from tests.integration.test_tenants import TOKENS, start_two_tenants
 
 StartDaemon = Callable[..., DaemonProcess]
 NS = "llama3-8b/bf16-b16"
@@ -160,18 +160,8 @@ def test_the_daemon_switch_sends_no_directory(start_daemon: StartDaemon, workdir
         assert client.get_into(NS, "k", buf) == 5000 and buf == b"v" * 5000
 
 
-TOKENS = {"a": "token-of-tenant-a", "b": "token-of-tenant-b"}
-
-
 def test_a_tenant_gets_only_its_own_directory(start_daemon: StartDaemon, workdir: Path) -> None:
-    config = workdir / "kvtier.toml"
-    config.write_text(
-        "[auth.tokens]\n"
-        + "".join(f'"{hash_token(tok)}" = "{tenant}"\n' for tenant, tok in TOKENS.items())
-        + '[tenants.a]\ndram_capacity_bytes = "16MiB"\n'
-        + '[tenants.b]\ndram_capacity_bytes = "8MiB"\n'
-    )
-    daemon = start_daemon(dram="32MiB", nvme="256MiB", extra=["--config", str(config)])
+    daemon = start_two_tenants(start_daemon, workdir)
     secret = b"SECRET-OF-A" * 1000
     with (
         kvtier.Client(daemon.target, token=TOKENS["a"]) as a,

@@ -20,8 +20,8 @@ NS = "llama3-8b/bf16-b16"
 TOKENS = {"a": "token-of-tenant-a", "b": "token-of-tenant-b"}
 
 
-@pytest.fixture
-def daemon(start_daemon: StartDaemon, workdir: Path) -> DaemonProcess:
+def start_two_tenants(start_daemon: StartDaemon, workdir: Path) -> DaemonProcess:
+    """A daemon with tenants a (16 MiB arena) and b (8 MiB), each with its TOKENS token."""
     config = workdir / "kvtier.toml"
     config.write_text(
         "[auth.tokens]\n"
@@ -30,6 +30,11 @@ def daemon(start_daemon: StartDaemon, workdir: Path) -> DaemonProcess:
         + '[tenants.b]\ndram_capacity_bytes = "8MiB"\n'
     )
     return start_daemon(dram="32MiB", nvme="256MiB", extra=["--config", str(config)])
+
+
+@pytest.fixture
+def daemon(start_daemon: StartDaemon, workdir: Path) -> DaemonProcess:
+    return start_two_tenants(start_daemon, workdir)
 
 
 def test_a_client_of_tenant_b_cannot_read_tenant_a_blocks(daemon: DaemonProcess) -> None:
