@@ -55,7 +55,9 @@ def test_a_small_fill_and_restart_reports_consistent_figures(tmp_path: Path) -> 
 def test_the_in_process_index_measure_reports_per_entry_figures(tmp_path: Path) -> None:
     r = _run(tmp_path, "--in-process-memory", "3000")["in_process"]
     assert r["entries"] == 3000 and r["policy"] == "kvtier"
-    assert r["gc_tracked_objects_per_entry"] >= 1  # the entry itself, at least
+    # The packed index keeps nothing per block for the collector to walk (issue 22): well
+    # under one tracked object a block (the daemon's own objects spread over 3000).
+    assert 0 <= r["gc_tracked_objects_per_entry"] < 1
     assert isinstance(r["rss_anon_per_entry_bytes"], int) and r["full_gc_s"] >= 0
 
 
