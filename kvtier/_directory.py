@@ -14,9 +14,23 @@ from __future__ import annotations
 
 import xxhash
 
-__all__ = ["ENTRY_BYTES", "ENTRY_WORDS", "PROBE_SLOTS", "key_digest", "key_encoding"]
+__all__ = [
+    "DIGEST_HI",
+    "DIGEST_LO",
+    "ENTRY_BYTES",
+    "ENTRY_WORDS",
+    "OFFSET",
+    "PROBE_SLOTS",
+    "SEQ",
+    "SIZE",
+    "XXH3",
+    "key_digest",
+    "key_encoding",
+]
 
 ENTRY_WORDS = 8
+# Each word's index in an entry (the layout above).
+SEQ, DIGEST_LO, DIGEST_HI, OFFSET, SIZE, XXH3 = range(6)
 ENTRY_BYTES = 8 * ENTRY_WORDS  # one cache line: entries never share one
 PROBE_SLOTS = 8
 _MASK_64 = (1 << 64) - 1

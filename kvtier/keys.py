@@ -74,6 +74,11 @@ def tenant_of(ns_id: str) -> str:
     return ns_id.partition("|")[0]
 
 
+def namespace_of(ns_id: str) -> str:
+    """The client's namespace in a namespace id (`namespace_id`'s inverse, tenant off)."""
+    return ns_id.partition("|")[2]
+
+
 def hash_token(token: str) -> str:
     """What the config stores for a bearer token (never the token itself)."""
     return hashlib.sha256(token.encode()).hexdigest()

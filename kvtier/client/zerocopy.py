@@ -35,7 +35,18 @@ from typing import Any, TypeVar
 import xxhash
 from google.protobuf.message import Message
 
-from kvtier._directory import ENTRY_BYTES, ENTRY_WORDS, PROBE_SLOTS, key_digest
+from kvtier._directory import (
+    DIGEST_HI,
+    DIGEST_LO,
+    ENTRY_BYTES,
+    ENTRY_WORDS,
+    OFFSET,
+    PROBE_SLOTS,
+    SEQ,
+    SIZE,
+    XXH3,
+    key_digest,
+)
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import HEADER, Op, frame
 from kvtier.errors import InvalidArgument, Unavailable, from_status_value
@@ -158,20 +169,20 @@ class DirectoryReader:
         words = self._words
         for i in range(PROBE_SLOTS):
             base = ((low + i) & self._mask) * ENTRY_WORDS
-            seq = words[base]  # first: every word read below is checked against it
-            if words[base + 1] != low or words[base + 2] != high:
+            seq = words[base + SEQ]  # first: every word read below is checked against it
+            if words[base + DIGEST_LO] != low or words[base + DIGEST_HI] != high:
                 continue
             if seq & 1 or not seq:
                 return None  # being written
-            offset = words[base + 3]
-            size = words[base + 4]
-            xxh3_64 = words[base + 5]
+            offset = words[base + OFFSET]
+            size = words[base + SIZE]
+            xxh3_64 = words[base + XXH3]
             if offset + size > arena.nbytes or size > parts_bytes(parts):
                 return None
             filled = scatter(arena[offset : offset + size], parts)
             # After the copy in program order: a block unpublished (then freed, rewritten)
             # while it was copied has a new sequence word by now.
-            if words[base] != seq:
+            if words[base + SEQ] != seq:
                 return None
             if verify and checksum(filled) != xxh3_64:
                 return None

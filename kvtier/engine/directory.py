@@ -36,8 +36,17 @@ import struct
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from kvtier._directory import ENTRY_BYTES, ENTRY_WORDS, PROBE_SLOTS, key_digest
-from kvtier.keys import tenant_of
+from kvtier._directory import (
+    DIGEST_HI,
+    DIGEST_LO,
+    ENTRY_BYTES,
+    ENTRY_WORDS,
+    OFFSET,
+    PROBE_SLOTS,
+    SEQ,
+    key_digest,
+)
+from kvtier.keys import namespace_of, tenant_of
 from kvtier.tiers.dram import ALIGN_BYTES, ARENA_SEALS
 from kvtier.types import BlockId, Extent, TierName
 
@@ -88,32 +97,29 @@ class Directory:
     ) -> bool:
         """Make a DRAM block readable at `offset` (replacing what its key had); False
         when its probe window is full of other blocks (not published)."""
+        low, high = key_digest(namespace_of(block_id[0]).encode(), block_id[1])
         slot = self._slot_of.get(block_id)
         if slot is None:
-            slot = self._free_slot(block_id)
+            slot = self._free_slot(low, high)
             if slot is None:
                 self.unpublished_full += 1
                 return False
         else:
-            self._at_offset.pop(self._words[slot * ENTRY_WORDS + 3], None)
-        namespace = block_id[0].partition("|")[2].encode()
-        low, high = key_digest(namespace, block_id[1])
+            self._at_offset.pop(self._words[slot * ENTRY_WORDS + OFFSET], None)
         base = slot * ENTRY_WORDS
         words = self._words
-        seq = words[base]
-        words[base] = seq + 1 | 1  # odd: readers of this entry retry
+        seq = words[base + SEQ]
+        words[base + SEQ] = seq + 1 | 1  # odd: readers of this entry retry
         _FIELDS.pack_into(
-            self._map, base * 8 + 8, low, high, offset, size_bytes, xxh3_64, generation
+            self._map, (base + DIGEST_LO) * 8, low, high, offset, size_bytes, xxh3_64, generation
         )
-        words[base] = (seq | 1) + 1  # even again, and never 0
+        words[base + SEQ] = (seq | 1) + 1  # even again, and never 0
         self._owner[slot] = block_id
         self._slot_of[block_id] = slot
         self._at_offset[offset] = slot
         return True
 
-    def _free_slot(self, block_id: BlockId) -> int | None:
-        namespace = block_id[0].partition("|")[2].encode()
-        low, high = key_digest(namespace, block_id[1])
+    def _free_slot(self, low: int, high: int) -> int | None:
         mask = self.entries - 1
         free: int | None = None
         for i in range(PROBE_SLOTS):
@@ -122,8 +128,8 @@ class Directory:
             if owner is None:
                 if free is None:
                     free = slot
-            elif self._words[slot * ENTRY_WORDS + 1] == low and (
-                self._words[slot * ENTRY_WORDS + 2] == high
+            elif self._words[slot * ENTRY_WORDS + DIGEST_LO] == low and (
+                self._words[slot * ENTRY_WORDS + DIGEST_HI] == high
             ):
                 return None  # another key with this digest: neither is told apart, skip
         return free
@@ -135,11 +141,11 @@ class Directory:
             return
         base = slot * ENTRY_WORDS
         words = self._words
-        self._at_offset.pop(words[base + 3], None)
-        seq = words[base]
-        words[base] = seq + 1  # odd: a reader copying this block now will not keep it
-        _FIELDS.pack_into(self._map, base * 8 + 8, 0, 0, 0, 0, 0, 0)
-        words[base] = seq + 2
+        self._at_offset.pop(words[base + OFFSET], None)
+        seq = words[base + SEQ]
+        words[base + SEQ] = seq + 1  # odd: a reader copying this block now will not keep it
+        _FIELDS.pack_into(self._map, (base + DIGEST_LO) * 8, 0, 0, 0, 0, 0, 0)
+        words[base + SEQ] = seq + 2
         self._owner[slot] = None
 
     def unpublish_extent(self, extent: Extent) -> None:

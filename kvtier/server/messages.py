@@ -16,6 +16,7 @@ from kvtier.engine.results import CommitOutcome, LeasedSlot, PutResult, StoreSta
 from kvtier.errors import to_status
 from kvtier.index.catalog import Entry, TierName
 from kvtier.index.planner import Plan
+from kvtier.keys import namespace_of
 from kvtier.server.looplag import LagReading
 from kvtier.types import BlockCosts, PrefillCost
 
@@ -31,15 +32,10 @@ TIER_NAME_TO_PB: dict[str | None, pb.Tier.ValueType] = {
 }
 
 
-def _namespace(ns_id: str) -> str:
-    """The client's namespace: a namespace id without its tenant (`tenant|namespace`)."""
-    return ns_id.partition("|")[2]
-
-
 def block_info(entry: Entry) -> pb.BlockInfo:
     ns_id, key = entry.block_id
     return pb.BlockInfo(
-        namespace=_namespace(ns_id),
+        namespace=namespace_of(ns_id),
         key=key,
         size_bytes=entry.size_bytes,
         xxh3_64=entry.xxh3_64,
@@ -52,7 +48,7 @@ def block_event(event: BlockEvent) -> pb.BlockEvent:
     ns_id, key = event.block_id
     return pb.BlockEvent(
         seq=event.seq,
-        namespace=_namespace(ns_id),
+        namespace=namespace_of(ns_id),
         key=key,
         tiers=[TIER_TO_PB[t] for t in event.tiers],
     )
