@@ -82,6 +82,9 @@ _SCALAR_BYTES = 11  # tag + a 10-byte varint (an int32 below 0 takes all 10) or 
 _MESSAGE_SLACK_BYTES = 1024  # the scalar fields around a batch, and a short string (overlap)
 _IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t
 _ITEM_SLACK_BYTES = 3 * _SCALAR_BYTES + 1 + 5  # a batch item's own tag and length, sizes, a group
+# A HITS report carries at most this many calls (`DirectCall`: one get_many's direct reads
+# each; a client sends its hits once 64 are pending, so a report rarely holds more calls).
+MAX_CALLS_PER_HITS = 64
 _UNKNOWN_OP_CAP_BYTES = 1024  # no op: answered INVALID_ARGUMENT whatever it carries
 
 
@@ -116,7 +119,10 @@ def request_caps(
         Op.CUDA_WAIT: fixed,
         Op.STAGE: fixed,
         Op.PUT_STAGED: batch + max_items * 2 * _SCALAR_BYTES,  # + offset and checksum
-        Op.HITS: batch + max_items * 2 * _SCALAR_BYTES,  # + size and duration
+        # + size and duration; + the calls those hits came from
+        Op.HITS: batch
+        + max_items * 2 * _SCALAR_BYTES
+        + MAX_CALLS_PER_HITS * _length_delimited(3 * _SCALAR_BYTES),
     }
     return {op: min(cap, buffer_bytes) for op, cap in caps.items()}
 

@@ -1835,23 +1835,62 @@ class DirectHit(_message.Message):
 Global___DirectHit: _TypeAlias = DirectHit  # noqa: Y015
 
 @_typing.final
+class DirectCall(_message.Message):
+    """One get_many's direct reads as its caller waited for them (issue 26, estimator honesty):
+    the call's wall from entry to its last direct copy, which the per-hit copy times miss
+    (the client's per-call and per-block work around the copies).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    blocks: _builtins.int
+    """blocks this call read from the directory"""
+    bytes: _builtins.int
+    """their bytes"""
+    seconds: _builtins.float
+    """from the call's start to its last direct copy's end"""
+    def __init__(
+        self,
+        *,
+        blocks: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "bytes", b"bytes", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DirectCall: _TypeAlias = DirectCall  # noqa: Y015
+
+@_typing.final
 class HitsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NAMESPACE_FIELD_NUMBER: _builtins.int
     HITS_FIELD_NUMBER: _builtins.int
+    CALLS_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     @_builtins.property
     def hits(self) -> _containers.RepeatedCompositeFieldContainer[Global___DirectHit]: ...
+    @_builtins.property
+    def calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___DirectCall]:
+        """the calls those hits came from (newer clients)"""
+
     def __init__(
         self,
         *,
         namespace: _builtins.str = ...,
         hits: _abc.Iterable[Global___DirectHit] | None = ...,
+        calls: _abc.Iterable[Global___DirectCall] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hits", b"hits", "namespace", b"namespace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls", "hits", b"hits", "namespace", b"namespace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -468,6 +468,7 @@ def get_many(
     block's buffer may be a list of buffers, filled in order (as put_many takes them)."""
     if len(keys) != len(buffers):
         raise InvalidArgument("get_many needs one buffer per key")
+    call_started_s = time.perf_counter()  # the direct reads' call, as the caller waits
     views = [block_parts(buf, writable=True) for buf in buffers]
     arena = yield from session()
     if arena is None:
@@ -482,12 +483,17 @@ def get_many(
     # Direct reads first (no round trip); what they miss is acquired in one batch.
     out: list[int | None] = []
     due = False
+    hit_blocks = hit_bytes = 0
     for key, parts in zip(key_bytes, views, strict=True):
         started_s = time.perf_counter()
         size = directory.read_into(namespace, key, arena, parts, verify)
         if size is not None:
             due |= directory.hit(namespace, key, size, time.perf_counter() - started_s)
+            hit_blocks += 1
+            hit_bytes += size
         out.append(size)
+    if hit_blocks:
+        directory.call(namespace, hit_blocks, hit_bytes, time.perf_counter() - call_started_s)
     missed = [i for i, size in enumerate(out) if size is None]
     if missed or due:
         for hits in directory.take_hits():  # ahead of the Acquire: no reply awaited

@@ -48,7 +48,7 @@ from kvtier._directory import (
     key_digest,
 )
 from kvtier._proto import kvtier_pb2 as pb
-from kvtier._session import HEADER, Op, frame
+from kvtier._session import HEADER, MAX_CALLS_PER_HITS, Op, frame
 from kvtier.errors import InvalidArgument, Unavailable, from_status_value
 
 M = TypeVar("M", bound=Message)
@@ -153,6 +153,7 @@ class DirectoryReader:
         self.enabled = DIRECT_READS  # False: every get acquires (tests run both)
         self._namespaces: dict[str, bytes] = {}
         self._pending: list[tuple[str, bytes, int, float]] = []
+        self._calls: list[tuple[str, int, int, float]] = []  # (namespace, blocks, bytes, s)
         self._oldest_s = 0.0
 
     def read_into(
@@ -198,6 +199,14 @@ class DirectoryReader:
         pending.append((namespace, key, size_bytes, fetch_s))  # messages made when sent
         return len(pending) >= HITS_BATCH or now_s - self._oldest_s >= HITS_EVERY_S
 
+    def call(self, namespace: str, blocks: int, size_bytes: int, seconds: float) -> None:
+        """Keep one call's direct reads as its caller waited for them (reported with its
+        hits): the daemon prices a run from whole calls, which the copies alone undercount."""
+        calls = self._calls
+        if len(calls) >= MAX_CALLS_PER_HITS:  # a report's bound (its frame's cap): the newest
+            del calls[0]
+        calls.append((namespace, blocks, size_bytes, seconds))
+
     @property
     def pending(self) -> bool:
         """Whether hits wait to be reported."""
@@ -206,12 +215,21 @@ class DirectoryReader:
     def take_hits(self) -> list[pb.HitsRequest]:
         """The pending hits as reports, one per namespace; they are no longer pending."""
         pending, self._pending = self._pending, []
+        calls, self._calls = self._calls, []
         by_namespace: dict[str, list[pb.DirectHit]] = {}
         for namespace, key, size_bytes, fetch_s in pending:
             by_namespace.setdefault(namespace, []).append(
                 pb.DirectHit(key=key, size_bytes=size_bytes, fetch_seconds=fetch_s)
             )
-        return [pb.HitsRequest(namespace=ns, hits=hits) for ns, hits in by_namespace.items()]
+        calls_of: dict[str, list[pb.DirectCall]] = {}
+        for namespace, blocks, size_bytes, seconds in calls:
+            calls_of.setdefault(namespace, []).append(
+                pb.DirectCall(blocks=blocks, bytes=size_bytes, seconds=seconds)
+            )
+        return [
+            pb.HitsRequest(namespace=ns, hits=hits, calls=calls_of.get(ns, []))
+            for ns, hits in by_namespace.items()
+        ]
 
     def close(self) -> None:
         self._words.release()

@@ -20,11 +20,18 @@ among 1, 2, 4, ... io_threads: the overlap the machine really gives). The planne
 that as a per-block share of a round plus a run latency of the round trip, the start, and
 the part of the first round the shares do not cover. Until those fits are warm, and for
 the eviction policy's per-block values, the per-block path estimates stand.
+
+DRAM blocks a client reads from its directory (no round trip) are priced by a third fit,
+`dram_direct`, over the clients' whole calls as they waited for them (`direct_call`): the
+per-hit copy times miss the client's work around the copies (~20 µs a call here, half a
+256 KiB read). A run with both pays both calls' starts: get_many reads its DRAM blocks
+directly, then acquires the rest in one lease.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 
 from kvtier.engine.results import Counters
@@ -80,6 +87,7 @@ class CostModel:
         # Whole calls, as the engine waits for them (module docstring): a lease's copies,
         # a lease's NVMe promotions.
         self.dram_runs = RunEstimator(min_observations=4)
+        self.dram_direct = RunEstimator(min_observations=4)  # calls read from the directory
         self.nvme_runs = ParallelRunEstimator(max(1, streams(TierName.NVME)))
         self.refresh()
 
@@ -107,17 +115,28 @@ class CostModel:
             self.value_costs[name] = self.path_cost(name)
         return dict(self.value_costs)
 
-    def plan_costs(self, block_bytes: int, nvme_in_run: bool) -> tuple[dict[str, TierCost], float]:
+    def plan_costs(
+        self, block_bytes: int, nvme_in_run: bool, dram_in_run: bool = True
+    ) -> tuple[dict[str, TierCost], float]:
         """Per-block costs and the run latency a plan of `block_bytes` blocks is priced by
-        (module docstring); `nvme_in_run`: the run may hold NVMe blocks."""
+        (module docstring); `nvme_in_run` / `dram_in_run`: the run may hold NVMe / DRAM
+        blocks."""
         costs = self.refresh()
         dram = self.dram_runs.estimate()
+        direct = self.dram_direct.estimate()
         run_s = 0.0
         if dram is not None:
             costs[TierName.DRAM] = to_engine = dram.per_unit(block_bytes)
-            run_s = dram.per_run_s
+            # Leased: the call's start is paid by any run (all of it when nothing is read
+            # directly), else by the NVMe part's Acquire only.
+            if direct is None or nvme_in_run:
+                run_s = dram.per_run_s
         else:
             to_engine = costs[TierName.DRAM]
+        if direct is not None:
+            costs[TierName.DRAM] = direct.per_unit(block_bytes)
+            if dram_in_run:
+                run_s += direct.per_run_s
         if TierName.NVME in self.paths:
             fitted = self.nvme_runs.estimate()
             if fitted is not None:  # a round: one read of each of up to `streams` blocks
@@ -180,7 +199,7 @@ class CostModel:
         # The run may hold NVMe blocks if the chain does (a DRAM head planned alone before an
         # NVMe tail is charged the NVMe start too: a scan of the chain, not of each split).
         tier_costs, run_s = self.plan_costs(
-            kv_bytes_per_token * tokens_per_block, TierName.NVME in tiers
+            kv_bytes_per_token * tokens_per_block, TierName.NVME in tiers, TierName.DRAM in tiers
         )
         prompt = prompt_tokens or len(keys) * tokens_per_block
         prefill = self.prefill_estimator(ns_id).estimate()
@@ -247,12 +266,18 @@ class CostModel:
             self._counters.fetch_regret_s += fetch_s - recompute_s
 
     def engine_fetch(
-        self, block_sizes: list[int], promote_s: float, fetch_s: float, fetch_bytes: int
+        self,
+        block_sizes: list[int],
+        promote_s: float,
+        fetch_s: float,
+        fetch_bytes: int,
+        runs: bool = True,
     ) -> float | None:
         """A client's measured fetch of one lease's blocks: refines the DRAM path per
         block (the request's round trip is shared by them; time spent promoting from NVMe
-        is that path's, measured already). Returns the copy seconds it fitted, or None
-        for a report it ignored."""
+        is that path's, measured already) and, with `runs`, the leased-run fit (a direct
+        hit whose call was reported teaches only the per-block path). Returns the copy
+        seconds it fitted, or None for a report it ignored."""
         if fetch_bytes > sum(block_sizes):
             return None  # not what this lease served: ignore rather than skew the fit
         copy_s = fetch_s - promote_s
@@ -260,5 +285,13 @@ class CostModel:
             return None
         blocks = len(block_sizes)
         self.paths[TierName.DRAM].observe(fetch_bytes // blocks, copy_s / blocks)
-        self.dram_runs.observe(blocks, fetch_bytes, copy_s)
+        if runs:
+            self.dram_runs.observe(blocks, fetch_bytes, copy_s)
         return copy_s
+
+    def direct_call(self, blocks: int, size_bytes: int, seconds: float) -> None:
+        """One client call's reads from its directory, as the caller waited for them:
+        refines what a run of DRAM blocks read directly costs (non-finite or non-positive
+        reports are ignored by the fit)."""
+        if math.isfinite(seconds):
+            self.dram_direct.observe(blocks, size_bytes, seconds)

@@ -353,13 +353,20 @@ class ZeroCopy:
                 released += 1
         return released
 
-    def direct_hits(self, hits: list[tuple[BlockId, int, float]]) -> int:
+    def direct_hits(
+        self,
+        hits: list[tuple[BlockId, int, float]],
+        calls: list[tuple[int, int, float]] | None = None,
+    ) -> int:
         """Gets a client served from its tenant's directory: (block, bytes copied, seconds
         the copy took) each. Counted as an Acquire's hits are (the policy's order, the hit
         counters); a block no longer stored, or stored at another size (overwritten
         since), is ignored. Returns how many were applied. The DRAM path estimate learns
         from the latest few only (FIT_HITS_PER_REPORT): one observation costs ~45 µs of
-        the loop here (a solve), more than the get it describes."""
+        the loop here (a solve), more than the get it describes. `calls`: the gets those
+        hits came from as their callers waited for them (blocks, bytes, seconds; clients
+        that send them): they price runs read from the directory (`CostModel.direct_call`),
+        and then the hits teach only the per-block DRAM path, not the leased-run fit."""
         store = self._store
         residency = store.residency
         applied = 0
@@ -370,10 +377,18 @@ class ZeroCopy:
             residency.used(entry)
             store.costs.served(block_id, TierName.DRAM, size_bytes, None)
             applied += 1
+        # A call names no more blocks or bytes than the report's hits (else it is not
+        # what these hits were: ignored rather than skew everyone's plans).
+        hit_bytes = sum(size for _, size, _ in hits)
+        for blocks, size_bytes, seconds in (calls or [])[-FIT_HITS_PER_REPORT:]:
+            if 0 < blocks <= len(hits) and 0 < size_bytes <= hit_bytes:
+                store.costs.direct_call(blocks, size_bytes, seconds)
         for _, size_bytes, fetch_s in hits[-FIT_HITS_PER_REPORT:]:
             if not (math.isfinite(fetch_s) and fetch_s > 0):
                 continue
-            copy_s = store.costs.engine_fetch([size_bytes], 0.0, fetch_s, size_bytes)
+            copy_s = store.costs.engine_fetch(
+                [size_bytes], 0.0, fetch_s, size_bytes, runs=not calls
+            )
             if copy_s is not None:
                 store.telemetry.transfer("dram", "engine", size_bytes, copy_s)
         return applied

@@ -677,7 +677,8 @@ class KVTierService:
             ((ns_id, check_key(hit.key, max_key_bytes)), hit.size_bytes, hit.fetch_seconds)
             for hit in request.hits
         ]
-        return pb.HitsResponse(applied=self._store.zero_copy.direct_hits(hits))
+        calls = [(call.blocks, call.bytes, call.seconds) for call in request.calls]
+        return pb.HitsResponse(applied=self._store.zero_copy.direct_hits(hits, calls))
 
     async def _release(
         self, session_id: int, tenant: str, request: pb.ReleaseRequest

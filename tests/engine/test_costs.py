@@ -175,3 +175,36 @@ def test_a_remembered_plan_is_the_plan_the_inputs_make_now(
                 size = 64 * 1024 * (1 + j % 3)
                 model.engine_fetch([size] * number, 0.0, float(arg) * (1 + j % 3), size * number)  # type: ignore[arg-type]
     assert counters.planned_fetch_blocks + counters.planned_recompute_blocks == 24 * calls
+
+
+def test_runs_read_from_the_directory_are_priced_by_the_calls_clients_reported() -> None:
+    """Direct reads cost a call's start once, then per block, and no lease round trip; a
+    run that also holds NVMe blocks pays the lease's start for them as well. Hits of a
+    reported call teach the per-block path only, not the leased-run fit."""
+    model, _ = make(threads=1)
+    size = MIB
+
+    def direct_s(blocks: int) -> float:
+        return 25e-6 + blocks * (5e-6 + size / 20e9)
+
+    def leased_s(blocks: int) -> float:
+        return 300e-6 + blocks * size / 8e9
+
+    for blocks in (1, 4, 16, 2) * 3:
+        model.direct_call(blocks, blocks * size, direct_s(blocks))
+        model.engine_fetch([size], 0.0, 1e-6, size, runs=False)  # a reported call's hit
+        model.engine_fetch([size] * blocks, 0.0, leased_s(blocks), blocks * size)
+    model.direct_call(1, size, float("nan"))  # ignored
+    assert model.dram_runs.observations == 12  # the hits did not join the leased fit
+    for blocks in (1, 3, 16):
+        keys = [bytes([blocks, i]) * 8 for i in range(blocks)]
+        plan, (_, fetch_s, _) = model.plan(
+            NS, keys, ["dram"] * blocks, 16, 0, 0, "none", size // 16, None, "prefix"
+        )
+        assert plan.run_latency_s + sum(fetch_s) == pytest.approx(direct_s(blocks), rel=0.02)
+    # One DRAM block then one NVMe block: a direct read, then a lease with its promotion.
+    costs, run_s = model.plan_costs(size, nvme_in_run=True, dram_in_run=True)
+    dram_only, direct_run_s = model.plan_costs(size, nvme_in_run=False, dram_in_run=True)
+    assert dram_only["dram"] == costs["dram"]
+    assert run_s - direct_run_s == pytest.approx(300e-6, rel=0.05)  # the lease's start
+    assert costs["nvme"].fetch_s(size) > size / 8e9  # its copy out of the lease

@@ -210,3 +210,40 @@ async def test_the_async_client_reads_directly_and_reports(start_daemon: StartDa
             assert time.monotonic() < deadline_s, "the direct hits were not reported"
             await asyncio.sleep(0.01)
         assert (await client.stats()).hits == before + len(blocks)
+
+
+def test_a_get_many_reports_its_call_and_the_daemon_prices_dram_runs_by_calls(
+    start_daemon: StartDaemon,
+) -> None:
+    """The client reports each get_many's direct reads as one call timed as its caller
+    waited (more than its copies: the per-call and per-block work around them), and the
+    daemon's plans for DRAM runs price from those calls: after reports of calls that took
+    50 ms + 1 ms a block, a 4-block DRAM run is planned at ~54 ms, whatever its copies took."""
+    from kvtier._proto import kvtier_pb2 as pb
+    from kvtier._session import Op
+
+    daemon = start_daemon(dram="32MiB")
+    data = os.urandom(256 << 10)
+    keys = [f"call{i}".encode() for i in range(4)]
+    with kvtier.Client(daemon.target) as client:
+        for key in keys:
+            client.put_from(NS, key, data)
+        arena = client._shared_arena()
+        assert arena is not None and arena.directory is not None
+        buffers = [bytearray(len(data)) for _ in keys]
+        assert client.get_many(NS, keys, buffers) == [len(data)] * 4
+        (report,) = arena.directory.take_hits()
+        (call,) = report.calls
+        assert (call.blocks, call.bytes) == (4, 4 * len(data))
+        assert call.seconds > sum(hit.fetch_seconds for hit in report.hits) > 0
+        hits = [pb.DirectHit(key=k, size_bytes=len(data), fetch_seconds=1e-6) for k in keys]
+        for blocks in (1, 2, 4, 3) * 2:
+            seconds = 0.05 + blocks * 1e-3
+            slow = pb.DirectCall(blocks=blocks, bytes=blocks * len(data), seconds=seconds)
+            arena.send(Op.HITS, pb.HitsRequest(namespace=NS, hits=hits, calls=[slow]))
+        # A call naming more blocks than its report's hits is not those hits': ignored.
+        bogus = pb.DirectCall(blocks=5, bytes=5 * len(data), seconds=100.0)
+        arena.send(Op.HITS, pb.HitsRequest(namespace=NS, hits=hits, calls=[bogus]))
+        plan = client.plan(NS, keys, 16)  # same socket: after the reports
+        assert plan.tiers == ["dram"] * 4
+        assert plan.run_latency_s + sum(plan.fetch_s) == pytest.approx(0.054, rel=0.05)

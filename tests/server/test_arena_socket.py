@@ -18,7 +18,15 @@ import grpc
 import pytest
 
 from kvtier._proto import kvtier_pb2 as pb
-from kvtier._session import HEADER, MAX_FRAME_BYTES, REQUEST_TYPES, Op, frame, request_caps
+from kvtier._session import (
+    HEADER,
+    MAX_CALLS_PER_HITS,
+    MAX_FRAME_BYTES,
+    REQUEST_TYPES,
+    Op,
+    frame,
+    request_caps,
+)
 from kvtier.config import LimitsConfig
 from kvtier.errors import ResourceExhausted
 from kvtier.server import arena_socket
@@ -87,7 +95,8 @@ def widest(op: Op, limits: LimitsConfig) -> bytes:
         message = pb.StagedPutRequest(session_id=big, namespace=ns, items=staged, overwrite=True)
     elif op == Op.HITS:
         hit = pb.DirectHit(key=key, size_bytes=big, fetch_seconds=-1e300)
-        message = pb.HitsRequest(namespace=ns, hits=[hit] * n)
+        call = pb.DirectCall(blocks=(1 << 32) - 1, bytes=big, seconds=-1e300)
+        message = pb.HitsRequest(namespace=ns, hits=[hit] * n, calls=[call] * MAX_CALLS_PER_HITS)
     else:
         message = pb.CudaWaitRequest(session_id=big, request_id=big, group=(1 << 32) - 1)
     assert isinstance(message, REQUEST_TYPES[op])
