@@ -270,13 +270,24 @@ def main(argv: list[str] | None = None) -> int:
             f"measured| / measured p50 {figures['median_abs_error']:.1%}, p90 "
             f"{figures['p90_abs_error']:.1%} (second half p50 "
             f"{figures['median_abs_error_second_half']:.1%}, p90 "
-            f"{figures['p90_abs_error_second_half']:.1%})"
+            f"{figures['p90_abs_error_second_half']:.1%}; noise floor p50 "
+            f"{figures['hindsight_cell_median_p50_abs_error']:.1%}, p90 "
+            f"{figures['hindsight_cell_median_p90_abs_error']:.1%})"
         )
         for cell, by in figures["by_size_and_depth"].items():
             print(
                 f"  {cell}: median predicted {by['median_predicted_s'] * 1e3:.2f} ms, "
                 f"measured {by['median_measured_s'] * 1e3:.2f} ms, p90 error "
                 f"{by['p90_abs_error']:.1%}"
+            )
+        held = figures.get("held_out")
+        if held is not None:
+            print(
+                f"  held out ({report['real_tiers']['held_out_runs_per_tier']} runs of sizes "
+                f"and depths not above): p50 {held['median_abs_error']:.1%}, p90 "
+                f"{held['p90_abs_error']:.1%} (noise floor p50 "
+                f"{held['hindsight_cell_median_p50_abs_error']:.1%}, p90 "
+                f"{held['hindsight_cell_median_p90_abs_error']:.1%})"
             )
     for path, by_overlap in report.get("plan_rpc_p50_s_256_blocks", {}).items():
         for overlap, seconds in by_overlap.items():

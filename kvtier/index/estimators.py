@@ -23,13 +23,14 @@ of an unconstrained fit leaves the others fitted to a model that is no longer th
 from __future__ import annotations
 
 import itertools
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 from kvtier.index.planner import PrefillCost, TierCost
 
-Verdict = Literal["admit", "reject", "changed"]
+Verdict = Literal["admit", "reject", "changed", "hold", "drifted"]
 
 
 class _WeightedLeastSquares:
@@ -79,6 +80,15 @@ class _WeightedLeastSquares:
             weights[c] = a[i][n] / a[i][i]
         return weights
 
+    def rescale(self, factor: float) -> None:
+        """Every point so far as if its seconds were `factor` times what they were, for a
+        fit of relative error (rows x / y, targets 1): the shape kept, the level moved."""
+        inverse = 1 / factor
+        for row in self.xtx:
+            for j in range(self.dims):
+                row[j] *= inverse * inverse
+        self.xty = [v * inverse for v in self.xty]
+
     def residual(self, w: list[float]) -> float:
         """Weighted sum of squared errors of `w`: y'y - 2 w'X'y + w'X'X w."""
         quad = sum(w[i] * w[j] * self.xtx[i][j] for i in range(self.dims) for j in range(self.dims))
@@ -103,21 +113,59 @@ class _OutlierGate:
     """Drops observations far from the prediction once the fit is warm, unless they keep
     coming (then the path changed and they are the new normal)."""
 
-    def __init__(self, factor: float, warm_after: int, accept_after: int = 10) -> None:
+    def __init__(
+        self,
+        factor: float,
+        warm_after: int,
+        accept_after: int = 10,
+        drift_factor: float | None = None,
+    ) -> None:
         self.factor = factor
         self.warm_after = warm_after
         self.accept_after = accept_after
         self.rejected: list[tuple[list[float], float]] = []  # the far ones, in a row
+        # `drift_factor`: calls inside the gate but all slower (or all faster) than
+        # predicted by more than it, `accept_after` in a row, mean the path's level moved
+        # (a tier that slowed 2x, too little for the gate): "drifted", by `drift_ratio`,
+        # the median of their observed / predicted. Such calls are held ("hold") until the
+        # run ends, so the ratio is against the fit they found, then `released` (to be
+        # added before the current call, which is added only when "admit").
+        self.drift_factor = drift_factor
+        self._held: list[tuple[list[float], float]] = []
+        self._held_ratios: list[float] = []
+        self.released: list[tuple[list[float], float]] = []
+        self.drift_ratio = 1.0
 
     def admit(self, x: list[float], observed: float, predicted: float, seen: int) -> Verdict:
         far = predicted > 0 and not predicted / self.factor <= observed <= predicted * self.factor
         if not far or seen < self.warm_after:
             self.rejected.clear()
-            return "admit"
+            ratio = observed / predicted if predicted > 0 else 1.0
+            return self._drifted(x, observed, ratio, seen)
+        self._release()
         if len(self.rejected) < self.accept_after:
             self.rejected.append((x, observed))
             return "reject"
         return "changed"
+
+    def _release(self) -> None:
+        self.released += self._held
+        self._held, self._held_ratios = [], []
+
+    def _drifted(self, x: list[float], observed: float, ratio: float, seen: int) -> Verdict:
+        drift = self.drift_factor
+        if drift is None or seen < self.warm_after or 1 / drift <= ratio <= drift:
+            self._release()
+            return "admit"
+        if self._held_ratios and (self._held_ratios[0] > 1) != (ratio > 1):
+            self._release()  # the other side: not one drift
+        self._held.append((x, observed))
+        self._held_ratios.append(ratio)
+        if len(self._held) < self.accept_after:
+            return "hold"
+        self.drift_ratio = statistics.median(self._held_ratios)
+        self._release()
+        return "drifted"
 
 
 def _gated_add(
@@ -147,17 +195,26 @@ def _gated_add_relative(
     its own seconds (a 0.3 ms call and a 60 ms call count alike; plain least squares would
     fit the long calls and leave short ones off by several times). `features[i]` is
     point `raw`'s row for fit i; `featurise(i, raw)` builds one for a replayed point. False
-    if the point was dropped."""
+    if the fits did not change (the point dropped, or held by the drift rule)."""
     verdict = gate.admit(raw, y, predicted, fits[0].count)
-    if verdict == "reject":
-        return False
+
+    def add_all(points: list[tuple[list[float], float]]) -> None:
+        for old_raw, old_y in points:
+            for i, fit in enumerate(fits):
+                fit.add([v / old_y for v in featurise(i, old_raw)], 1.0)
+        points.clear()
+
+    if verdict == "drifted":  # the same shape, at the level the latest calls ran at
+        for fit in fits:
+            fit.rescale(gate.drift_ratio)
+    moved = verdict == "drifted" or bool(gate.released)
+    add_all(gate.released)  # a run of held calls that ended (or drifted: then this one too)
+    if verdict in ("reject", "hold", "drifted"):
+        return moved
     if verdict == "changed":
         for fit in fits:
             fit.reset()
-        for old_raw, old_y in gate.rejected:
-            for i, fit in enumerate(fits):
-                fit.add([v / old_y for v in featurise(i, old_raw)], 1.0)
-        gate.rejected.clear()
+        add_all(gate.rejected)
     for fit, x in zip(fits, features, strict=True):
         fit.add([v / y for v in x], 1.0)
     return True
@@ -278,6 +335,9 @@ class PrefillEstimator:
         return PrefillCost(a_s_per_token=a, c_s_per_token2=c, step_s=step)
 
 
+DRIFT_FACTOR = 1.25  # run fits: calls this far off, all one way, accept_after in a row
+
+
 @dataclass(frozen=True, slots=True)
 class RunCost:
     """Wall seconds of one call that moves a run: per_run_s + units * per_unit_s +
@@ -310,11 +370,15 @@ class RunEstimator:
     `min_observations` calls: the caller keeps its per-block figures until then."""
 
     def __init__(
-        self, decay: float = 0.98, min_observations: int = 8, outlier_factor: float = 4.0
+        self,
+        decay: float = 0.98,
+        min_observations: int = 8,
+        outlier_factor: float = 4.0,
+        drift_factor: float | None = DRIFT_FACTOR,
     ) -> None:
         self._fit = _WeightedLeastSquares(3, decay)
         self._min = min_observations
-        self._gate = _OutlierGate(outlier_factor, min_observations)
+        self._gate = _OutlierGate(outlier_factor, min_observations, drift_factor=drift_factor)
         self._estimate: RunCost | None = None
         self._solved = True  # nothing to solve yet
 
@@ -365,12 +429,13 @@ class ParallelRunEstimator:
         decay: float = 0.98,
         min_observations: int = 4,
         outlier_factor: float = 4.0,
+        drift_factor: float | None = DRIFT_FACTOR,
     ) -> None:
         candidates = {1 << i for i in range(max(1, max_streams).bit_length())}
         self.candidates = sorted(candidates | {max(1, max_streams)})
         self._fits = [_WeightedLeastSquares(3, decay) for _ in self.candidates]
         self._min = min_observations
-        self._gate = _OutlierGate(outlier_factor, min_observations)
+        self._gate = _OutlierGate(outlier_factor, min_observations, drift_factor=drift_factor)
         self._estimate: tuple[RunCost, int] | None = None
         self._solved = True
 

@@ -253,3 +253,118 @@ def test_run_estimators_ignore_bad_observations_and_stay_cold_until_warm() -> No
     assert run.estimate() is None  # three calls: still the caller's per-block figures
     run.observe(8, 8000, 8e-3)
     assert run.estimate() is not None
+
+
+_SIZES = (256 << 10, 1 << 20, 4 << 20)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    per_call_s=st.floats(5e-6, 2e-3),
+    per_block_s=st.floats(0.0, 50e-6),
+    bytes_per_s=st.floats(0.5e9, 30e9),
+    sigma=st.floats(0.0, 0.1),
+    seed=st.integers(0, 2**16),
+)
+def test_run_fit_recovers_a_call_latency_and_bandwidth_through_noise(
+    per_call_s: float, per_block_s: float, bytes_per_s: float, sigma: float, seed: int
+) -> None:
+    """Calls of 1-16 blocks timed as per_call + blocks * per_block + bytes / bandwidth with
+    lognormal noise: after 150 calls the fit prices runs it never saw (2 and 32 blocks,
+    512 KiB and 3 MiB) within 12 %, and its fixed cost and bandwidth where they decide."""
+    from kvtier.index.estimators import RunEstimator
+
+    def truth(blocks: int, size_bytes: int) -> float:
+        return per_call_s + blocks * per_block_s + blocks * size_bytes / bytes_per_s
+
+    rng = random.Random(seed)
+    est = RunEstimator()
+    for _ in range(150):
+        blocks, size = rng.choice([1, 4, 16]), rng.choice(_SIZES)
+        est.observe(blocks, blocks * size, truth(blocks, size) * _lognormal_noise(rng, sigma))
+    fit = est.estimate()
+    assert fit is not None
+    for blocks in (1, 2, 32):
+        for size in (512 << 10, 3 << 20):
+            want = truth(blocks, size)
+            assert fit.seconds(blocks, blocks * size) == pytest.approx(want, rel=0.12)
+    if per_call_s > 10 * (per_block_s + (4 << 20) / bytes_per_s):  # the call's start decides
+        assert fit.per_run_s == pytest.approx(per_call_s, rel=0.12)
+    if (256 << 10) / bytes_per_s > 10 * (per_call_s + per_block_s):  # the bytes decide
+        assert 1 / fit.per_byte_s == pytest.approx(bytes_per_s, rel=0.12)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 64), st.integers(1, 64 << 20), st.floats(1e-7, 10.0)),
+        min_size=0,
+        max_size=60,
+    )
+)
+def test_run_fits_never_price_anything_below_zero(calls: list[tuple[int, int, float]]) -> None:
+    """Whatever the calls (noise that makes bigger runs look faster, one size only, a
+    burst of stalls), no term of either run fit is negative, so no run costs less than
+    nothing and a longer run never costs less than a shorter one of the same blocks."""
+    from kvtier.index.estimators import ParallelRunEstimator, RunEstimator
+
+    run, parallel = RunEstimator(min_observations=4), ParallelRunEstimator(4)
+    for blocks, size_bytes, seconds in calls:
+        run.observe(blocks, size_bytes, seconds)
+        parallel.observe([max(1, size_bytes // blocks)] * blocks, seconds)
+        for fit in (run.estimate(), (parallel.estimate() or (None, 1))[0]):
+            if fit is None:
+                continue
+            assert min(fit.per_run_s, fit.per_unit_s, fit.per_byte_s) >= 0
+            assert fit.seconds(1, 1 << 20) <= fit.seconds(2, 2 << 20)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    factor=st.sampled_from([0.4, 0.5, 2.0, 3.0, 8.0, 30.0]),
+    sigma=st.floats(0.0, 0.05),
+    seed=st.integers(0, 2**16),
+)
+def test_run_fit_follows_a_tier_that_slows_or_recovers(
+    factor: float, sigma: float, seed: int
+) -> None:
+    """200 calls at one speed, then the tier's every cost moves by `factor` (a drive
+    throttled 2x, a neighbour's load gone): within 25 calls the fit prices the new
+    regime within 15 %. A 2-3x change is within the outlier gate, so only the drift rule
+    (calls one way off, in a row) moves it that soon; the decayed fit alone took 110-180."""
+    from kvtier.index.estimators import RunEstimator
+
+    def truth(blocks: int, size_bytes: int, scale: float) -> float:
+        return scale * (30e-6 + blocks * 5e-6 + blocks * size_bytes / 10e9)
+
+    rng = random.Random(seed)
+    est = RunEstimator()
+    for _ in range(200):
+        blocks, size = rng.choice([1, 4, 16]), rng.choice(_SIZES)
+        est.observe(blocks, blocks * size, truth(blocks, size, 1.0) * _lognormal_noise(rng, sigma))
+    for _ in range(25):
+        blocks, size = rng.choice([1, 4, 16]), rng.choice(_SIZES)
+        est.observe(
+            blocks, blocks * size, truth(blocks, size, factor) * _lognormal_noise(rng, sigma)
+        )
+    fit = est.estimate()
+    assert fit is not None
+    for blocks in (1, 8, 16):
+        for size in (256 << 10, 4 << 20):
+            want = truth(blocks, size, factor)
+            assert fit.seconds(blocks, blocks * size) == pytest.approx(want, rel=0.15)
+
+
+def test_a_stationary_noisy_tier_does_not_drift() -> None:
+    """The drift rule needs `accept_after` calls in a row off the same way by 25 %: noise
+    of 10 % (lognormal) never gets there, so the fit stays the least-squares fit."""
+    from kvtier.index.estimators import RunEstimator
+
+    rng = random.Random(11)
+    with_rule, without = RunEstimator(), RunEstimator(drift_factor=None)
+    for _ in range(2000):
+        blocks, size = rng.choice([1, 4, 16]), rng.choice(_SIZES)
+        seconds = (30e-6 + blocks * size / 10e9) * _lognormal_noise(rng, 0.1)
+        with_rule.observe(blocks, blocks * size, seconds)
+        without.observe(blocks, blocks * size, seconds)
+    assert with_rule.estimate() == without.estimate()
