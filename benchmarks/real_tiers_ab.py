@@ -6,7 +6,8 @@ daemon's DRAM, then NVMe tier), taking turns round by round.
     python benchmarks/real_tiers_ab.py --baseline-rev main [--rounds 3] [--runs 90]
         [--json out.json]
 
-Per tier and tree: |predicted - measured| / measured p50 and p90 per round, and the
+Per tier and tree (and apart, the held-out sizes and depths each round fetches after the
+table's runs): |predicted - measured| / measured p50 and p90 per round, and the
 same-run noise floor (each run "predicted" by its own cell's median measured time, in
 hindsight). A tree whose client has no `PlanResult.run_latency_s` is scored on its
 blocks' `fetch_s` alone, which is what its planner weighed. Figures: medians over rounds.
@@ -15,6 +16,7 @@ blocks' `fetch_s` alone, which is what its planner weighed. Figures: medians ove
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -82,16 +84,23 @@ def main() -> None:
                 rounds[name].append(one_round(trees[name], measure_dir, args.runs, Path(scratch)))
                 print(f"round {i + 1} {name} done", file=sys.stderr, flush=True)
     report: dict[str, Any] = {"rounds": rounds, "median_over_rounds": {}}
-    for tier in ("dram", "nvme"):
+    for tier, part in itertools.product(("dram", "nvme"), ("table", "held_out")):
         for name in trees:
-            figures = {f: statistics.median(r[tier][f] for r in rounds[name]) for f in FIGURES}
-            report["median_over_rounds"][f"{tier}/{name}"] = figures
+
+            def of(r: dict[str, Any], p: str = part, t: str = tier) -> dict[str, Any]:
+                figures: dict[str, Any] = r[t] if p == "table" else r[t].get(p, {})
+                return figures
+
+            if not all(of(r) for r in rounds[name]):
+                continue  # a round with no held-out runs (fewer than 18 runs)
+            figures = {f: statistics.median(of(r)[f] for r in rounds[name]) for f in FIGURES}
+            report["median_over_rounds"][f"{tier}/{part}/{name}"] = figures
             print(
-                f"{tier:>4} {name:>8}: p50 {figures['median_abs_error']:6.1%}  p90 "
+                f"{tier:>4} {part:>8} {name:>8}: p50 {figures['median_abs_error']:6.1%}  p90 "
                 f"{figures['p90_abs_error']:6.1%}   (noise floor p50 "
                 f"{figures['hindsight_cell_median_p50_abs_error']:5.1%}, p90 "
                 f"{figures['hindsight_cell_median_p90_abs_error']:5.1%}); per round p90: "
-                + ", ".join(f"{r[tier]['p90_abs_error']:.0%}" for r in rounds[name])
+                + ", ".join(f"{of(r)['p90_abs_error']:.0%}" for r in rounds[name])
             )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
