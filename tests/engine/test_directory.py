@@ -278,3 +278,32 @@ async def test_a_reload_that_lowers_the_key_limit_withdraws_longer_keys(tmp_path
     finally:
         reader.close()
         await store.close()
+
+
+def test_a_report_carries_its_calls_per_namespace_and_at_most_the_cap() -> None:
+    """Each get_many's direct reads go out as one call beside its hits, in the report of
+    its namespace; a client that piles up more calls than a report's frame cap allows
+    sends the newest MAX_CALLS_PER_HITS (the daemon's cap on HITS counts that many)."""
+    from kvtier._session import MAX_CALLS_PER_HITS
+
+    directory = Directory(MIN_ENTRIES)
+    reader = reader_of(directory.fd)
+    try:
+        reader.hit("a", b"k1", 4096, 1e-5)
+        reader.hit("b", b"k2", 8192, 2e-5)
+        reader.call("a", 1, 4096, 3e-5)
+        reader.call("b", 1, 8192, 4e-5)
+        reports = {r.namespace: r for r in reader.take_hits()}
+        assert [(c.blocks, c.bytes, c.seconds) for c in reports["a"].calls] == [(1, 4096, 3e-5)]
+        assert [(c.blocks, c.bytes, c.seconds) for c in reports["b"].calls] == [(1, 8192, 4e-5)]
+        assert reader.take_hits() == []  # taken: nothing pending
+        for i in range(MAX_CALLS_PER_HITS + 6):
+            reader.hit("a", b"k1", 4096, 1e-5)
+            reader.call("a", 1, 4096, float(i))
+        (report,) = reader.take_hits()
+        assert [c.seconds for c in report.calls] == [
+            float(i) for i in range(6, MAX_CALLS_PER_HITS + 6)
+        ]
+    finally:
+        reader.close()
+        directory.close()
