@@ -18,6 +18,9 @@ records, besides the gap:
   sampler late by as much (`sampler_late_max_ms`), and the frame seen after it;
 * the garbage collections (`gc.callbacks`) that overlapped it, with generation and time.
 
+With `KVTIER_STALL_TRACE_CENSUS_S=N` also, every N s, the types of what the collector's
+oldest generation holds (what each full collection walks again).
+
 Costs a thread waking every few ms and a small /proc read per wake-up: for diagnosis,
 not production.
 """
@@ -39,9 +42,12 @@ from typing import Any
 from kvtier.server.looplag import LoopLag
 
 ENV_VAR = "KVTIER_STALL_TRACE"
+# Also this often (seconds), a census of what full collections walk (`census`).
+ENV_CENSUS = "KVTIER_STALL_TRACE_CENSUS_S"
 LATE_OVER_S = 0.010  # the probe this much later than its interval: a stall being traced
 SAMPLE_EVERY_S = 0.002
 STACK_DEPTH = 14
+THREADS_EVERY_TICKS = 4  # every thread's schedstat read at every 4th tick (~8 ms)
 _GC_KEPT = 256
 
 
@@ -82,6 +88,27 @@ def _short(filename: str) -> str:
     return filename
 
 
+_WAITS = (
+    " wait",
+    " select",
+    " poll",
+    " sleep",
+    " _worker",
+    " get",
+    " acquire",
+    " _poll_wrapper",
+    " accept",
+    " serve_forever",
+    " _run",
+)
+
+
+def _waiting(frame: str) -> bool:
+    """A thread's innermost frame that is it waiting, not running (a rough rule: only
+    for leaving the idle threads' stacks out of a record)."""
+    return frame.endswith(_WAITS) and not frame.startswith("kvtier/")
+
+
 def classify(gap_s: float, loop_cpu_s: float, loop_wait_s: float, others_cpu_s: float) -> str:
     """What most of a stall was: `loop` (the loop thread ran), `descheduled` (it waited
     for a CPU), `other-threads` (it neither ran nor waited, and our other threads ran: the
@@ -100,8 +127,16 @@ class StallTracer:
     """The sampler thread and the gc hook; `stalled(start_s, end_s)` is called by the
     probe (on the loop) after each stall over the threshold."""
 
-    def __init__(self, path: Path, lag: LoopLag, over_s: float = LATE_OVER_S) -> None:
+    def __init__(
+        self,
+        path: Path,
+        lag: LoopLag,
+        over_s: float = LATE_OVER_S,
+        census_every_s: float = float("inf"),
+    ) -> None:
         self.path = path
+        self._census_every_s = census_every_s
+        self._census_until_s = 0.0  # the end of the last census (its own stall)
         self._lag = lag
         self._over_s = over_s
         self._loop_ident = threading.get_ident()
@@ -112,10 +147,15 @@ class StallTracer:
         self._gcs: deque[dict[str, Any]] = deque(maxlen=_GC_KEPT)
         self._gc_started: dict[int, float] = {}
         self._pending: deque[tuple[float, float]] = deque()
-        # Schedstat snapshots: the loop thread's at each sampler tick while no stall is
-        # on (the last one is where the next stall starts), all threads' when one begins.
-        self._calm_loop: tuple[float, ThreadTimes] | None = None
-        self._stall_threads: dict[int, tuple[str, ThreadTimes]] = {}
+        # Schedstat snapshots: the loop thread's at each sampler tick (a stall's window
+        # starts at the last one before it), all threads' when a stall is seen.
+        self._loop_times: deque[tuple[float, ThreadTimes]] = deque(maxlen=4096)
+        self._thread_times: deque[tuple[float, dict[int, tuple[str, ThreadTimes]]]] = deque(
+            maxlen=1024
+        )
+        # Other threads' innermost frames seen during stalls: (time, thread name, stack).
+        self._other_stacks: deque[tuple[float, str, tuple[str, ...]]] = deque(maxlen=20_000)
+        self._ticks = 0
         self._sampler_late_max_s = 0.0
         self._thread = threading.Thread(target=self._run, name="kvtier-stalltrace", daemon=True)
 
@@ -164,11 +204,36 @@ class StallTracer:
                 out[native] = (thread.name, times)
         return out
 
+    def census(self) -> None:
+        """One line naming what the collector's oldest generation holds, by type (what
+        every full collection walks). Walking it holds the GIL about as long as a full
+        collection does: the stall it makes is marked `census` in the next record."""
+        began_s = time.monotonic()
+        kinds = Counter(type(o).__qualname__ for o in gc.get_objects(generation=2))
+        took_s = time.monotonic() - began_s
+        self._census_until_s = time.monotonic()
+        line = {
+            "census": {k: n for k, n in kinds.most_common(25)},
+            "objects": sum(kinds.values()),
+            "frozen": gc.get_freeze_count(),
+            "took_ms": round(took_s * 1e3, 2),
+            "wall_time": time.time(),
+        }
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError:
+            pass
+
     def _run(self) -> None:
-        in_stall = False
         last_tick_s = time.monotonic()
+        next_census_s = last_tick_s + self._census_every_s
         while not self._stop.wait(SAMPLE_EVERY_S):
             now_s = time.monotonic()
+            if now_s >= next_census_s:
+                self.census()
+                next_census_s = time.monotonic() + self._census_every_s
+                now_s = time.monotonic()
             # How late this thread itself woke: a C call holding the GIL keeps it too.
             self._sampler_late_max_s = max(
                 self._sampler_late_max_s, now_s - last_tick_s - SAMPLE_EVERY_S
@@ -180,41 +245,66 @@ class StallTracer:
                 self._write(*self._pending.popleft())
             late_s = now_s - self._lag.last_wake_s - self._lag.interval_s
             if late_s > self._over_s:
-                if not in_stall:
-                    in_stall = True
-                    self._stall_threads = self._snapshot_threads()
-                frame = sys._current_frames().get(self._loop_ident)
+                frames = sys._current_frames()
+                names = {t.ident: t.name for t in threading.enumerate()}
                 with self._lock:
-                    self._stacks.append((now_s, fold(frame)))
-            elif late_s <= 0.0:
-                # The probe is not due yet: the loop thread's times here are those at (or
-                # just after) the start of any stall that follows.
-                in_stall = False
-                times = thread_times(self._loop_native)
-                if times is not None:
-                    self._calm_loop = (now_s, times)
+                    self._stacks.append((now_s, fold(frames.get(self._loop_ident))))
+                    for ident, frame in frames.items():
+                        if ident not in (self._loop_ident, threading.get_ident()):
+                            name = names.get(ident, str(ident))
+                            self._other_stacks.append((now_s, name, fold(frame, 6)))
+            times = thread_times(self._loop_native)
+            if times is not None:
+                self._loop_times.append((now_s, times))
+            self._ticks += 1
+            if self._ticks % THREADS_EVERY_TICKS == 0:
+                self._thread_times.append((now_s, self._snapshot_threads()))
 
     def _write(self, start_s: float, end_s: float) -> None:
         gap_s = end_s - start_s
+        now_s = time.monotonic()
         now_loop = thread_times(self._loop_native)
-        calm = self._calm_loop
+        before = None
+        for at_s, times in reversed(self._loop_times):
+            if at_s <= start_s:
+                before = (at_s, times)
+                break
         loop_cpu_s = loop_wait_s = 0.0
-        if now_loop is not None and calm is not None:
-            loop_cpu_s = (now_loop.cpu_ns - calm[1].cpu_ns) / 1e9
-            loop_wait_s = (now_loop.wait_ns - calm[1].wait_ns) / 1e9
-        threads = []
-        for native, (name, before) in self._stall_threads.items():
-            after = thread_times(native)
-            if after is None:
-                continue
-            cpu_ms = (after.cpu_ns - before.cpu_ns) / 1e6
-            if cpu_ms >= 0.5:
-                threads.append({"name": name, "cpu_ms": round(cpu_ms, 2)})
-        threads.sort(key=lambda t: -float(t["cpu_ms"]))
-        others_cpu_s = sum(float(t["cpu_ms"]) for t in threads) / 1e3
+        window_s = gap_s
+        if now_loop is not None and before is not None:
+            # Scaled to the gap: the window (last tick before the stall to now) is wider.
+            window_s = max(now_s - before[0], gap_s)
+            scale = gap_s / window_s
+            loop_cpu_s = (now_loop.cpu_ns - before[1].cpu_ns) / 1e9 * scale
+            loop_wait_s = (now_loop.wait_ns - before[1].wait_ns) / 1e9 * scale
         with self._lock:
             seen = Counter(stack for at_s, stack in self._stacks if start_s <= at_s <= end_s)
             self._stacks.clear()
+            others_seen: dict[str, Counter[tuple[str, ...]]] = {}
+            for at_s, name, stack in self._other_stacks:
+                if start_s <= at_s <= end_s and stack and not _waiting(stack[0]):
+                    others_seen.setdefault(name, Counter())[stack] += 1
+            self._other_stacks.clear()
+        threads: list[dict[str, Any]] = []
+        then = None
+        for at_s, snapshot in reversed(self._thread_times):
+            if at_s <= start_s:
+                then = (at_s, snapshot)
+                break
+        if then is not None:
+            scale = gap_s / max(now_s - then[0], gap_s)
+            for native, (name, was) in then[1].items():
+                after = thread_times(native)
+                if after is None:
+                    continue
+                cpu_ms = (after.cpu_ns - was.cpu_ns) / 1e6 * scale
+                if cpu_ms >= 0.5:
+                    row: dict[str, Any] = {"name": name, "cpu_ms": round(cpu_ms, 2)}
+                    if name in others_seen:
+                        row["stack"] = list(others_seen[name].most_common(1)[0][0])
+                    threads.append(row)
+        threads.sort(key=lambda t: -float(t["cpu_ms"]))
+        others_cpu_s = sum(float(t["cpu_ms"]) for t in threads) / 1e3
         gcs = [
             {k: v for k, v in g.items() if k != "start_s"}
             for g in list(self._gcs)
@@ -225,13 +315,15 @@ class StallTracer:
             "wall_time": time.time(),
             "gap_ms": round(gap_s * 1e3, 2),
             "kind": classify(gap_s, loop_cpu_s, loop_wait_s, others_cpu_s),
-            # Over the window from the last calm sampler tick to now: a little wider
-            # than the stall itself.
+            # Measured from the last sampler tick before the stall to its record
+            # (`window_ms`, a little wider than the stall) and scaled to the gap.
+            "window_ms": round(window_s * 1e3, 2),
             "loop_cpu_ms": round(loop_cpu_s * 1e3, 2),
             "loop_runqueue_wait_ms": round(loop_wait_s * 1e3, 2),
             "other_threads": threads,
             "gc": gcs,
             "sampler_late_max_ms": round(self._sampler_late_max_s * 1e3, 2),
+            "census": start_s <= self._census_until_s,
             "stacks": [{"samples": n, "frames": list(s)} for s, n in seen.most_common(6)],
         }
         self._sampler_late_max_s = 0.0
@@ -248,6 +340,9 @@ def start_from_env(lag: LoopLag) -> StallTracer | None:
     where = os.environ.get(ENV_VAR)
     if not where:
         return None
-    tracer = StallTracer(Path(where), lag)
+    census_s = os.environ.get(ENV_CENSUS)
+    tracer = StallTracer(
+        Path(where), lag, census_every_s=float(census_s) if census_s else float("inf")
+    )
     tracer.start()
     return tracer
