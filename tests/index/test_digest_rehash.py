@@ -60,3 +60,38 @@ def test_a_large_table_rehashed_finds_every_key() -> None:
     table._rehash()
     _check_probing(table)
     assert all(table.get(d) == (-1 if n % 3 == 0 else n % 256) for n, d in enumerate(keys))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    calls=st.lists(
+        st.tuples(st.sampled_from(["put", "pop", "oldest"]), crowded, st.integers(0, 255)),
+        max_size=400,
+    ),
+    bound=st.integers(0, 64),
+)
+def test_removals_keep_runs_unbroken_without_deleted_marks(
+    calls: list[tuple[str, int, int]], bound: int
+) -> None:
+    """Backward-shift removal: after any mix of puts and removals of keys crowded at the
+    top of the index (runs wrap), every key is findable, the index holds no mark, and a
+    table sized for its bound never rehashed while it stayed within it."""
+    table, model = DigestTable(bound), OrderedDict[int, int]()
+    size = len(table._index)
+    within = True
+    for name, digest, value in calls:
+        if name == "put":
+            table.put(digest, value)
+            model.setdefault(digest, value)
+            model[digest] = value
+        elif name == "pop":
+            assert table.pop(digest) == model.pop(digest, -1)
+        elif model:
+            assert table.pop_oldest() == model.popitem(last=False)[0]
+        within = within and len(model) <= bound
+        assert all(n >= 0 for n in table._index)
+        _check_probing(table)
+    for digest, value in model.items():
+        assert table.get(digest) == value
+    if within and bound:
+        assert len(table._index) == size
