@@ -13,7 +13,8 @@ records, besides the gap:
   ≈ gap is the machine's;
 * every other thread's CPU time over the stall (which of them ran, maybe holding the GIL);
 * the loop thread's stack, sampled every `SAMPLE_EVERY_S` while the probe is late
-  (`sys._current_frames()`), folded and counted. The sampler is a Python thread, so it
+  (through `faulthandler`, which hands out no frame object to keep locals alive), folded
+  and counted. The sampler is a Python thread, so it
   too needs the GIL: a C call that holds it (a collection, a large copy) shows as a
   sampler late by as much (`sampler_late_max_ms`), and the frame seen after it;
 * the garbage collections (`gc.callbacks`) that overlapped it, with generation and time.
@@ -27,15 +28,15 @@ not production.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import json
 import os
-import sys
+import re
 import threading
 import time
 from collections import Counter, deque
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from kvtier.server.looplag import LoopLag
@@ -67,14 +68,24 @@ def thread_times(native_id: int) -> ThreadTimes | None:
     return (int(fields[0]), int(fields[1]))
 
 
-def fold(frame: FrameType | None, depth: int = STACK_DEPTH) -> tuple[str, ...]:
-    """A stack as `file:line function` strings, innermost first."""
-    out: list[str] = []
-    while frame is not None and len(out) < depth:
-        code = frame.f_code
-        out.append(f"{_short(code.co_filename)}:{frame.f_lineno} {code.co_name}")
-        frame = frame.f_back
-    return tuple(out)
+_THREAD_LINE = re.compile(r"^(?:Current thread|Thread) 0x([0-9a-f]+)")
+_FRAME_LINE = re.compile(r'^  File "(.*)", line (\d+) in (.*)$')
+
+
+def parse_dump(text: str, depth: int = STACK_DEPTH) -> dict[int, tuple[str, ...]]:
+    """faulthandler's all-threads traceback as `file:line function` strings by thread
+    ident, innermost first (as it prints them)."""
+    out: dict[int, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        head = _THREAD_LINE.match(line)
+        if head:
+            current = out.setdefault(int(head.group(1), 16), [])
+            continue
+        frame = _FRAME_LINE.match(line)
+        if frame and current is not None and len(current) < depth:
+            current.append(f"{_short(frame.group(1))}:{frame.group(2)} {frame.group(3)}")
+    return {ident: tuple(stack) for ident, stack in out.items()}
 
 
 def _short(filename: str) -> str:
@@ -153,6 +164,8 @@ class StallTracer:
         # Other threads' innermost frames seen during stalls: (time, thread name, stack).
         self._other_stacks: deque[tuple[float, str, tuple[str, ...]]] = deque(maxlen=20_000)
         self._ticks = 0
+        # Where faulthandler writes the stacks: a file in memory, reused each sample.
+        self._dump_fd = os.memfd_create("kvtier-stalltrace", os.MFD_CLOEXEC)
         self._sampler_late_max_s = 0.0
         self._thread = threading.Thread(target=self._run, name="kvtier-stalltrace", daemon=True)
 
@@ -168,6 +181,8 @@ class StallTracer:
             gc.callbacks.remove(self._on_gc)
         self._lag.listener = None
         self._thread.join(timeout=1.0)
+        if not self._thread.is_alive():
+            os.close(self._dump_fd)
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         now_s = time.monotonic()
@@ -189,6 +204,20 @@ class StallTracer:
     def stalled(self, start_s: float, end_s: float) -> None:
         """From the probe, on the loop: a stall from `start_s` to `end_s` (monotonic)."""
         self._pending.append((start_s, end_s))
+
+    def _dump_stacks(self) -> dict[int, tuple[str, ...]]:
+        """Every thread's stack, by thread ident, innermost first: through faulthandler,
+        which reads the frames in C and hands out no frame object. Holding one (as
+        `sys._current_frames()` does) keeps a returned function's locals alive, and a
+        memoryview among them makes the owner's `mmap.close()` or resize fail: it took a
+        traced daemon down in calibration."""
+        fd = self._dump_fd
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.ftruncate(fd, 0)
+        faulthandler.dump_traceback(fd, all_threads=True)
+        os.lseek(fd, 0, os.SEEK_SET)
+        text = os.read(fd, 1 << 20).decode(errors="replace")
+        return parse_dump(text)
 
     def _snapshot_threads(self) -> dict[int, tuple[str, ThreadTimes]]:
         out: dict[int, tuple[str, ThreadTimes]] = {}
@@ -242,14 +271,14 @@ class StallTracer:
                 self._write(*self._pending.popleft())
             late_s = now_s - self._lag.last_wake_s - self._lag.interval_s
             if late_s > self._over_s:
-                frames = sys._current_frames()
+                stacks = self._dump_stacks()
                 names = {t.ident: t.name for t in threading.enumerate()}
                 with self._lock:
-                    self._stacks.append((now_s, fold(frames.get(self._loop_ident))))
-                    for ident, frame in frames.items():
+                    self._stacks.append((now_s, stacks.get(self._loop_ident, ())))
+                    for ident, stack in stacks.items():
                         if ident not in (self._loop_ident, threading.get_ident()):
                             name = names.get(ident, str(ident))
-                            self._other_stacks.append((now_s, name, fold(frame, 6)))
+                            self._other_stacks.append((now_s, name, stack[:6]))
             times = thread_times(self._loop_native)
             if times is not None:
                 self._loop_times.append((now_s, times))

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import mmap
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -107,6 +109,31 @@ async def test_a_census_names_what_full_collections_walk(tmp_path: Path) -> None
     assert line["census"][Kept.__qualname__] >= 5000
     assert line["objects"] >= 5000
     del kept
+
+
+def test_sampling_keeps_no_frame_alive(tmp_path: Path) -> None:
+    """A sampled thread's locals die with its function: a memoryview of an mmap among them
+    must not stop the mmap from closing (holding the frame objects did: a daemon's
+    calibration failed so)."""
+    tracer = StallTracer(tmp_path / "x.jsonl", LoopLag(INTERVAL_S))
+    arena = mmap.mmap(-1, 4096)
+    ready, finish = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        view = memoryview(arena)
+        ready.set()
+        finish.wait(10)
+        assert len(view) == 4096
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert ready.wait(10)
+    stacks = tracer._dump_stacks()
+    finish.set()
+    thread.join()
+    arena.close()  # BufferError if `stacks` kept holder's frame (and its view) alive
+    assert any(f.endswith(" holder") for stack in stacks.values() for f in stack)
+    assert all(isinstance(f, str) for stack in stacks.values() for f in stack)
 
 
 @given(
