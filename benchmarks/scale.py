@@ -159,6 +159,7 @@ class Daemon:
         self.log_path = run_dir / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_s = 0.0
+        self.stall_trace: Path | None = None  # KVTIER_STALL_TRACE for the next start
 
     @property
     def pid(self) -> int:
@@ -166,9 +167,11 @@ class Daemon:
         return self.proc.pid
 
     def start(self) -> None:
-        env = None
+        env = dict(os.environ)
         if self.code is not None:
-            env = dict(os.environ, PYTHONPATH=str(self.code))
+            env["PYTHONPATH"] = str(self.code)
+        if self.stall_trace is not None:
+            env["KVTIER_STALL_TRACE"] = str(self.stall_trace)
         with self.log_path.open("ab") as log:
             self.started_s = time.perf_counter()
             self.proc = subprocess.Popen(
@@ -299,6 +302,9 @@ def fill_and_restart(args: argparse.Namespace, root: Path, run_dir: Path) -> dic
     keys = list(chain_keys(n))
     sample = rng.sample(keys, min(args.sample, n))
     out: dict[str, Any] = {}
+    if args.stall_trace is not None:
+        args.stall_trace.mkdir(parents=True, exist_ok=True)
+        daemon.stall_trace = args.stall_trace / "fill.jsonl"
     try:
         daemon.start()
         daemon.wait_first_rpc(keys[0])
@@ -325,6 +331,8 @@ def fill_and_restart(args: argparse.Namespace, root: Path, run_dir: Path) -> dic
             "rss_anon_per_block_bytes": round((filled - empty) / n),
         }
         stop_s = daemon.stop()
+        if args.stall_trace is not None:
+            daemon.stall_trace = args.stall_trace / "restart.jsonl"
         daemon.start()
         ready_s = daemon.wait_first_rpc(keys[0])
         with kvtier.Client(daemon.target, timeout_s=120) as client:
@@ -706,6 +714,13 @@ def main() -> int:
     )
     parser.add_argument("--in-process-memory", type=int, default=0, metavar="N")
     parser.add_argument("--tracemalloc", action="store_true", help="with --in-process-memory")
+    parser.add_argument(
+        "--stall-trace",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run the daemons with KVTIER_STALL_TRACE (fill.jsonl, restart.jsonl in DIR)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--keep", action="store_true", help="leave the NVMe tier behind")
     args = parser.parse_args()
