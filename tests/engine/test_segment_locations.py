@@ -47,7 +47,11 @@ async def test_the_catalog_follows_reclaim_and_every_block_reads_back(tmp_path: 
             before[key] = entry.nvme_location
         for key in keys[::3]:  # dead records in every segment
             await store.delete((NS, key))
-        await asyncio.sleep(0.2)  # the removals, in the background
+        for _ in range(500):  # the removals run in the background: wait for them all
+            if not store.nvme._removing:
+                break
+            await asyncio.sleep(0.01)
+        assert not store.nvme._removing
         moved = await asyncio.to_thread(tier.reclaim, True)  # as the reclaimer thread does
         assert moved > 0 and tier.relocated_bytes > 0
         kept = [k for i, k in enumerate(keys) if i % 3]
