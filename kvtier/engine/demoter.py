@@ -338,7 +338,17 @@ class Demoter:
 
     async def flush(self) -> int:
         """Write every DRAM-only block to NVMe (most recently stored first), in batches,
-        one per I/O thread at a time; returns how many were written."""
+        one per I/O thread at a time, and wait for the demotions in flight; returns how
+        many were written."""
+        written = await self._flush_dram_only()
+        # A demotion batch in flight holds its victims out of `dram_only_entries`: until it
+        # ends they are on neither list, and one that fails puts them back in DRAM only.
+        while any(self._batches.values()):
+            await self._store.space.freed.wait()  # every batch signals as it ends
+            written += await self._flush_dram_only()
+        return written
+
+    async def _flush_dram_only(self) -> int:
         store = self._store
         if store.nvme is None:
             return 0

@@ -236,3 +236,38 @@ async def test_a_put_waits_for_a_batch_in_flight_and_never_writes_itself(
         block_bytes(i, 1 << 20) for i in (1, 2, 3)
     ]
     await store.close()
+
+
+async def test_flush_waits_for_the_demotions_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A demotion batch's victims are on neither list while it writes: a flush that wrote
+    # only the DRAM-only blocks returned with them not yet on NVMe (the daemon's stop).
+    store = Store(config(tmp_path, 4 << 20, 0.25))
+    await store.start()
+    entered, release = threading.Event(), threading.Event()
+    real = NvmeTier.write_many
+
+    def slow(self: NvmeTier, headers: object, payloads: object) -> object:
+        if not entered.is_set():  # the first batch only: the flush's own writes go at once
+            entered.set()
+            release.wait(10)
+        return real(self, headers, payloads)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(NvmeTier, "write_many", slow)
+    # 3.25 MiB into 4 MiB: past the low mark (a batch claimed), no put waits for room.
+    blocks = {f"w{i}".encode(): block_bytes(i, 256 << 10) for i in range(13)}
+    for key, data in blocks.items():
+        await put(store, key, data)
+    assert await asyncio.to_thread(entered.wait, 10)
+    assert any(store.demoter._batches.values())  # a batch is being written now
+    flushing = asyncio.ensure_future(store.flush())
+    await asyncio.sleep(0.05)
+    assert not flushing.done()  # it waits for the batch, which waits for the disk
+    release.set()
+    await asyncio.wait_for(flushing, 10)
+    assert not any(store.demoter._batches.values())
+    for key in blocks:  # every block has its record now, as the daemon's stop expects
+        entry = store.stat((NS, key))
+        assert entry is not None and entry.nvme_record_bytes
+    await store.close()
