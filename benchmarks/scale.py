@@ -141,8 +141,11 @@ class Daemon:
         policy: str,
         layout: str = "files",
         code: Path | None = None,
+        account: bool = False,
     ) -> None:
         self.code = code  # a checkout whose kvtier the daemon runs (None: this one's)
+        # Run under benchmarks/rss_account.py's SIGUSR1 hook (`take_account`).
+        self.account = account
         self.run_dir = run_dir
         self.socket_path = run_dir / "s.sock"
         self.target = f"unix://{self.socket_path}"
@@ -169,10 +172,14 @@ class Daemon:
         env = None
         if self.code is not None:
             env = dict(os.environ, PYTHONPATH=str(self.code))
+        entry = ["-m", "kvtier"]
+        if self.account:
+            entry = [str(Path(__file__).with_name("rss_account.py"))]
+            env = dict(env or os.environ, KVTIER_RSS_ACCOUNT=str(self.run_dir / "account.json"))
         with self.log_path.open("ab") as log:
             self.started_s = time.perf_counter()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvtier", "serve", "--config", str(self.config_path)],
+                [sys.executable, *entry, "serve", "--config", str(self.config_path)],
                 stdout=log,
                 stderr=log,
                 env=env,
@@ -204,6 +211,21 @@ class Daemon:
         if code != 0:
             raise SystemExit(f"the daemon exited with {code}:\n{self._log_tail()}")
         return time.perf_counter() - started
+
+    def take_account(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        """benchmarks/rss_account.py's account of the daemon's RssAnon, now."""
+        out = self.run_dir / "account.json"
+        out.unlink(missing_ok=True)
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGUSR1)
+        deadline = time.perf_counter() + timeout_s
+        while not out.exists():
+            self._check_alive()
+            if time.perf_counter() > deadline:
+                raise SystemExit("no RSS account from the daemon")
+            time.sleep(0.1)
+        result: dict[str, Any] = json.loads(out.read_text())
+        return result
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -294,7 +316,15 @@ def fill_and_restart(args: argparse.Namespace, root: Path, run_dir: Path) -> dic
     n, size = args.blocks, args.block_bytes
     record_bytes = -(-size // 4096) * 4096 + 4096
     nvme_bytes = int(n * record_bytes * 1.25) + (256 << 20)
-    daemon = Daemon(run_dir, root / "nvme", args.dram, nvme_bytes, args.policy, args.layout)
+    daemon = Daemon(
+        run_dir,
+        root / "nvme",
+        args.dram,
+        nvme_bytes,
+        args.policy,
+        args.layout,
+        account=args.account,
+    )
     rng = random.Random(7)
     keys = list(chain_keys(n))
     sample = rng.sample(keys, min(args.sample, n))
@@ -305,6 +335,9 @@ def fill_and_restart(args: argparse.Namespace, root: Path, run_dir: Path) -> dic
         with kvtier.Client(daemon.target, timeout_s=120) as client:
             client.stats()  # the fill's stall window starts here
             empty = rss_anon_bytes(daemon.pid)
+            if args.account:
+                out["empty_account"] = daemon.take_account()
+                empty = rss_anon_bytes(daemon.pid)  # the account's own walk, not counted
             began = time.perf_counter()
             put_all(client, NS, keys, size)
             fill_s = time.perf_counter() - began
@@ -324,6 +357,8 @@ def fill_and_restart(args: argparse.Namespace, root: Path, run_dir: Path) -> dic
             "rss_anon_bytes": filled,
             "rss_anon_per_block_bytes": round((filled - empty) / n),
         }
+        if args.account:
+            out["fill"]["account"] = daemon.take_account()
         stop_s = daemon.stop()
         daemon.start()
         ready_s = daemon.wait_first_rpc(keys[0])
@@ -356,6 +391,8 @@ def fill_and_restart(args: argparse.Namespace, root: Path, run_dir: Path) -> dic
             out["restart"]["stall_max_complete_ms"] = round(
                 client.stats().event_loop_stall_max_s * 1e3, 1
             )
+            if args.account:
+                out["restart"]["account"] = daemon.take_account()
             out["readback"] = read_back(client, sample, size)
             out["latency"] = chain_latency(client, keys, rng)
         daemon.stop()
@@ -706,6 +743,12 @@ def main() -> int:
     )
     parser.add_argument("--in-process-memory", type=int, default=0, metavar="N")
     parser.add_argument("--tracemalloc", action="store_true", help="with --in-process-memory")
+    parser.add_argument(
+        "--account",
+        action="store_true",
+        help="run the daemon under benchmarks/rss_account.py and account its RssAnon "
+        "after the fill and after the restart (into --json)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--keep", action="store_true", help="leave the NVMe tier behind")
     args = parser.parse_args()
