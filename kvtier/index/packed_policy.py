@@ -71,7 +71,16 @@ from kvtier.index.policy import (
     ValuePolicy,
 )
 from kvtier.index.slot_policy import SlotPolicy
-from kvtier.index.slots import NO_SLOT, DigestTable, extend, headroom, link_last, unlink
+from kvtier.index.slots import (
+    NO_SLOT,
+    DigestTable,
+    column,
+    extend,
+    grow_column,
+    headroom,
+    link_last,
+    unlink,
+)
 
 __all__ = [
     "NO_SLOT",
@@ -387,37 +396,42 @@ class PackedValue(SlotPolicy):
         self._inflation = 0.0  # L: rises to each evicted priority
         self._tick = 0  # seq of the last priority change
         self._len = 0
-        self._prio = array("d")
-        self._seq = array("q")
-        self._pos = array("i")
-        self._size = array("I")
-        self._parent = array("i")
-        self._first = array("i")  # first child cached in this tier (-1: none)
-        self._next_sib = array("i")
-        self._prev_sib = array("i")
-        self._where = array("i")  # index in _heap, or _ABSENT / _PARENT
+        # Per slot, in mapped columns (slots.column): the NVMe order's are a dozen arrays
+        # of a million slots and more, which realloc growth left holes behind in the heap.
+        self._prio: memoryview[float] = column("d")
+        self._seq: memoryview[int] = column("q")
+        self._pos: memoryview[int] = column("i")
+        self._size: memoryview[int] = column("I")
+        self._parent: memoryview[int] = column("i")
+        self._first: memoryview[int] = column("i")  # first child cached in this tier (-1: none)
+        self._next_sib: memoryview[int] = column("i")
+        self._prev_sib: memoryview[int] = column("i")
+        self._where: memoryview[int] = column("i")  # index in _heap, or _ABSENT / _PARENT
         self._heap = array("i")
         # ValuePolicy's safety net: recency as a circular list (node 0 the sentinel, slot s
         # at s + 1, oldest first) and the shadow LRU's keys by digest (by slot without
         # `digest_of`: right only while slots are not reused, as in the replay's SlotMap).
-        self._rprev = array("i", [0])
-        self._rnext = array("i", [0])
+        self._rprev: memoryview[int] = column("i", 1)
+        self._rnext: memoryview[int] = column("i", 1)
         self._digest_of: Callable[[int], int] = digest_of or int
         self._shadow: DigestTable | None = DigestTable() if shadow else None
         self.weight = 1.0
         self._credit = 0.0
 
     def _grow(self, slot: int) -> None:
-        size = len(self._where)
-        count = headroom(size, slot + 1) - size
-        extend(self._prio, count, 0.0)
-        extend(self._seq, count, 0)
-        extend(self._pos, count, 0)
-        extend(self._size, count, 0)
-        for values in (self._parent, self._first, self._next_sib, self._prev_sib, self._where):
-            extend(values, count, -1)
-        extend(self._rprev, count, 0)  # one longer than the rest: node 0 is the sentinel
-        extend(self._rnext, count, 0)
+        size = headroom(len(self._where), slot + 1)
+        self._prio = grow_column(self._prio, size, 0.0)
+        self._seq = grow_column(self._seq, size, 0)
+        self._pos = grow_column(self._pos, size, 0)
+        self._size = grow_column(self._size, size, 0)
+        self._parent = grow_column(self._parent, size, -1)
+        self._first = grow_column(self._first, size, -1)
+        self._next_sib = grow_column(self._next_sib, size, -1)
+        self._prev_sib = grow_column(self._prev_sib, size, -1)
+        self._where = grow_column(self._where, size, -1)
+        # One longer than the rest: node 0 is the sentinel.
+        self._rprev = grow_column(self._rprev, size + 1, 0)
+        self._rnext = grow_column(self._rnext, size + 1, 0)
 
     def _touch(self, slot: int, hit: bool) -> None:
         """ValuePolicy._touch: most recent now; the shadow's verdict moves the weight."""
@@ -598,7 +612,7 @@ class PackedValue(SlotPolicy):
             dtype=np.float64,
         )[inverse]
         priority = self._inflation + uses * saving / np.maximum(sizes, 1)
-        prio = np.frombuffer(self._prio, dtype=np.float64)
+        prio = np.asarray(self._prio)  # float64: the column's typecode is "d"
         seq = np.frombuffer(self._seq, dtype=np.int64)
         pos = np.frombuffer(self._pos, dtype=np.int32)
         prio[slots] = priority
