@@ -294,10 +294,13 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
     out = os.environ.get("KVTIER_RSS_ACCOUNT") or f"/tmp/kvtier-rss-{os.getpid()}.json"
     result = account()
     # Last (it changes what it measures): how much of RssAnon malloc_trim hands back,
-    # i.e. free heap rather than live data.
-    before = _rss_anon()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    result["malloc_trim_returned_bytes"] = before - _rss_anon()
+    # i.e. free heap rather than live data; not when the caller measures on after it.
+    if not Path(out + ".no-trim").exists():
+        before = _rss_anon()
+        began = time.perf_counter()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        result["malloc_trim_s"] = round(time.perf_counter() - began, 4)
+        result["malloc_trim_returned_bytes"] = before - _rss_anon()
     tmp = out + ".tmp"
     Path(tmp).write_text(json.dumps(result, indent=1) + "\n")
     os.replace(tmp, out)

@@ -212,10 +212,16 @@ class Daemon:
             raise SystemExit(f"the daemon exited with {code}:\n{self._log_tail()}")
         return time.perf_counter() - started
 
-    def take_account(self, timeout_s: float = 300.0) -> dict[str, Any]:
-        """benchmarks/rss_account.py's account of the daemon's RssAnon, now."""
+    def take_account(self, trim: bool = True, timeout_s: float = 300.0) -> dict[str, Any]:
+        """benchmarks/rss_account.py's account of the daemon's RssAnon, now (and with
+        `trim`, what a malloc_trim then returns: it changes what is measured after)."""
         out = self.run_dir / "account.json"
         out.unlink(missing_ok=True)
+        no_trim = self.run_dir / "account.json.no-trim"
+        if trim:
+            no_trim.unlink(missing_ok=True)
+        else:
+            no_trim.touch()
         assert self.proc is not None
         self.proc.send_signal(signal.SIGUSR1)
         deadline = time.perf_counter() + timeout_s
@@ -366,6 +372,8 @@ def fill_and_restart(args: argparse.Namespace, root: Path, run_dir: Path) -> dic
             wait_served(client, sample)
             served_s = time.perf_counter() - daemon.started_s
             restarted = rss_anon_bytes(daemon.pid)
+            if args.account:  # what the moment the samples are served holds (no trim)
+                served_account = daemon.take_account(trim=False)
             after_restart = client.stats()
             blocks = sum(t.blocks for t in after_restart.tiers.values())
             out["restart"] = {
@@ -392,6 +400,7 @@ def fill_and_restart(args: argparse.Namespace, root: Path, run_dir: Path) -> dic
                 client.stats().event_loop_stall_max_s * 1e3, 1
             )
             if args.account:
+                out["restart"]["served_account"] = served_account
                 out["restart"]["account"] = daemon.take_account()
             out["readback"] = read_back(client, sample, size)
             out["latency"] = chain_latency(client, keys, rng)
