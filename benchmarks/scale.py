@@ -162,6 +162,7 @@ class Daemon:
         self.log_path = run_dir / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_s = 0.0
+        self.stall_trace: Path | None = None  # KVTIER_STALL_TRACE for the next start
 
     @property
     def pid(self) -> int:
@@ -169,13 +170,15 @@ class Daemon:
         return self.proc.pid
 
     def start(self) -> None:
-        env = None
+        env = dict(os.environ)
         if self.code is not None:
-            env = dict(os.environ, PYTHONPATH=str(self.code))
+            env["PYTHONPATH"] = str(self.code)
+        if self.stall_trace is not None:
+            env["KVTIER_STALL_TRACE"] = str(self.stall_trace)
         entry = ["-m", "kvtier"]
         if self.account:
             entry = [str(Path(__file__).with_name("rss_account.py"))]
-            env = dict(env or os.environ, KVTIER_RSS_ACCOUNT=str(self.run_dir / "account.json"))
+            env["KVTIER_RSS_ACCOUNT"] = str(self.run_dir / "account.json")
         with self.log_path.open("ab") as log:
             self.started_s = time.perf_counter()
             self.proc = subprocess.Popen(
@@ -335,6 +338,9 @@ def fill_and_restart(args: argparse.Namespace, root: Path, run_dir: Path) -> dic
     keys = list(chain_keys(n))
     sample = rng.sample(keys, min(args.sample, n))
     out: dict[str, Any] = {}
+    if args.stall_trace is not None:
+        args.stall_trace.mkdir(parents=True, exist_ok=True)
+        daemon.stall_trace = args.stall_trace / "fill.jsonl"
     try:
         daemon.start()
         daemon.wait_first_rpc(keys[0])
@@ -366,6 +372,8 @@ def fill_and_restart(args: argparse.Namespace, root: Path, run_dir: Path) -> dic
         if args.account:
             out["fill"]["account"] = daemon.take_account()
         stop_s = daemon.stop()
+        if args.stall_trace is not None:
+            daemon.stall_trace = args.stall_trace / "restart.jsonl"
         daemon.start()
         ready_s = daemon.wait_first_rpc(keys[0])
         with kvtier.Client(daemon.target, timeout_s=120) as client:
@@ -757,6 +765,13 @@ def main() -> int:
         action="store_true",
         help="run the daemon under benchmarks/rss_account.py and account its RssAnon "
         "after the fill and after the restart (into --json)",
+    )
+    parser.add_argument(
+        "--stall-trace",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run the daemons with KVTIER_STALL_TRACE (fill.jsonl, restart.jsonl in DIR)",
     )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--keep", action="store_true", help="leave the NVMe tier behind")

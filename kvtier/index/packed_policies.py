@@ -33,7 +33,7 @@ class PackedReuse:
     def __init__(self, remembered_keys: int = 1 << 20) -> None:
         self._placed = [0] * 20
         self._reused = [0] * 20
-        self._last = DigestTable()
+        self._last = DigestTable(remembered_keys)  # sized for all of them: never rehashed
         self._remembered = remembered_keys
 
     @staticmethod

@@ -61,6 +61,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable
 from heapq import heappop, heappush
+from typing import Any
 
 import numpy as np
 
@@ -361,6 +362,24 @@ class DigestSketch:
 _ABSENT, _PARENT = -1, -2  # _where of a slot not in the tier / in it with cached children
 
 
+_GROW_AHEAD_FROM = 1 << 14
+# PackedValue's per-slot columns: (attribute, fill, how much longer than the slots it is),
+# `_where` last (its length is the capacity every check reads).
+_GROWN: tuple[tuple[str, float, int], ...] = (
+    ("_prio", 0.0, 0),
+    ("_seq", 0, 0),
+    ("_pos", 0, 0),
+    ("_size", 0, 0),
+    ("_parent", -1, 0),
+    ("_first", -1, 0),
+    ("_next_sib", -1, 0),
+    ("_prev_sib", -1, 0),
+    ("_rprev", 0, 1),  # one longer than the rest: node 0 is the sentinel
+    ("_rnext", 0, 1),
+    ("_where", -1, 0),
+)
+
+
 class PackedValue(SlotPolicy):
     """ValuePolicy's greedy-dual-size-frequency with leaves before parents, on an
     indexed heap of the blocks that can be chosen: those in the tier with no cached
@@ -417,21 +436,35 @@ class PackedValue(SlotPolicy):
         self._shadow: DigestTable | None = DigestTable() if shadow else None
         self.weight = 1.0
         self._credit = 0.0
+        self._ahead_from = 1 << 62  # from this slot on, `_grow_ahead` (set as it grows)
+        self.grow_ahead_from = _GROW_AHEAD_FROM  # arrays shorter: grown all at once (cheap)
+
+    def _columns(self) -> tuple[tuple[memoryview[Any], float, int], ...]:
+        """The per-slot columns, each with its fill and how much longer than the slots it
+        is; `_where` last: its length is the capacity every other check reads."""
+        return tuple((getattr(self, name), fill, extra) for name, fill, extra in _GROWN)
 
     def _grow(self, slot: int) -> None:
-        size = headroom(len(self._where), slot + 1)
-        self._prio = grow_column(self._prio, size, 0.0)
-        self._seq = grow_column(self._seq, size, 0)
-        self._pos = grow_column(self._pos, size, 0)
-        self._size = grow_column(self._size, size, 0)
-        self._parent = grow_column(self._parent, size, -1)
-        self._first = grow_column(self._first, size, -1)
-        self._next_sib = grow_column(self._next_sib, size, -1)
-        self._prev_sib = grow_column(self._prev_sib, size, -1)
-        self._where = grow_column(self._where, size, -1)
-        # One longer than the rest: node 0 is the sentinel.
-        self._rprev = grow_column(self._rprev, size + 1, 0)
-        self._rnext = grow_column(self._rnext, size + 1, 0)
+        self._grow_to(headroom(len(self._where), slot + 1), every=True)
+
+    def _grow_to(self, slots: int, every: bool) -> None:
+        """Columns to `slots` long: all of them, or (`every` false) the first one short."""
+        for name, fill, extra in _GROWN:
+            values: memoryview[Any] = getattr(self, name)
+            if slots + extra > len(values):
+                setattr(self, name, grow_column(values, slots + extra, fill))
+                if not every:
+                    break
+        size = len(self._where)
+        self._ahead_from = size - (size >> 4) if size >= self.grow_ahead_from else 1 << 62
+
+    def _grow_ahead(self) -> None:
+        """Within the last sixteenth of the capacity: one column grown a step per call, to
+        where `_grow` would take them all. (Grown by mremap, a column's growth copies
+        nothing; when these were arrays, growing all eleven at once copied ~90 MB at a
+        million slots, a 25-55 ms stall, which this spread out.)"""
+        size = len(self._where)
+        self._grow_to(headroom(size, size + 1), every=False)
 
     def _touch(self, slot: int, hit: bool) -> None:
         """ValuePolicy._touch: most recent now; the shadow's verdict moves the weight."""
@@ -539,6 +572,8 @@ class PackedValue(SlotPolicy):
             parent = self._parent[parent]
 
     def insert(self, slot: int, size_bytes: int, position: int = 0, parent: int = NO_SLOT) -> None:
+        if slot >= self._ahead_from:
+            self._grow_ahead()
         if max(slot, parent) >= len(self._where):
             self._grow(max(slot, parent))
         where = self._where
@@ -586,6 +621,9 @@ class PackedValue(SlotPolicy):
             return
         slots = slots.astype(np.int64)
         top = int(slots.max())
+        if top >= self._ahead_from:
+            self._grow_ahead()
+            self._grow_ahead()  # a chunk adds thousands: two steps for each
         if top >= len(self._where):
             self._grow(top)
         where = np.frombuffer(self._where, dtype=np.int32)

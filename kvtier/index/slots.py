@@ -145,20 +145,29 @@ class DigestTable:
     the end), `pop_oldest` takes from the front. The caller bounds it; nothing here
     evicts on its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, bound: int = 0) -> None:
+        """`bound`: the most keys the caller will hold (0: unknown). An index for that many
+        is made at once (4 B a slot, at most 0.7 full), so the table never rehashes: a
+        rehash walks every key while the caller (the event loop) waits."""
         # Node 0 is the sentinel of the circular order list: _next[0] is the oldest. The
         # nodes and the index are mapped columns (`column`): the reuse memory's are a
-        # million keys, whose realloc-grown arrays left their old copies in the heap.
+        # million keys, whose realloc-grown arrays left their old copies in the heap (and
+        # an index made for its bound at once costs nothing until its pages are written).
         self._digest: memoryview[int] = column("Q", 1)
         self._value: memoryview[int] = column("B", 1)
         self._prev: memoryview[int] = column("i", 1)
         self._next: memoryview[int] = column("i", 1)
         self._nodes = 1  # nodes made (the columns' used length)
         self._free = 0  # first free node (chained through _next), 0: none
-        self._index: memoryview[int] = column("i", _MIN_INDEX, _EMPTY)
-        self._mask = _MIN_INDEX - 1
+        size = _MIN_INDEX
+        while (bound + 1) * 10 > 7 * size:  # as `put` grows it: at most 0.7 full
+            size <<= 1
+        self._index: memoryview[int] = column("i", size, _EMPTY)
+        self._mask = size - 1
         self._len = 0
-        self._deleted = 0  # _DELETED marks in the index
+        # _DELETED marks in the index: none since removal shifts the run back instead,
+        # so only growth rehashes (the marks' bookkeeping is kept for clarity of `put`).
+        self._deleted = 0
 
     def __len__(self) -> int:
         return self._len
@@ -227,9 +236,24 @@ class DigestTable:
         return digest
 
     def _drop(self, i: int) -> int:
-        node = self._index[i]
-        self._index[i] = _DELETED
-        self._deleted += 1
+        index, mask, digests = self._index, self._mask, self._digest
+        node = index[i]
+        # Backward-shift deletion (Knuth 6.4, Algorithm R): the keys after the hole in
+        # its run move back into it unless their home lies between the hole and them, so
+        # every run stays unbroken without a deleted mark, and marks never fill the index
+        # until a rehash (which at the reuse memory's million keys was a long stall).
+        hole, j = i, i
+        while True:
+            j = (j + 1) & mask
+            moved = index[j]
+            if moved == _EMPTY:
+                break
+            home = digests[moved] & mask
+            # `moved` may fill the hole unless its home is cyclically in (hole, j].
+            if (home <= hole < j) or (hole < j < home) or (j < home <= hole):
+                index[hole] = moved
+                hole = j
+        index[hole] = _EMPTY
         self._len -= 1
         unlink(self._prev, self._next, node)
         self._next[node] = self._free
@@ -252,17 +276,31 @@ class DigestTable:
         return node
 
     def _rehash(self) -> None:
+        """A fresh index of the live nodes, built with numpy: a Python loop here cost
+        ~0.5 µs a key on the event loop (the reuse memory's million keys: a half-second
+        stall). Where a key lands differs from inserting one by one, but any placement
+        that keeps linear probing's rule (every slot from a key's home to its own is
+        taken) answers every `_find` the same; nothing reads the index's order."""
         size = _MIN_INDEX
         while size < 2 * (self._len + 1):  # load up to 0.7 before the next: short probes
             size <<= 1
-        index: memoryview[int] = column("i", size, _EMPTY)
         mask = size - 1
-        digests, nxt = self._digest, self._next
-        node = nxt[0]
-        while node:
-            i = digests[node] & mask
-            while index[i]:
-                i = (i + 1) & mask
-            index[i] = node
-            node = nxt[node]
-        self._index, self._mask, self._deleted = index, mask, 0
+        old = np.frombuffer(self._index, dtype=np.int32)
+        nodes = old[old > 0].astype(np.int64)  # every live node is in the old index once
+        home = np.frombuffer(self._digest, dtype=np.uint64)[nodes] & np.uint64(mask)
+        order = np.argsort(home, kind="stable")
+        nodes, home = nodes[order], home[order].astype(np.int64)
+        # Sorted by home, key k goes to max(home_k, place_{k-1} + 1): a running maximum.
+        ranks = np.arange(nodes.size, dtype=np.int64)
+        place = np.maximum.accumulate(home - ranks) + ranks if nodes.size else home
+        index = np.zeros(size, dtype=np.int32)
+        inside = place < size
+        index[place[inside]] = nodes[inside]
+        wrapped = nodes[~inside]  # their probes ran off the end: on from slot 0
+        if wrapped.size:
+            # The first empty slots from 0: everything before each of them is taken.
+            index[np.flatnonzero(index == _EMPTY)[: wrapped.size]] = wrapped
+        fresh: memoryview[int] = column("i", size, _EMPTY)
+        np.asarray(fresh)[:] = index
+        self._index = fresh
+        self._mask, self._deleted = mask, 0

@@ -53,6 +53,10 @@ class LoopLag:
         self._max_s = 0.0
         self._recent_max_s = 0.0
         self._task: asyncio.Task[None] | None = None
+        self.last_wake_s = clock()  # read by the stall tracer's thread (a float: atomic)
+        # Told (start, end) of each gap over `listener_over_s` (stalltrace.py); None: off.
+        self.listener: Callable[[float, float], None] | None = None
+        self.listener_over_s = float("inf")
 
     def observe(self, gap_s: float) -> None:
         """One wake-up, `gap_s` after the previous one."""
@@ -71,10 +75,14 @@ class LoopLag:
     async def run(self) -> None:
         """Sleep, wake, record the gap; until cancelled."""
         last_s = self._clock()
+        self.last_wake_s = last_s
         while True:
             await asyncio.sleep(self.interval_s)
             now_s = self._clock()
+            self.last_wake_s = now_s
             self.observe(now_s - last_s)
+            if self.listener is not None and now_s - last_s > self.listener_over_s:
+                self.listener(last_s, now_s)
             last_s = now_s
 
     def start(self) -> None:
