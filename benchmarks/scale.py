@@ -141,8 +141,11 @@ class Daemon:
         policy: str,
         layout: str = "files",
         code: Path | None = None,
+        account: bool = False,
     ) -> None:
         self.code = code  # a checkout whose kvtier the daemon runs (None: this one's)
+        # Run under benchmarks/rss_account.py's SIGUSR1 hook (`take_account`).
+        self.account = account
         self.run_dir = run_dir
         self.socket_path = run_dir / "s.sock"
         self.target = f"unix://{self.socket_path}"
@@ -172,10 +175,14 @@ class Daemon:
             env["PYTHONPATH"] = str(self.code)
         if self.stall_trace is not None:
             env["KVTIER_STALL_TRACE"] = str(self.stall_trace)
+        entry = ["-m", "kvtier"]
+        if self.account:
+            entry = [str(Path(__file__).with_name("rss_account.py"))]
+            env["KVTIER_RSS_ACCOUNT"] = str(self.run_dir / "account.json")
         with self.log_path.open("ab") as log:
             self.started_s = time.perf_counter()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvtier", "serve", "--config", str(self.config_path)],
+                [sys.executable, *entry, "serve", "--config", str(self.config_path)],
                 stdout=log,
                 stderr=log,
                 env=env,
@@ -207,6 +214,27 @@ class Daemon:
         if code != 0:
             raise SystemExit(f"the daemon exited with {code}:\n{self._log_tail()}")
         return time.perf_counter() - started
+
+    def take_account(self, trim: bool = True, timeout_s: float = 300.0) -> dict[str, Any]:
+        """benchmarks/rss_account.py's account of the daemon's RssAnon, now (and with
+        `trim`, what a malloc_trim then returns: it changes what is measured after)."""
+        out = self.run_dir / "account.json"
+        out.unlink(missing_ok=True)
+        no_trim = self.run_dir / "account.json.no-trim"
+        if trim:
+            no_trim.unlink(missing_ok=True)
+        else:
+            no_trim.touch()
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGUSR1)
+        deadline = time.perf_counter() + timeout_s
+        while not out.exists():
+            self._check_alive()
+            if time.perf_counter() > deadline:
+                raise SystemExit("no RSS account from the daemon")
+            time.sleep(0.1)
+        result: dict[str, Any] = json.loads(out.read_text())
+        return result
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -297,7 +325,15 @@ def fill_and_restart(args: argparse.Namespace, root: Path, run_dir: Path) -> dic
     n, size = args.blocks, args.block_bytes
     record_bytes = -(-size // 4096) * 4096 + 4096
     nvme_bytes = int(n * record_bytes * 1.25) + (256 << 20)
-    daemon = Daemon(run_dir, root / "nvme", args.dram, nvme_bytes, args.policy, args.layout)
+    daemon = Daemon(
+        run_dir,
+        root / "nvme",
+        args.dram,
+        nvme_bytes,
+        args.policy,
+        args.layout,
+        account=args.account,
+    )
     rng = random.Random(7)
     keys = list(chain_keys(n))
     sample = rng.sample(keys, min(args.sample, n))
@@ -311,6 +347,9 @@ def fill_and_restart(args: argparse.Namespace, root: Path, run_dir: Path) -> dic
         with kvtier.Client(daemon.target, timeout_s=120) as client:
             client.stats()  # the fill's stall window starts here
             empty = rss_anon_bytes(daemon.pid)
+            if args.account:
+                out["empty_account"] = daemon.take_account()
+                empty = rss_anon_bytes(daemon.pid)  # the account's own walk, not counted
             began = time.perf_counter()
             put_all(client, NS, keys, size)
             fill_s = time.perf_counter() - began
@@ -330,6 +369,8 @@ def fill_and_restart(args: argparse.Namespace, root: Path, run_dir: Path) -> dic
             "rss_anon_bytes": filled,
             "rss_anon_per_block_bytes": round((filled - empty) / n),
         }
+        if args.account:
+            out["fill"]["account"] = daemon.take_account()
         stop_s = daemon.stop()
         if args.stall_trace is not None:
             daemon.stall_trace = args.stall_trace / "restart.jsonl"
@@ -339,6 +380,8 @@ def fill_and_restart(args: argparse.Namespace, root: Path, run_dir: Path) -> dic
             wait_served(client, sample)
             served_s = time.perf_counter() - daemon.started_s
             restarted = rss_anon_bytes(daemon.pid)
+            if args.account:  # what the moment the samples are served holds (no trim)
+                served_account = daemon.take_account(trim=False)
             after_restart = client.stats()
             blocks = sum(t.blocks for t in after_restart.tiers.values())
             out["restart"] = {
@@ -364,6 +407,9 @@ def fill_and_restart(args: argparse.Namespace, root: Path, run_dir: Path) -> dic
             out["restart"]["stall_max_complete_ms"] = round(
                 client.stats().event_loop_stall_max_s * 1e3, 1
             )
+            if args.account:
+                out["restart"]["served_account"] = served_account
+                out["restart"]["account"] = daemon.take_account()
             out["readback"] = read_back(client, sample, size)
             out["latency"] = chain_latency(client, keys, rng)
         daemon.stop()
@@ -714,6 +760,12 @@ def main() -> int:
     )
     parser.add_argument("--in-process-memory", type=int, default=0, metavar="N")
     parser.add_argument("--tracemalloc", action="store_true", help="with --in-process-memory")
+    parser.add_argument(
+        "--account",
+        action="store_true",
+        help="run the daemon under benchmarks/rss_account.py and account its RssAnon "
+        "after the fill and after the restart (into --json)",
+    )
     parser.add_argument(
         "--stall-trace",
         type=Path,

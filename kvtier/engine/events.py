@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import uuid
-from collections.abc import Callable, Iterable
+from array import array
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from kvtier.index.catalog import BlockId, TierName
@@ -90,11 +91,19 @@ class EventLog:
         self.seq = 0
         self._keep = keep
         self._backlog = backlog
-        # The history as plain tuples (seq, block id, code of its tiers in `_tier_sets`):
-        # tuples of atoms the garbage collector stops tracking, where 65 k BlockEvents
-        # were most of what a full collection walked (a stall of the loop as the index
-        # grows). A BlockEvent is made for a watcher, or for a replay.
-        self._recent: collections.deque[tuple[int, BlockId, int]] = collections.deque(maxlen=keep)
+        # The history, a ring of the last `keep` events: the key bytes of each (the block
+        # id's own object) in a list, its interned namespace and the code of its set of
+        # tiers (in `_tier_sets`) in arrays; an event's seq is its place in the ring. One
+        # object an event, where a (seq, (ns, key), code) tuple was four (seq's int, two
+        # tuples, the key: ~240 B an event, 15 MiB at the default 65 k) and tuples the
+        # garbage collector walked before it untracked them. A BlockEvent is made for a
+        # watcher, or for a replay.
+        self._keys: list[bytes] = [b""] * keep
+        self._ns = array("I", bytes(4 * keep))
+        self._codes = bytearray(keep)
+        self._kept = 0  # events in the ring (the newest is seq)
+        self._ns_ids: dict[str, int] = {}
+        self._ns_names: list[str] = []
         self._tier_sets: list[tuple[TierName, ...]] = []
         self._tier_codes: dict[tuple[TierName, ...], int] = {}
         self._watchers: set[Watcher] = set()
@@ -107,11 +116,29 @@ class EventLog:
         if code is None:  # a few sets ever (the tiers' combinations, fastest first)
             code = self._tier_codes[held] = len(self._tier_sets)
             self._tier_sets.append(held)
-        self._recent.append((self.seq, block_id, code))
+        ns, key = block_id
+        ns_n = self._ns_ids.get(ns)
+        if ns_n is None:
+            ns_n = self._ns_ids[ns] = len(self._ns_names)
+            self._ns_names.append(ns)
+        at = self.seq % self._keep
+        self._keys[at] = key
+        self._ns[at] = ns_n
+        self._codes[at] = code
+        if self._kept < self._keep:
+            self._kept += 1
         if self._watchers:
             event = BlockEvent(self.seq, block_id, held)
             for watcher in self._watchers:
                 watcher.offer(event)
+
+    def history(self, after_seq: int = 0) -> Iterator[BlockEvent]:
+        """The kept events after `after_seq`, oldest first."""
+        keep, keys, ns, codes = self._keep, self._keys, self._ns, self._codes
+        names, sets = self._ns_names, self._tier_sets
+        for seq in range(max(after_seq, self.seq - self._kept) + 1, self.seq + 1):
+            at = seq % keep
+            yield BlockEvent(seq, (names[ns[at]], keys[at]), sets[codes[at]])
 
     def watch(self, accepts: Callable[[str], bool], epoch: str, after_seq: int) -> Watcher:
         """A watcher of the events after (epoch, after_seq) — or of those from now on when
@@ -122,15 +149,10 @@ class EventLog:
                 raise Resync("the daemon restarted since (another epoch)")
             if after_seq > self.seq:
                 raise Resync(f"seq {after_seq} is ahead of this daemon's last event ({self.seq})")
-            oldest = self._recent[0][0] if self._recent else self.seq + 1
+            oldest = self.seq - self._kept + 1
             if after_seq + 1 < oldest:
                 raise Resync(f"events after seq {after_seq} are no longer kept (only {self._keep})")
-            sets = self._tier_sets
-            watcher.replay(
-                BlockEvent(seq, block_id, sets[code])
-                for seq, block_id, code in self._recent
-                if seq > after_seq
-            )
+            watcher.replay(self.history(after_seq))
         self._watchers.add(watcher)
         return watcher
 

@@ -72,7 +72,16 @@ from kvtier.index.policy import (
     ValuePolicy,
 )
 from kvtier.index.slot_policy import SlotPolicy
-from kvtier.index.slots import NO_SLOT, DigestTable, extend, headroom, link_last, unlink
+from kvtier.index.slots import (
+    NO_SLOT,
+    DigestTable,
+    column,
+    extend,
+    grow_column,
+    headroom,
+    link_last,
+    unlink,
+)
 
 __all__ = [
     "NO_SLOT",
@@ -354,6 +363,21 @@ _ABSENT, _PARENT = -1, -2  # _where of a slot not in the tier / in it with cache
 
 
 _GROW_AHEAD_FROM = 1 << 14
+# PackedValue's per-slot columns: (attribute, fill, how much longer than the slots it is),
+# `_where` last (its length is the capacity every check reads).
+_GROWN: tuple[tuple[str, float, int], ...] = (
+    ("_prio", 0.0, 0),
+    ("_seq", 0, 0),
+    ("_pos", 0, 0),
+    ("_size", 0, 0),
+    ("_parent", -1, 0),
+    ("_first", -1, 0),
+    ("_next_sib", -1, 0),
+    ("_prev_sib", -1, 0),
+    ("_rprev", 0, 1),  # one longer than the rest: node 0 is the sentinel
+    ("_rnext", 0, 1),
+    ("_where", -1, 0),
+)
 
 
 class PackedValue(SlotPolicy):
@@ -391,21 +415,23 @@ class PackedValue(SlotPolicy):
         self._inflation = 0.0  # L: rises to each evicted priority
         self._tick = 0  # seq of the last priority change
         self._len = 0
-        self._prio = array("d")
-        self._seq = array("q")
-        self._pos = array("i")
-        self._size = array("I")
-        self._parent = array("i")
-        self._first = array("i")  # first child cached in this tier (-1: none)
-        self._next_sib = array("i")
-        self._prev_sib = array("i")
-        self._where = array("i")  # index in _heap, or _ABSENT / _PARENT
+        # Per slot, in mapped columns (slots.column): the NVMe order's are a dozen arrays
+        # of a million slots and more, which realloc growth left holes behind in the heap.
+        self._prio: memoryview[float] = column("d")
+        self._seq: memoryview[int] = column("q")
+        self._pos: memoryview[int] = column("i")
+        self._size: memoryview[int] = column("I")
+        self._parent: memoryview[int] = column("i")
+        self._first: memoryview[int] = column("i")  # first child cached in this tier (-1: none)
+        self._next_sib: memoryview[int] = column("i")
+        self._prev_sib: memoryview[int] = column("i")
+        self._where: memoryview[int] = column("i")  # index in _heap, or _ABSENT / _PARENT
         self._heap = array("i")
         # ValuePolicy's safety net: recency as a circular list (node 0 the sentinel, slot s
         # at s + 1, oldest first) and the shadow LRU's keys by digest (by slot without
         # `digest_of`: right only while slots are not reused, as in the replay's SlotMap).
-        self._rprev = array("i", [0])
-        self._rnext = array("i", [0])
+        self._rprev: memoryview[int] = column("i", 1)
+        self._rnext: memoryview[int] = column("i", 1)
         self._digest_of: Callable[[int], int] = digest_of or int
         self._shadow: DigestTable | None = DigestTable() if shadow else None
         self.weight = 1.0
@@ -413,42 +439,30 @@ class PackedValue(SlotPolicy):
         self._ahead_from = 1 << 62  # from this slot on, `_grow_ahead` (set as it grows)
         self.grow_ahead_from = _GROW_AHEAD_FROM  # arrays shorter: grown all at once (cheap)
 
-    def _columns(self) -> tuple[tuple[array[Any], float, int], ...]:
-        """The per-slot arrays, each with its fill and how much longer than the slots it
+    def _columns(self) -> tuple[tuple[memoryview[Any], float, int], ...]:
+        """The per-slot columns, each with its fill and how much longer than the slots it
         is; `_where` last: its length is the capacity every other check reads."""
-        return (
-            (self._prio, 0.0, 0),
-            (self._seq, 0, 0),
-            (self._pos, 0, 0),
-            (self._size, 0, 0),
-            (self._parent, -1, 0),
-            (self._first, -1, 0),
-            (self._next_sib, -1, 0),
-            (self._prev_sib, -1, 0),
-            (self._rprev, 0, 1),  # one longer than the rest: node 0 is the sentinel
-            (self._rnext, 0, 1),
-            (self._where, -1, 0),
-        )
+        return tuple((getattr(self, name), fill, extra) for name, fill, extra in _GROWN)
 
     def _grow(self, slot: int) -> None:
         self._grow_to(headroom(len(self._where), slot + 1), every=True)
 
     def _grow_to(self, slots: int, every: bool) -> None:
-        """Arrays to `slots` long: all of them, or (`every` false) the first one short."""
-        for values, fill, extra in self._columns():
-            short = slots + extra - len(values)
-            if short > 0:
-                extend(values, short, fill)
+        """Columns to `slots` long: all of them, or (`every` false) the first one short."""
+        for name, fill, extra in _GROWN:
+            values: memoryview[Any] = getattr(self, name)
+            if slots + extra > len(values):
+                setattr(self, name, grow_column(values, slots + extra, fill))
                 if not every:
                     break
         size = len(self._where)
         self._ahead_from = size - (size >> 4) if size >= self.grow_ahead_from else 1 << 62
 
     def _grow_ahead(self) -> None:
-        """Within the last sixteenth of the capacity: one array grown a step per call, to
-        where `_grow` would take them all. Growing all eleven at once copies them (~90 MB
-        at a million slots: a 25-55 ms stall of the loop, measured); one at a time is a
-        few ms, and the eleven are done long before the last slot is reached."""
+        """Within the last sixteenth of the capacity: one column grown a step per call, to
+        where `_grow` would take them all. (Grown by mremap, a column's growth copies
+        nothing; when these were arrays, growing all eleven at once copied ~90 MB at a
+        million slots, a 25-55 ms stall, which this spread out.)"""
         size = len(self._where)
         self._grow_to(headroom(size, size + 1), every=False)
 
@@ -636,7 +650,7 @@ class PackedValue(SlotPolicy):
             dtype=np.float64,
         )[inverse]
         priority = self._inflation + uses * saving / np.maximum(sizes, 1)
-        prio = np.frombuffer(self._prio, dtype=np.float64)
+        prio = np.asarray(self._prio)  # float64: the column's typecode is "d"
         seq = np.frombuffer(self._seq, dtype=np.int64)
         pos = np.frombuffer(self._pos, dtype=np.int32)
         prio[slots] = priority

@@ -26,7 +26,7 @@ from __future__ import annotations
 import mmap
 from array import array
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import xxhash
@@ -58,7 +58,10 @@ def headroom(size: int, needed: int) -> int:
     return max(needed, size + (size >> 3), 16)
 
 
-def link_last(prev: array[int], nxt: array[int], sentinel: int, node: int) -> None:
+Ints: TypeAlias = "array[int] | memoryview[int]"  # per-slot ints: an `array` or a `column`
+
+
+def link_last(prev: Ints, nxt: Ints, sentinel: int, node: int) -> None:
     """Put `node` last in the circular list that `sentinel` heads (prev/next arrays)."""
     last = prev[sentinel]
     prev[node], nxt[node] = last, sentinel
@@ -66,7 +69,7 @@ def link_last(prev: array[int], nxt: array[int], sentinel: int, node: int) -> No
     prev[sentinel] = node
 
 
-def unlink(prev: array[int], nxt: array[int], node: int) -> None:
+def unlink(prev: Ints, nxt: Ints, node: int) -> None:
     """Take `node` out of its circular list (its own prev/next are left as they were)."""
     before, after = prev[node], nxt[node]
     nxt[before] = after
@@ -101,6 +104,42 @@ def remap(old: mmap.mmap, size_bytes: int) -> mmap.mmap:
         return new
 
 
+def column(code: str, length: int = 0, fill: float = 0) -> memoryview[Any]:
+    """A per-slot array of `length` elements `fill` (typecode `code`, as `array`'s) in an
+    anonymous mapping: indexed as fast as an `array`, and grown by `grow_column`."""
+    room = mapping(length * _itemsize(code))
+    view: memoryview[Any] = memoryview(room).cast(code)  # type: ignore[call-overload]
+    return grow_column(view[:0], length, fill) if length else view[:0]
+
+
+def grow_column(view: memoryview[Any], length: int, fill: float) -> memoryview[Any]:
+    """`view` (a `column`) grown to `length` elements, the new ones `fill`. The mapping is
+    grown by mremap (`remap`): an array grown by realloc moved to the heap's top and left
+    its old copy behind as a hole, which stayed resident under the daemon's 1 GiB trim
+    threshold (the packed NVMe order's dozen arrays at a million slots), and new pages
+    of zeros are not resident until written. `view` is released: no other view or
+    numpy array of it may be alive."""
+    old, code = len(view), view.format
+    if length <= old:
+        return view
+    room: mmap.mmap = view.obj  # type: ignore[assignment]
+    view.release()
+    needed = length * _itemsize(code)
+    if needed > len(room):  # at least an eighth more: amortised, as `headroom`
+        page = mmap.PAGESIZE  # whole pages: a whole number of elements of any size
+        room = remap(room, -(-max(needed, len(room) + (len(room) >> 3)) // page) * page)
+    grown: memoryview[Any] = memoryview(room).cast(code)[:length]  # type: ignore[call-overload]
+    if fill:
+        values = np.asarray(grown)
+        values[old:] = fill
+        del values
+    return grown
+
+
+def _itemsize(code: str) -> int:
+    return array(code).itemsize
+
+
 class DigestTable:
     """Ordered digest -> value (0..255) map: `put` appends (or, with `to_end`, moves to
     the end), `pop_oldest` takes from the front. The caller bounds it; nothing here
@@ -110,16 +149,20 @@ class DigestTable:
         """`bound`: the most keys the caller will hold (0: unknown). An index for that many
         is made at once (4 B a slot, at most 0.7 full), so the table never rehashes: a
         rehash walks every key while the caller (the event loop) waits."""
-        # Node 0 is the sentinel of the circular order list: _next[0] is the oldest.
-        self._digest = array("Q", [0])
-        self._value = bytearray(1)
-        self._prev = array("i", [0])
-        self._next = array("i", [0])
+        # Node 0 is the sentinel of the circular order list: _next[0] is the oldest. The
+        # nodes and the index are mapped columns (`column`): the reuse memory's are a
+        # million keys, whose realloc-grown arrays left their old copies in the heap (and
+        # an index made for its bound at once costs nothing until its pages are written).
+        self._digest: memoryview[int] = column("Q", 1)
+        self._value: memoryview[int] = column("B", 1)
+        self._prev: memoryview[int] = column("i", 1)
+        self._next: memoryview[int] = column("i", 1)
+        self._nodes = 1  # nodes made (the columns' used length)
         self._free = 0  # first free node (chained through _next), 0: none
         size = _MIN_INDEX
         while (bound + 1) * 10 > 7 * size:  # as `put` grows it: at most 0.7 full
             size <<= 1
-        self._index = array("i", bytes(4 * size))  # _EMPTY is 0
+        self._index: memoryview[int] = column("i", size, _EMPTY)
         self._mask = size - 1
         self._len = 0
         # _DELETED marks in the index: none since removal shifts the run back instead,
@@ -222,11 +265,15 @@ class DigestTable:
         if node:
             self._free = self._next[node]
             return node
-        self._digest.append(0)
-        self._value.append(0)
-        self._prev.append(0)
-        self._next.append(0)
-        return len(self._next) - 1
+        node = self._nodes
+        if node == len(self._next):
+            size = headroom(node, node + 1)
+            self._digest = grow_column(self._digest, size, 0)
+            self._value = grow_column(self._value, size, 0)
+            self._prev = grow_column(self._prev, size, 0)
+            self._next = grow_column(self._next, size, 0)
+        self._nodes = node + 1
+        return node
 
     def _rehash(self) -> None:
         """A fresh index of the live nodes, built with numpy: a Python loop here cost
@@ -253,5 +300,7 @@ class DigestTable:
         if wrapped.size:
             # The first empty slots from 0: everything before each of them is taken.
             index[np.flatnonzero(index == _EMPTY)[: wrapped.size]] = wrapped
-        self._index = array("i", index.tobytes())
+        fresh: memoryview[int] = column("i", size, _EMPTY)
+        np.asarray(fresh)[:] = index
+        self._index = fresh
         self._mask, self._deleted = mask, 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvtier import failpoints
@@ -30,7 +31,7 @@ from kvtier.tiers.segment_format import (
     EMPTY_FOOTER_BYTES,
     encode_footer_entry,
     encode_trailer,
-    footer_of,
+    footer_into,
 )
 
 __all__ = ["NO_LOCATION", "RecordId", "Segment", "pack_location", "unpack_location"]
@@ -191,19 +192,18 @@ class Segment:
         recovery scans."""
         if failpoints.ACTIVE:
             failpoints.fire("segment.seal")
-        failed = self.failed
-        footer = footer_of(
-            [
-                e if isinstance(e, bytes) else encode_footer_entry(off, e)
-                for off, e in self.log
-                if off not in failed
-            ]
-        )
+        failed, log = self.failed, self.log
+
+        def entries() -> Iterator[bytes]:
+            for off, e in log:
+                if off not in failed:
+                    yield e if isinstance(e, bytes) else encode_footer_entry(off, e)
+
         footer_at = self.tail
-        buf = aligned_buffer(round_up(len(footer), ALIGN_BYTES))
-        buf[: len(footer)] = footer
+        buf, footer_len = footer_into(entries)
         pwrite_exact(self.fd, buf, footer_at)
-        fixed = encode_trailer(self.seg_id, footer_at, footer)
+        with memoryview(buf) as view:
+            fixed = encode_trailer(self.seg_id, footer_at, view[:footer_len])
         trailer = aligned_buffer(ALIGN_BYTES)
         trailer[: len(fixed)] = fixed
         os.fdatasync(self.fd)  # the footer before the trailer that points at it

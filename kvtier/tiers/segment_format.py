@@ -21,16 +21,19 @@ written and synced, and what keeps a torn record invisible, is segments.py's.
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
+from kvtier.buffers import aligned_buffer
 from kvtier.errors import CorruptRecord
+from kvtier.tiers.allocator import round_up
 from kvtier.tiers.record import ALIGN_BYTES, RecordHeader, decode_header, verify_record
 
 __all__ = [
@@ -146,7 +149,33 @@ def footer_of(entries: Sequence[bytes]) -> bytes:
     return body + _XXH3.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def encode_trailer(seg_id: int, footer_at: int, footer: bytes) -> bytes:
+def footer_into(entries: Callable[[], Iterable[bytes]]) -> tuple[mmap.mmap, int]:
+    """`footer_of(list(entries()))` written straight into a page-aligned buffer (what the
+    seal's O_DIRECT write needs), and its length. `entries` is called twice (to size the
+    buffer, then to fill it). No bytes object the size of the footer is made: a seal ran
+    on an I/O thread, and the joined copies (~3 x 2.3 MiB at 32 k records) stayed
+    resident as that thread's malloc arena top once freed (the daemon's trim threshold
+    is 1 GiB, and malloc_trim does not shrink a thread arena's top): ~7 MiB for every
+    I/O thread that ever sealed a segment."""
+    count = body = 0
+    for e in entries():
+        count += 1
+        body += len(e)
+    body += _FOOTER_HEAD.size
+    size = body + _XXH3.size
+    buf = aligned_buffer(round_up(size, ALIGN_BYTES))
+    _FOOTER_HEAD.pack_into(buf, 0, _FOOTER_MAGIC, count)
+    pos = _FOOTER_HEAD.size
+    with memoryview(buf) as view:
+        for e in entries():
+            view[pos : pos + len(e)] = e
+            pos += len(e)
+        digest = xxhash.xxh3_64_intdigest(view[:body])
+    _XXH3.pack_into(buf, body, digest)
+    return buf, size
+
+
+def encode_trailer(seg_id: int, footer_at: int, footer: bytes | memoryview) -> bytes:
     """The start of a segment's last page: where its `footer` lies, and the footer's xxh3."""
     fixed = _TRAILER.pack(
         _TRAILER_MAGIC, seg_id, footer_at, len(footer), xxhash.xxh3_64_intdigest(footer)

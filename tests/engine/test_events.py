@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import collections
 
-from kvtier.engine.events import EventLog, Resync
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.engine.events import BlockEvent, EventLog, Resync
 from kvtier.index.catalog import TierName
 
 DRAM, NVME = TierName.DRAM, TierName.NVME
@@ -86,3 +90,33 @@ def test_the_history_is_nothing_the_garbage_collector_walks() -> None:
         (19999, b"k19998", (NVME,)),
         (20000, b"k19999", (DRAM, NVME)),
     ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    keep=st.integers(1, 9),
+    changes=st.lists(
+        st.tuples(st.sampled_from(["t|a", "t|b", "u|c"]), st.binary(max_size=3), st.integers(0, 3)),
+        max_size=40,
+    ),
+    after=st.integers(0, 45),
+)
+def test_the_packed_history_is_the_last_events_in_order(
+    keep: int, changes: list[tuple[str, bytes, int]], after: int
+) -> None:
+    """The history is a ring of keys and arrays: what it replays is what a deque of the
+    last `keep` BlockEvents would, whatever the wrap-around, namespaces and tier sets."""
+    sets = [[], [DRAM], [NVME], [DRAM, NVME]]
+    log = EventLog(keep=keep)
+    model: collections.deque[BlockEvent] = collections.deque(maxlen=keep)
+    for seq, (ns, key, tiers) in enumerate(changes, start=1):
+        log.record((ns, key), sets[tiers])
+        model.append(BlockEvent(seq, (ns, key), tuple(sets[tiers])))
+    assert list(log.history(after)) == [e for e in model if e.seq > after]
+    oldest = model[0].seq if model else len(changes) + 1
+    if after + 1 < oldest or after > len(changes):
+        with pytest.raises(Resync):
+            log.watch(everything, log.epoch, after)
+    else:
+        watcher = log.watch(everything, log.epoch, after)
+        assert watcher.queued(100) == [e for e in model if e.seq > after]

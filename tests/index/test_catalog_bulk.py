@@ -88,7 +88,7 @@ def state(cat: Catalog, events: EventLog) -> object:
                 cat.era_of(s),
                 cat.digest_of(s),
             )
-    recent = [(block_id, events._tier_sets[code]) for _, block_id, code in events._recent]
+    recent = [(e.block_id, e.tiers) for e in events.history()]
     return (
         live,
         len(cat),

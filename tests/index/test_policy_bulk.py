@@ -78,7 +78,7 @@ def arrays(order: SlotPolicy, upto: int) -> dict[str, object]:
     for name, value in vars(order).items():
         if name in ("_heap",):
             out[name] = list(value)
-        elif hasattr(value, "typecode") or isinstance(value, bytearray):
+        elif hasattr(value, "typecode") or isinstance(value, (bytearray, memoryview)):
             out[name] = list(value[: upto + 2])
         elif isinstance(value, (int, float)):
             out[name] = value

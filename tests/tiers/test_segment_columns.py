@@ -23,8 +23,10 @@ from kvtier.tiers.record import RecordHeader, header_size_for
 from kvtier.tiers.segment_format import (
     columns_of_entries,
     encode_footer,
+    encode_footer_entry,
     encode_segment_header,
     encode_trailer,
+    footer_into,
     read_footer,
     read_footer_columns,
 )
@@ -89,6 +91,27 @@ def test_footer_columns_are_read_footer(
         got = read_footer_columns(fd, 9, size)
     assert want is not None and got is not None
     assert [(int(got.offset[i]), got.header(i)) for i in range(len(got))] == want
+
+
+@settings(max_examples=100, deadline=None)
+@given(entries=st.lists(ENTRY, max_size=30))
+def test_footer_built_in_place_is_the_joined_one(
+    entries: list[tuple[int, str, bytes, int, int, bool]],
+) -> None:
+    """The seal writes its footer straight into the aligned buffer (no joined copy on
+    the I/O thread's heap): the same bytes as `encode_footer`, zero to the page's end,
+    and a trailer over the view is the trailer over the bytes."""
+    listed = [
+        (page * 4096, header_of(ns, key, gen, size)) for page, ns, key, gen, size, _ in entries
+    ]
+    want = encode_footer(listed)
+    buf, length = footer_into(lambda: (encode_footer_entry(off, h) for off, h in listed))
+    assert length == len(want)
+    assert len(buf) == round_up(length, 4096)
+    assert buf[:length] == want
+    assert buf[length:] == bytes(len(buf) - length)
+    with memoryview(buf) as view:
+        assert encode_trailer(3, 8192, view[:length]) == encode_trailer(3, 8192, want)
 
 
 def test_columns_of_a_scan_round_trip() -> None:
