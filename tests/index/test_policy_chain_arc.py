@@ -5,6 +5,7 @@ switches it learns (ARC's target, tails first) move the way their evidence says.
 from __future__ import annotations
 
 import gc
+import mmap
 import tracemalloc
 from typing import Any
 
@@ -233,10 +234,38 @@ def test_packed_chain_arc_keeps_a_few_bytes_a_block_and_no_object() -> None:
             policy.victim(lambda s: True)
         gc.collect()
         grown_objects = len(gc.get_objects()) - before_objects
-        grown_bytes = tracemalloc.get_traced_memory()[0] - before_bytes
+        # Per-slot columns live in anonymous mappings (index/slots.py), which tracemalloc
+        # does not see: their bytes are counted from the views.
+        grown_bytes = tracemalloc.get_traced_memory()[0] - before_bytes + _mapped_bytes(policy)
     finally:
         tracemalloc.stop()
-    assert grown_objects < 50
+    assert grown_objects < 120  # the columns' mappings and views, none a block
     # 37 bytes a block in the arrays (with their headroom), ~26 in the shadow LRU's
     # digests, ~26 a ghost
     assert grown_bytes < blocks * 70 + blocks // 10 * 30 + 4096
+
+
+def _mapped_bytes(root: object, depth: int = 3) -> int:
+    """Bytes of the mmap-backed columns reachable from `root`'s attributes."""
+    seen: set[int] = set()
+    total = 0
+
+    def walk(obj: object, left: int) -> None:
+        nonlocal total
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, memoryview):
+            if isinstance(obj.obj, mmap.mmap):
+                total += obj.nbytes
+            return
+        if left and hasattr(obj, "__dict__"):
+            for value in vars(obj).values():
+                walk(value, left - 1)
+        if left and hasattr(obj, "__slots__"):
+            for name in obj.__slots__:
+                if hasattr(obj, name):
+                    walk(getattr(obj, name), left - 1)
+
+    walk(root, depth)
+    return total
