@@ -6,12 +6,13 @@ the code that made it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import mmap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,15 +49,26 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-async def test_a_busy_callback_is_recorded_with_its_stack_and_as_the_loops_cpu(
-    tmp_path: Path,
-) -> None:
-    path = tmp_path / "stalls.jsonl"
+@contextlib.contextmanager
+def tracing(path: Path) -> Iterator[tuple[LoopLag, StallTracer]]:
+    """A stall probe on the running loop and a tracer writing to `path`, both stopped on
+    the way out."""
     lag = LoopLag(INTERVAL_S)
     lag.start()
     tracer = StallTracer(path, lag)
     tracer.start()
     try:
+        yield lag, tracer
+    finally:
+        tracer.stop()
+        lag.stop()
+
+
+async def test_a_busy_callback_is_recorded_with_its_stack_and_as_the_loops_cpu(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "stalls.jsonl"
+    with tracing(path):
         await asyncio.sleep(0.05)  # calm ticks first: the stall's window starts there
         _spin_for(0.12)
         await _until(lambda: any(r["gap_ms"] >= 100 for r in _records(path)))
@@ -68,27 +80,17 @@ async def test_a_busy_callback_is_recorded_with_its_stack_and_as_the_loops_cpu(
         assert stall["loop_cpu_ms"] + stall["loop_runqueue_wait_ms"] >= 0.8 * stall["gap_ms"]
         if stall["loop_cpu_ms"] >= 0.5 * stall["gap_ms"]:
             assert stall["kind"] == "loop"
-    finally:
-        tracer.stop()
-        lag.stop()
 
 
 async def test_a_collection_in_a_stall_is_named_with_its_generation(tmp_path: Path) -> None:
     path = tmp_path / "stalls.jsonl"
-    lag = LoopLag(INTERVAL_S)
-    lag.start()
-    tracer = StallTracer(path, lag)
-    tracer.start()
-    try:
+    with tracing(path) as (lag, tracer):
         await asyncio.sleep(0.05)
         gc.collect(2)
         _spin_for(0.05)  # so the stall is long enough to be traced whatever gc.collect took
         await _until(lambda: any(r["gap_ms"] >= 40 for r in _records(path)))
         stall = max(_records(path), key=lambda r: r["gap_ms"])
         assert any(g["generation"] == 2 and g["thread"] == "MainThread" for g in stall["gc"])
-    finally:
-        tracer.stop()
-        lag.stop()
     assert tracer._on_gc not in gc.callbacks  # stop() leaves nothing behind
     assert lag.listener is None
 
