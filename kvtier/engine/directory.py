@@ -33,7 +33,7 @@ import fcntl
 import mmap
 import os
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from kvtier._directory import (
@@ -48,11 +48,10 @@ from kvtier._directory import (
 )
 from kvtier.keys import namespace_of, tenant_of
 from kvtier.tiers.dram import ALIGN_BYTES, ARENA_SEALS
-from kvtier.types import BlockId, Extent, TierName
+from kvtier.types import BlockId, Extent
 
 if TYPE_CHECKING:
     from kvtier.engine.dram import Arena
-    from kvtier.index.catalog import Entry
 
 # Sized from the arena: an entry for every DIRECTORY_BLOCK_BYTES of it, twice over (the
 # table at most half full for blocks of that size or larger), a power of two within the
@@ -93,11 +92,20 @@ class Directory:
         return self._fd
 
     def publish(
-        self, block_id: BlockId, offset: int, size_bytes: int, xxh3_64: int, generation: int
+        self,
+        block_id: BlockId,
+        offset: int,
+        size_bytes: int,
+        xxh3_64: int,
+        generation: int,
+        namespace: bytes | None = None,
     ) -> bool:
         """Make a DRAM block readable at `offset` (replacing what its key had); False
-        when its probe window is full of other blocks (not published)."""
-        low, high = key_digest(namespace_of(block_id[0]).encode(), block_id[1])
+        when its probe window is full of other blocks (not published). `namespace`: the
+        block's namespace encoded, when the caller has it."""
+        if namespace is None:
+            namespace = namespace_of(block_id[0]).encode()
+        low, high = key_digest(namespace, block_id[1])
         slot = self._slot_of.get(block_id)
         if slot is None:
             slot = self._free_slot(low, high)
@@ -175,15 +183,16 @@ class Directory:
 
 
 class Directories:
-    """Every tenant's directory, kept in step with the catalog (`changed`, its change
+    """Every tenant's directory, kept in step with the catalog (`dram_changed`, its DRAM
     hook: a block whose DRAM copy appears is published, one whose DRAM copy goes or that
     is removed is unpublished) and with the arenas (each unpublishes an extent before
     freeing it: the one place every free passes, so no path can free a published
-    extent). `lookup` finds a block's entry (set once the residency exists)."""
+    extent)."""
 
     def __init__(self, arenas: Mapping[str, Arena], enabled: bool, max_key_bytes: int) -> None:
         self._by_tenant: dict[str, Directory] = {}
-        self.lookup: Callable[[BlockId], Entry | None] = lambda _: None
+        # namespace id -> (its tenant, its namespace encoded): the key digest's input
+        self._ns: dict[str, tuple[str, bytes]] = {}
         # A direct read asks the daemon nothing, so no request check sees its key: a
         # block whose key the limits refuse (lowered by a reload) is never published.
         self.max_key_bytes = max_key_bytes
@@ -201,19 +210,23 @@ class Directories:
     def of(self, tenant: str) -> Directory | None:
         return self._by_tenant.get(tenant)
 
-    def changed(self, block_id: BlockId, tiers: list[TierName]) -> None:
-        directory = self._by_tenant.get(tenant_of(block_id[0]))
+    def dram_changed(
+        self, block_id: BlockId, extent: Extent | None, size_bytes: int, xxh3_64: int, gen: int
+    ) -> None:
+        """The catalog's DRAM hook: a live block's DRAM copy appeared at `extent` (publish
+        it) or went (`extent` None: unpublish it)."""
+        ns_id, key = block_id
+        known = self._ns.get(ns_id)
+        if known is None:
+            tenant = tenant_of(ns_id)
+            known = self._ns[ns_id] = (tenant, namespace_of(ns_id).encode())
+        directory = self._by_tenant.get(known[0])
         if directory is None:
             return
-        readable = TierName.DRAM in tiers and len(block_id[1]) <= self.max_key_bytes
-        entry = self.lookup(block_id) if readable else None
-        extent = entry.dram_extent if entry is not None else None
-        if entry is None or extent is None:
+        if extent is None or len(key) > self.max_key_bytes:
             directory.unpublish(block_id)
             return
-        directory.publish(
-            block_id, extent.offset, entry.size_bytes, entry.xxh3_64, entry.generation
-        )
+        directory.publish(block_id, extent.offset, size_bytes, xxh3_64, gen, known[1])
 
     def limit_keys(self, max_key_bytes: int, blocks: Iterable[BlockId]) -> int:
         """A reload's new `limits.max_key_bytes`: unpublish the `blocks` (those in DRAM)

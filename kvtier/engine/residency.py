@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.engine.results import Counters
-from kvtier.index.catalog import Catalog, Entry, RecordColumns
+from kvtier.index.catalog import Catalog, DramHook, Entry, RecordColumns
 from kvtier.index.packed_policies import PackedPolicies
 from kvtier.index.policy import AdmissionMode, BlockInfo, ValueModel
 from kvtier.index.slot_policy import SlotPolicy
@@ -335,6 +335,16 @@ class Residency:
             self._insert(self.dram_order[self.catalog.tenant_of_slot(slot)], slot)
         if entry.nvme_record_bytes:
             self._insert(self.nvme_order, slot)
+
+    def add_new(
+        self, block_id: BlockId, size_bytes: int, xxh3_64: int, generation: int, extent: Extent
+    ) -> int:
+        """`add` of a put's new block (in DRAM), without an `Entry`: its slot."""
+        catalog = self.catalog
+        slot = catalog.add_block(block_id, size_bytes, xxh3_64, generation, extent)
+        self._accessed(slot)
+        self._insert(self.dram_order[catalog.tenant_of_slot(slot)], slot)
+        return slot
 
     def add_recovered(
         self,
@@ -767,9 +777,11 @@ def new_residency(
     counters: Counters,
     on_change: BlockEvents | None = None,
     min_p_reuse: float = 0.1,
+    on_dram: DramHook | None = None,
 ) -> Residency:
-    """A residency over a new packed catalog, its policies keyed by that catalog's slots."""
-    catalog = Catalog(on_change)
+    """A residency over a new packed catalog, its policies keyed by that catalog's slots
+    (`on_change`: each block's change of tiers; `on_dram`: a DRAM copy come or gone)."""
+    catalog = Catalog(on_change, on_dram=on_dram)
     policies = PackedPolicies(
         name,
         admission,

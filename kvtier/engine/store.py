@@ -157,21 +157,16 @@ class Store:
             cfg.nvme.capacity_bytes,
             self._nvme_quota,
             self.counters,
-            self._block_changed,
+            self.events.record,
             policy.min_p_reuse,
+            self.directories.dram_changed,
         )
         self._tier_reports: list[Callable[[], TierUsage]] = []  # tiers kept elsewhere (HBM)
         # Queue prefetch (the Prefetch RPC): its hints protect DRAM blocks and learn of uses.
         self.prefetch = Prefetcher(self)
         self.residency.protected = self.prefetch.protected
         self.residency.on_use = self.prefetch.used
-        self.directories.lookup = self.residency.get
         self.demoter = Demoter(self)
-
-    def _block_changed(self, block_id: BlockId, tiers: list[TierName]) -> None:
-        """The catalog's change hook: the block events, and the tenant's directory."""
-        self.events.record(block_id, tiers)
-        self.directories.changed(block_id, tiers)
 
     # ---- views for the servicer, the GPU path and the metrics ---------------------------------
     @property
@@ -392,20 +387,16 @@ class Store:
             assert self.nvme is not None
             await self.nvme.tombstone(writer.block_id, pending)
             buried = pending
-        entry = Entry(
-            writer.block_id,
-            writer.size_bytes,
-            digest,
-            self.take_generation(),
-            dram_extent=writer.extent,
+        residency = self.residency
+        slot = residency.add_new(
+            writer.block_id, writer.size_bytes, digest, self.take_generation(), writer.extent
         )
-        writer.done = True
+        writer.done = True  # the extent is the block's now
         writer.release()
-        self.residency.add(entry)
         if self.policies.admission.on_insert and self.nvme is not None:
-            self.demoter.write_through(entry)
+            self.demoter.write_through(residency.catalog.handle(slot))
         if self.remote is not None and self.config.remote.admission == "write_through":
-            self.tasks.spawn(self.shared.put(entry))
+            self.tasks.spawn(self.shared.put(residency.catalog.handle(slot)))
         self.counters.puts += 1
         self.space.signal()  # a new block is a victim a waiting put may take
         return PutResult(writer.size_bytes, digest, TierName.DRAM, already_present=False)

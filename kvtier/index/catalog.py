@@ -49,7 +49,7 @@ import weakref
 from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 import xxhash
@@ -65,6 +65,7 @@ __all__ = [
     "NO_SLOT",
     "BlockId",
     "Catalog",
+    "DramHook",
     "Entry",
     "LookupResult",
     "RecordColumns",
@@ -116,6 +117,15 @@ def _never(slot: int) -> bool:
     return False
 
 
+class DramHook(Protocol):
+    """`Catalog(on_dram=...)`: a live block's DRAM copy appeared (`extent`, with the
+    block's size, checksum and generation) or went (`extent` None)."""
+
+    def __call__(
+        self, block_id: BlockId, extent: Extent | None, size_bytes: int, xxh3_64: int, gen: int
+    ) -> None: ...
+
+
 class Catalog:
     """key -> residency: copies, pins and byte accounting, reported as residency events."""
 
@@ -136,10 +146,15 @@ class Catalog:
         self,
         on_change: Callable[[BlockId, list[TierName]], None] | None = None,
         digest: Callable[[BlockId], int] | None = None,
+        on_dram: DramHook | None = None,
     ) -> None:
         # Told each time a block's set of tiers changes (added, copied, dropped, removed:
         # then []), for the residency events routers index.
         self._on_change = on_change
+        # Told only when a live block's DRAM copy appears or goes (the tenants'
+        # directories): a third of the changes, with the copy's fields, so the hook
+        # needs no lookup of the block (a record written or dropped is not its business).
+        self._on_dram = on_dram
         # A block's digest: by default xxh3-64 of the key seeded by its namespace's own
         # xxh3-64 (0.1 µs; slots.key_digest, the replay's, hashes a repr: 0.6 µs, on every
         # key of every Lookup and Plan). Tests force collisions with a tiny one.
@@ -455,6 +470,20 @@ class Catalog:
         self._handles[slot] = weakref.KeyedRef(entry, self._handle_gone, slot)
         self._changed_slot(slot)
 
+    def add_block(
+        self, block_id: BlockId, size_bytes: int, xxh3_64: int, generation: int, extent: Extent
+    ) -> int:
+        """`add` of a new block with a DRAM copy and nothing else (a put), without an
+        `Entry` (the caller makes a handle, `handle(slot)`, only if it needs one): its
+        slot. The key's digest is taken once for the check and the insert."""
+        ns = self._ns_id(block_id[0])
+        digest = self._digest_fn(block_id)
+        if self._find(ns, block_id[1], digest) != NO_SLOT:
+            raise KeyError("block already catalogued; remove the old entry first")
+        slot = self._put(block_id, size_bytes, xxh3_64, generation, extent, 0, 0, digest)
+        self._changed_slot(slot, block_id=block_id)
+        return slot
+
     def add_record(
         self,
         block_id: BlockId,
@@ -489,9 +518,11 @@ class Catalog:
         extent: Extent | None,
         record: int,
         location: int = 0,
+        digest: int | None = None,
     ) -> int:
         ns = self._ns_id(block_id[0])
-        digest = self._digest_fn(block_id)
+        if digest is None:
+            digest = self._digest_fn(block_id)
         slot = self._new_slot()
         self._digest[slot] = digest
         self._ns[slot] = ns
@@ -515,6 +546,8 @@ class Catalog:
             self._nvme_count += 1
             self._nvme_add(slot, record)
         self._link(slot)
+        if extent is not None and self._on_dram is not None:
+            self._on_dram(block_id, extent, size, xxh3, gen)
         return slot
 
     def _add_again(self, entry: Entry) -> None:
@@ -531,6 +564,8 @@ class Catalog:
             self._nvme_count += 1
             self._nvme_add(slot, self._record[slot])
         self._link(slot)
+        if extent is not None:
+            self._dram_changed(slot, extent)
         self._changed_slot(slot)
 
     def _put_extent(self, slot: int, extent: Extent | None) -> None:
@@ -547,9 +582,17 @@ class Catalog:
             out.append(_NVME)
         return out
 
-    def _changed_slot(self, slot: int, gone: bool = False) -> None:
+    def _dram_changed(self, slot: int, extent: Extent | None) -> None:
+        if self._on_dram is not None:
+            self._on_dram(
+                self.block_id_of(slot), extent, self._size[slot], self._xxh3[slot], self._gen[slot]
+            )
+
+    def _changed_slot(self, slot: int, gone: bool = False, block_id: BlockId | None = None) -> None:
         if self._on_change is not None:
-            self._on_change(self.block_id_of(slot), [] if gone else self._tiers(slot))
+            if block_id is None:
+                block_id = self.block_id_of(slot)
+            self._on_change(block_id, [] if gone else self._tiers(slot))
 
     def _mine(self, entry: Entry) -> bool:
         """Whether `entry` is this catalog's and still in its index."""
@@ -574,6 +617,7 @@ class Catalog:
         if self._mine(entry):
             self._dram_slots.add(entry._slot)
             self.dram_used_bytes += extent.size_bytes
+            self._dram_changed(entry._slot, extent)
             self._changed_slot(entry._slot)
 
     def drop_dram(self, entry: Entry) -> Extent | None:
@@ -588,6 +632,7 @@ class Catalog:
             self.dram_used_bytes -= extent.size_bytes
             if not self._record[slot]:
                 self._forget(slot)
+            self._dram_changed(slot, None)
             self._changed_slot(slot)
         return extent
 
@@ -622,6 +667,8 @@ class Catalog:
             self._nvme_add(slot, -self._record[slot])
         self._forget(slot)
         self._flags[slot] |= _DOOMED
+        if extent is not None:
+            self._dram_changed(slot, None)
         self._changed_slot(slot, gone=True)
 
     def _nvme_add(self, slot: int, delta_bytes: int) -> None:
