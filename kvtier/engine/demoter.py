@@ -61,8 +61,11 @@ __all__ = ["BATCH_BYTES", "BATCH_RECORDS", "Demoter", "Watermarks", "coalesced",
 
 # A batch: large enough that a 64 KiB block's share of a job's fixed costs (a thread hop,
 # a loop wake-up, a syscall) is small, small enough that a few are in flight at once.
+# Its completion is one loop turn (written_many, finish_dram_evictions: tens of µs a
+# record on a loaded machine), so the records a batch holds bound that turn: 256 4 KiB
+# records made the fill's longest stalls (15-25 ms of loop CPU in one turn at 300 k).
 BATCH_BYTES = 8 << 20
-BATCH_RECORDS = 256
+BATCH_RECORDS = 64
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvtier import failpoints
@@ -194,13 +193,14 @@ class Segment:
             failpoints.fire("segment.seal")
         failed, log = self.failed, self.log
 
-        def entries() -> Iterator[bytes]:
-            for off, e in log:
-                if off not in failed:
-                    yield e if isinstance(e, bytes) else encode_footer_entry(off, e)
-
+        entries = [
+            e if isinstance(e, bytes) else encode_footer_entry(off, e)
+            for off, e in log
+            if off not in failed
+        ]
         footer_at = self.tail
         buf, footer_len = footer_into(entries)
+        del entries
         pwrite_exact(self.fd, buf, footer_at)
         with memoryview(buf) as view:
             fixed = encode_trailer(self.seg_id, footer_at, view[:footer_len])

@@ -94,9 +94,9 @@ def test_footer_columns_are_read_footer(
 
 
 @settings(max_examples=100, deadline=None)
-@given(entries=st.lists(ENTRY, max_size=30))
+@given(entries=st.lists(ENTRY, max_size=30), join=st.integers(1, 40))
 def test_footer_built_in_place_is_the_joined_one(
-    entries: list[tuple[int, str, bytes, int, int, bool]],
+    entries: list[tuple[int, str, bytes, int, int, bool]], join: int
 ) -> None:
     """The seal writes its footer straight into the aligned buffer (no joined copy on
     the I/O thread's heap): the same bytes as `encode_footer`, zero to the page's end,
@@ -105,7 +105,7 @@ def test_footer_built_in_place_is_the_joined_one(
         (page * 4096, header_of(ns, key, gen, size)) for page, ns, key, gen, size, _ in entries
     ]
     want = encode_footer(listed)
-    buf, length = footer_into(lambda: (encode_footer_entry(off, h) for off, h in listed))
+    buf, length = footer_into([encode_footer_entry(off, h) for off, h in listed], join)
     assert length == len(want)
     assert len(buf) == round_up(length, 4096)
     assert buf[:length] == want
