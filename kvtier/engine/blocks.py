@@ -3,6 +3,7 @@ reserved DRAM extent, a `BlockReader` over a pinned block's bytes."""
 
 from __future__ import annotations
 
+import functools
 import mmap
 from collections.abc import Callable, Iterator
 
@@ -26,8 +27,15 @@ def record_header(entry: Entry) -> RecordHeader:
         generation=entry.generation,
         payload_bytes=entry.size_bytes,
         xxh3_64=entry.xxh3_64,
-        header_bytes=header_size_for(ns_id, key),
+        header_bytes=_header_bytes(ns_id, len(key)),
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def _header_bytes(ns_id: str, key_bytes: int) -> int:
+    # A demotion builds a header a record: the namespace is encoded once a (namespace,
+    # key length), not once a record.
+    return header_size_for(ns_id, bytes(key_bytes))
 
 
 def record_location(entry: Entry) -> int:

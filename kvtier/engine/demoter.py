@@ -249,27 +249,28 @@ class Demoter:
         if nvme is None or not entries or not nvme.online:
             return []
         residency = store.residency
-        entries = [e for e in entries if e.dram_extent is not None]
-        if not entries:
+        placed = [(e, x) for e in entries if (x := e.dram_extent) is not None]
+        if not placed:
             return []
+        entries = [e for e, _ in placed]
         wanted = [record_header(entry) for entry in entries]
+        needs = [h.record_bytes for h in wanted]
         # Room on NVMe for the whole batch at once (the victims of one arena are one
         # tenant's); record by record only if it does not all fit.
-        total = sum(h.record_bytes for h in wanted)
+        total = sum(needs)
         room, dropped = residency.reserve_nvme(entries[0], total)
         store.remove_records(dropped)
+        arena = store.arena_of(entries[0].block_id)
         headers, batch, views = [], [], []
-        for entry, header in zip(entries, wanted, strict=True):
-            need = header.record_bytes
+        for (entry, extent), header, need in zip(placed, wanted, needs, strict=True):
             if not room:
                 fits, dropped = residency.reserve_nvme(entry, need)
                 store.remove_records(dropped)
                 if not fits:
                     continue
-            assert entry.dram_extent is not None
             headers.append(header)
             batch.append((entry, need))
-            views.append(store.arena_of(entry.block_id).view(entry.dram_extent))
+            views.append(arena.view(extent))
         if not batch:
             return []
         try:

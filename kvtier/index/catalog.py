@@ -582,11 +582,13 @@ class Catalog:
             out.append(_NVME)
         return out
 
-    def _dram_changed(self, slot: int, extent: Extent | None) -> None:
+    def _dram_changed(
+        self, slot: int, extent: Extent | None, block_id: BlockId | None = None
+    ) -> None:
         if self._on_dram is not None:
-            self._on_dram(
-                self.block_id_of(slot), extent, self._size[slot], self._xxh3[slot], self._gen[slot]
-            )
+            if block_id is None:
+                block_id = self.block_id_of(slot)
+            self._on_dram(block_id, extent, self._size[slot], self._xxh3[slot], self._gen[slot])
 
     def _changed_slot(self, slot: int, gone: bool = False, block_id: BlockId | None = None) -> None:
         if self._on_change is not None:
@@ -607,7 +609,7 @@ class Catalog:
         if self._mine(entry):
             self._nvme_count += 1
             self._nvme_add(entry._slot, record_bytes)
-            self._changed_slot(entry._slot)
+            self._changed_slot(entry._slot, block_id=entry.block_id)
 
     def set_dram(self, entry: Entry, extent: Extent) -> None:
         """A copy was promoted into DRAM (the entry keeps its NVMe record too)."""
@@ -617,8 +619,8 @@ class Catalog:
         if self._mine(entry):
             self._dram_slots.add(entry._slot)
             self.dram_used_bytes += extent.size_bytes
-            self._dram_changed(entry._slot, extent)
-            self._changed_slot(entry._slot)
+            self._dram_changed(entry._slot, extent, entry.block_id)
+            self._changed_slot(entry._slot, block_id=entry.block_id)
 
     def drop_dram(self, entry: Entry) -> Extent | None:
         """Forget the DRAM copy; returns its extent for the caller to free."""
@@ -632,8 +634,8 @@ class Catalog:
             self.dram_used_bytes -= extent.size_bytes
             if not self._record[slot]:
                 self._forget(slot)
-            self._dram_changed(slot, None)
-            self._changed_slot(slot)
+            self._dram_changed(slot, None, entry.block_id)
+            self._changed_slot(slot, block_id=entry.block_id)
         return extent
 
     def drop_nvme(self, entry: Entry) -> int:
@@ -648,7 +650,7 @@ class Catalog:
             self._nvme_add(slot, -record_bytes)
             if slot not in self._dram:
                 self._forget(slot)
-            self._changed_slot(slot)
+            self._changed_slot(slot, block_id=entry.block_id)
         return record_bytes
 
     def remove(self, entry: Entry) -> None:
@@ -668,8 +670,8 @@ class Catalog:
         self._forget(slot)
         self._flags[slot] |= _DOOMED
         if extent is not None:
-            self._dram_changed(slot, None)
-        self._changed_slot(slot, gone=True)
+            self._dram_changed(slot, None, entry.block_id)
+        self._changed_slot(slot, gone=True, block_id=entry.block_id)
 
     def _nvme_add(self, slot: int, delta_bytes: int) -> None:
         self.nvme_used_bytes += delta_bytes
