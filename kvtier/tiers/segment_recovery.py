@@ -57,6 +57,7 @@ from kvtier.tiers.startup import (
 )
 
 logger = logging.getLogger(__name__)
+_GATHER_ROWS = 8192  # rows whose keys `_winners` gathers in one numpy call
 # One footer decoded at a time: decoding is Python and numpy holding the GIL, and eight
 # loader threads queued for it kept the event loop waiting ~100-280 ms at a time at 1 M
 # records (with one decoder, the loop waits a switch interval at most). Reading the
@@ -594,10 +595,15 @@ def _winners(
         ns_parts.append(mapped[cols.ns[rows].astype(np.intp)] if len(mapped) else cols.ns[rows])
         lens = cols.key_len[rows].astype(np.int64)
         starts = cols.key_off[rows].astype(np.int64)
-        ends = np.cumsum(lens)
-        total = int(ends[-1]) if len(ends) else 0
-        gather = np.repeat(starts - (ends - lens), lens) + np.arange(total, dtype=np.int64)
-        key_parts.append(np.frombuffer(cols.blob, dtype=np.uint8)[gather])
+        blob = np.frombuffer(cols.blob, dtype=np.uint8)
+        # The keys' bytes gathered a slice of rows at a time: one gather of a segment's
+        # ~4 M key bytes held the GIL ~20 ms, the event loop idle behind it (stalltrace).
+        for lo in range(0, len(rows), _GATHER_ROWS):
+            part_lens, part_starts = lens[lo : lo + _GATHER_ROWS], starts[lo : lo + _GATHER_ROWS]
+            ends = np.cumsum(part_lens)
+            total = int(ends[-1]) if len(ends) else 0
+            gather = np.repeat(part_starts - (ends - part_lens), part_lens)
+            key_parts.append(blob[gather + np.arange(total, dtype=np.int64)])
         len_parts.append(lens)
         page = np.uint64(ALIGN_BYTES)
         loc_parts.append(
