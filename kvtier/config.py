@@ -433,7 +433,11 @@ class PolicyConfig(_Section):
         0.1, ge=0, le=1, description="selective admission: least estimated chance of reuse"
     )
     ghost_blocks: int = Field(
-        100_000, ge=0, description="recently dropped keys remembered to count lost reuse"
+        100_000,
+        ge=0,
+        description="recently dropped keys remembered to count lost reuse; also the "
+        "horizon of selective admission's P(reuse) (a block not used again within this "
+        "many other keys counts as not reused): about the blocks the tiers hold",
     )
 
 

@@ -28,13 +28,14 @@ def _bucket_of(code: int) -> tuple[int, int]:
 
 class PackedReuse:
     """ReuseEstimator by key digest: the last bucket of up to `remembered_keys` keys (the
-    least recently observed forgotten first) in a DigestTable, counts in two lists."""
+    least recently observed forgotten first, which resolves their last placement as not
+    reused) in a DigestTable, resolved and reused counts in two lists."""
 
     def __init__(self, remembered_keys: int = 1 << 20) -> None:
-        self._placed = [0] * 20
+        self._resolved = [0] * 20
         self._reused = [0] * 20
-        self._last = DigestTable(remembered_keys)  # sized for all of them: never rehashed
-        self._remembered = remembered_keys
+        self._remembered = max(remembered_keys, 1)
+        self._last = DigestTable(self._remembered)  # sized for all of them: never rehashed
 
     @staticmethod
     def bucket(uses: int, from_end: int) -> tuple[int, int]:
@@ -42,25 +43,25 @@ class PackedReuse:
 
     def observe(self, digest: int, uses: int, from_end: int) -> None:
         """Record a placement or use of the block with key digest `digest`."""
-        previous = self._last.get(digest)
+        last = self._last
+        previous = last.get(digest)
         if previous >= 0:
             self._reused[previous] += 1
-        code = _bucket_code(uses, from_end)
-        self._last.put(digest, code, to_end=True)
-        if len(self._last) > self._remembered:
-            self._last.pop_oldest()
-        self._placed[code] += 1
+            self._resolved[previous] += 1
+        last.put(digest, _bucket_code(uses, from_end), to_end=True)
+        if len(last) > self._remembered:
+            self._resolved[last.pop(last.oldest())] += 1
 
     def probability(self, bucket: tuple[int, int]) -> float:
         code = _bucket_code(*bucket)
-        return (self._reused[code] + 1) / (self._placed[code] + 2)
+        return (self._reused[code] + 1) / (self._resolved[code] + 2)
 
     def p_reuse(self, digest: int, uses: int, from_end: int) -> float:
         """P(reuse): the block's last bucket if it was seen, else the one it would be in."""
         code = self._last.get(digest)
         if code < 0:
             code = _bucket_code(uses, from_end)
-        return (self._reused[code] + 1) / (self._placed[code] + 2)
+        return (self._reused[code] + 1) / (self._resolved[code] + 2)
 
     def __len__(self) -> int:
         return len(self._last)
@@ -131,7 +132,7 @@ class PackedPolicies:
         self.model = model
         self.digest_of = digest_of
         self.sketch = DigestSketch()
-        self.reuse = PackedReuse()
+        self.reuse = PackedReuse(ghost_capacity or 1 << 20)  # Policies says why
         self.admission = PackedAdmission(admission, self.sketch, self.reuse, min_p_reuse)
         self.ghosts = PackedGhosts(ghost_capacity)
 

@@ -96,7 +96,7 @@ def test_a_block_dearer_to_fetch_than_to_recompute_is_worth_nothing() -> None:
 
 
 def test_reuse_estimate_learns_that_chain_tails_rarely_recur() -> None:
-    reuse = ReuseEstimator()
+    reuse = ReuseEstimator(remembered_keys=50)  # horizon: 50 other keys
     for n in range(200):
         # 200 prompts: the body block recurs, the tail never does.
         reuse.observe(("body", n % 20), 1, BlockInfo(SIZE, 0, None, 5))
@@ -104,6 +104,61 @@ def test_reuse_estimate_learns_that_chain_tails_rarely_recur() -> None:
     tail = reuse.p_reuse(("tail", 999), 1, BlockInfo(SIZE, 6, None, 0))
     body = reuse.p_reuse(("body", 999), 1, BlockInfo(SIZE, 0, None, 5))
     assert tail < 0.05 < 0.5 < body
+
+
+def test_a_placement_whose_reuse_may_still_come_does_not_count_against_it() -> None:
+    # 100 blocks placed once and not yet back: within the horizon nothing is known, so P
+    # stays at the prior (counting them at once read 1/102 and refused them all at NVMe).
+    reuse = ReuseEstimator(remembered_keys=200)
+    body = BlockInfo(SIZE, 0, None, 5)
+    for n in range(100):
+        reuse.observe(("first", n), 1, body)
+    assert reuse.p_reuse(("new", 0), 1, body) == 0.5
+    for n in range(100):  # all of them come back: P of a block seen once is now high
+        reuse.observe(("first", n), 2, body)
+    assert reuse.p_reuse(("new", 1), 1, body) > 0.95
+    # Blocks never seen again are counted as not reused once the horizon has passed them.
+    for n in range(500):
+        reuse.observe(("once", n), 1, body)
+    assert reuse.p_reuse(("new", 2), 1, body) == 101 / 402  # 300 of 500 resolved
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    calls=st.lists(st.tuples(st.integers(0, 12), st.integers(1, 4), st.integers(-1, 4))),
+    remembered=st.integers(1, 8),
+)
+def test_reuse_estimate_counts_each_placement_once_its_outcome_is_known(
+    calls: list[tuple[int, int, int]], remembered: int
+) -> None:
+    """P(reuse) by bucket against its definition, computed from the whole call history:
+    an observation resolves as reused if its key is observed again before `remembered`
+    distinct other keys are, as not reused once they have been; until then it counts
+    for nothing."""
+    reuse = ReuseEstimator(remembered)
+    history: list[tuple[int, tuple[int, int]]] = []
+    for key, uses, from_end in calls:
+        info = BlockInfo(SIZE, 0, None, from_end)
+        reuse.observe(key, uses, info)
+        history.append((key, ReuseEstimator.bucket(uses, info)))
+        reused: dict[tuple[int, int], int] = {}
+        resolved: dict[tuple[int, int], int] = {}
+        for i, (k, bucket) in enumerate(history):
+            others: set[int] = set()
+            for later, _ in history[i + 1 :]:
+                if later == k:
+                    reused[bucket] = reused.get(bucket, 0) + 1
+                    resolved[bucket] = resolved.get(bucket, 0) + 1
+                    break
+                others.add(later)
+                if len(others) >= remembered:
+                    resolved[bucket] = resolved.get(bucket, 0) + 1
+                    break
+        for uses_b in range(4):
+            for end_b in range(-1, 4):
+                bucket = (uses_b, end_b)
+                want = (reused.get(bucket, 0) + 1) / (resolved.get(bucket, 0) + 2)
+                assert reuse.probability(bucket) == want
 
 
 def test_selective_admission_skips_what_rarely_recurs_and_write_back_takes_all() -> None:
