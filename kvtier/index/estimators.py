@@ -8,6 +8,8 @@ the fit is warm, an observation more than `outlier_factor` times (or less than
 1/`outlier_factor` of) the prediction is dropped — unless `accept_after` arrive in a row,
 which means the path itself changed: then the fit starts again from those observations
 (a drive throttled 100x would otherwise be averaged with the fast past for a long while).
+The run fits, which have a drift rule, restart only if the run's calls disagree on one
+ratio: a run that agrees moves the fit's level and keeps its shape (see `_OutlierGate`).
 Until enough observations arrive, the seed (a calibration or a configured profile) is the
 answer.
 
@@ -30,7 +32,7 @@ from typing import Literal
 
 from kvtier.index.planner import PrefillCost, TierCost
 
-Verdict = Literal["admit", "reject", "changed", "hold", "drifted"]
+Verdict = Literal["admit", "reject", "changed", "jumped", "hold", "drifted"]
 
 
 class _WeightedLeastSquares:
@@ -47,6 +49,12 @@ class _WeightedLeastSquares:
         self.xty = [0.0] * dims
         self.yty = 0.0
         self.count = 0
+
+    def load(self, other: _WeightedLeastSquares) -> None:
+        """Become a copy of `other` (same dims and decay)."""
+        self.xtx = [row[:] for row in other.xtx]
+        self.xty = other.xty[:]
+        self.yty, self.count = other.yty, other.count
 
     def add(self, x: list[float], y: float) -> None:
         d = self.decay
@@ -124,13 +132,24 @@ class _OutlierGate:
         self.warm_after = warm_after
         self.accept_after = accept_after
         self.rejected: list[tuple[list[float], float]] = []  # the far ones, in a row
+        self._rejected_ratios: list[float] = []  # their observed / predicted
         # `drift_factor`: calls inside the gate but all slower (or all faster) than
         # predicted by more than it, `accept_after` in a row, mean the path's level moved
         # (a tier that slowed 2x, too little for the gate): "drifted", by `drift_ratio`,
         # the median of their observed / predicted. Such calls are held ("hold") until the
         # run ends, so the ratio is against the fit they found, then `released` (to be
         # added before the current call, which is added only when "admit").
+        # With a drift factor, a run past the gate that the old shape explains (every
+        # call within `drift_factor` of the run's median ratio) is "jumped", not
+        # "changed": the fit is moved to that ratio as on a drift, and keeps its shape,
+        # instead of starting again from the run's few calls. The run may not have shown
+        # every kind of call, so for `accept_after` calls after it the restart it spared
+        # is kept beside the fit (`shadow`, see `_gated_add_relative`): a call the moved
+        # fit misses by more than `drift_factor` and the restart predicts within it means
+        # the shape changed too, and the restart becomes the fit.
         self.drift_factor = drift_factor
+        self.shadow: list[_WeightedLeastSquares] | None = None
+        self.probation = 0
         self._held: list[tuple[list[float], float]] = []
         self._held_ratios: list[float] = []
         self.released: list[tuple[list[float], float]] = []
@@ -138,14 +157,24 @@ class _OutlierGate:
 
     def admit(self, x: list[float], observed: float, predicted: float, seen: int) -> Verdict:
         far = predicted > 0 and not predicted / self.factor <= observed <= predicted * self.factor
+        ratio = observed / predicted if predicted > 0 else 1.0
         if not far or seen < self.warm_after:
             self.rejected.clear()
-            ratio = observed / predicted if predicted > 0 else 1.0
+            self._rejected_ratios.clear()
             return self._drifted(x, observed, ratio, seen)
         self._release()
         if len(self.rejected) < self.accept_after:
             self.rejected.append((x, observed))
+            self._rejected_ratios.append(ratio)
             return "reject"
+        ratios = [*self._rejected_ratios, ratio]
+        self._rejected_ratios = []
+        drift = self.drift_factor
+        if drift is not None:
+            level = statistics.median(ratios)
+            if all(1 / drift <= r / level <= drift for r in ratios):
+                self.drift_ratio = level
+                return "jumped"
         return "changed"
 
     def _release(self) -> None:
@@ -174,12 +203,26 @@ def _gated_add(
     verdict = gate.admit(x, y, predicted, fit.count)
     if verdict == "reject":
         return
-    if verdict == "changed":
+    if verdict in ("changed", "jumped"):  # an absolute fit is not rescaled: it restarts
         fit.reset()
         for old_x, old_y in gate.rejected:
             fit.add(old_x, old_y)
         gate.rejected.clear()
     fit.add(x, y)
+
+
+def _run_prediction(fits: list[_WeightedLeastSquares], features: list[list[float]]) -> float:
+    """What run fits predict for a call with rows `features`, as the run estimators read
+    them (the non-negative fit of least residual that grows with the run), or 0 if none."""
+    best: tuple[float, float] | None = None
+    for fit, x in zip(fits, features, strict=True):
+        w = fit.solve_nonnegative()
+        if w is None or w[1] + w[2] <= 0:
+            continue
+        err = fit.residual(w)
+        if best is None or err < best[0] * (1 - 1e-9):
+            best = (err, sum(wi * xi for wi, xi in zip(w, x, strict=True)))
+    return 0.0 if best is None else best[1]
 
 
 def _gated_add_relative(
@@ -196,27 +239,51 @@ def _gated_add_relative(
     fit the long calls and leave short ones off by several times). `features[i]` is
     point `raw`'s row for fit i; `featurise(i, raw)` builds one for a replayed point. False
     if the fits did not change (the point dropped, or held by the drift rule)."""
+    shadow, drift = gate.shadow, gate.drift_factor
+    if shadow is not None and drift is not None:  # on probation after a jump
+        gate.probation -= 1
+        fresh = _run_prediction(shadow, features)
+        if (
+            predicted > 0
+            and not 1 / drift <= y / predicted <= drift
+            and fresh > 0
+            and 1 / drift <= y / fresh <= drift
+        ):  # the old shape misses a call the restart saw coming: restart after all
+            for fit, restart in zip(fits, shadow, strict=True):
+                fit.load(restart)
+            shadow, predicted = None, fresh
+        if shadow is None or gate.probation <= 0:
+            gate.shadow = shadow = None
     verdict = gate.admit(raw, y, predicted, fits[0].count)
 
     def add_all(points: list[tuple[list[float], float]]) -> None:
         for old_raw, old_y in points:
             for i, fit in enumerate(fits):
-                fit.add([v / old_y for v in featurise(i, old_raw)], 1.0)
+                row = [v / old_y for v in featurise(i, old_raw)]
+                fit.add(row, 1.0)
+                if shadow is not None:
+                    shadow[i].add(row, 1.0)
         points.clear()
 
-    if verdict == "drifted":  # the same shape, at the level the latest calls ran at
+    if verdict == "jumped":  # past the gate, but the same shape: keep a restart beside it
+        shadow = gate.shadow = [_WeightedLeastSquares(fit.dims, fit.decay) for fit in fits]
+        gate.probation = gate.accept_after
+    if verdict in ("drifted", "jumped"):  # the same shape, at the level the latest calls ran at
         for fit in fits:
             fit.rescale(gate.drift_ratio)
     moved = verdict == "drifted" or bool(gate.released)
     add_all(gate.released)  # a run of held calls that ended (or drifted: then this one too)
     if verdict in ("reject", "hold", "drifted"):
         return moved
-    if verdict == "changed":
+    if verdict == "changed":  # a new shape: only the run's calls describe it
         for fit in fits:
             fit.reset()
+    if verdict in ("changed", "jumped"):
         add_all(gate.rejected)
-    for fit, x in zip(fits, features, strict=True):
+    for i, (fit, x) in enumerate(zip(fits, features, strict=True)):
         fit.add([v / y for v in x], 1.0)
+        if shadow is not None:
+            shadow[i].add([v / y for v in x], 1.0)
     return True
 
 
