@@ -25,7 +25,7 @@ import mmap
 import os
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,6 +64,9 @@ _SEG_VERSION = 1
 _SEG_HEAD = struct.Struct("<8sH6xQQ")
 _TRAILER = struct.Struct("<8sQQQQ")
 _FOOTER_HEAD = struct.Struct("<8sI")
+# Rows that recovery's numpy and tolist calls take at once (`values_of`): each holds the
+# GIL ~0.3 ms, so the event loop beside them waits no more than a switch interval.
+ROWS_A_CALL = 8192
 _ENTRY = struct.Struct("<QQQQIHHH")
 _XXH3 = struct.Struct("<Q")
 EMPTY_FOOTER_BYTES = _FOOTER_HEAD.size + _XXH3.size  # a footer that lists no record
@@ -450,6 +453,14 @@ def _uniform_columns(footer: bytes, count: int, end: int) -> _Cols | None:
     return fields, ns_off, fields["ns_len"].astype(np.int64), ns_off + ns_len
 
 
+def values_of(*columns: np.ndarray) -> Iterator[tuple[int, ...]]:
+    """`zip(*(c.tolist() for c in columns))`, a slice of ROWS_A_CALL rows at a time: one
+    `tolist()` of a million values holds the GIL ~40 ms, and recovery's threads run
+    beside the event loop (which then waits for the GIL that long)."""
+    for lo in range(0, len(columns[0]), ROWS_A_CALL):
+        yield from zip(*(c[lo : lo + ROWS_A_CALL].tolist() for c in columns), strict=True)
+
+
 def _unpacked_columns(footer: bytes, count: int) -> _Cols | None:
     """The entries one struct unpack each (mixed key lengths); None if the footer ends
     inside an entry (as read_footer)."""
@@ -467,7 +478,15 @@ def _unpacked_columns(footer: bytes, count: int) -> _Cols | None:
             rows.append(row)
     except struct.error:
         return None
-    table = np.array(rows, dtype=np.uint64).reshape(count, len(_ENTRY_FIELDS))
+    # A slice of rows at a time: one np.array of a segment's ~1 M values held the GIL
+    # tens of ms (recovery's loader threads run beside the event loop).
+    table = np.concatenate(
+        [np.zeros((0, len(_ENTRY_FIELDS)), np.uint64)]
+        + [
+            np.array(rows[lo : lo + ROWS_A_CALL], dtype=np.uint64).reshape(-1, len(_ENTRY_FIELDS))
+            for lo in range(0, count, ROWS_A_CALL)
+        ]
+    )
     fields = {
         f: table[:, i].astype(np.dtype(t))
         for i, (f, t) in enumerate(zip(_ENTRY_FIELDS, _ENTRY_FORMATS, strict=True))

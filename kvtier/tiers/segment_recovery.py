@@ -38,6 +38,7 @@ from kvtier.tiers.segment_file import (
 )
 from kvtier.tiers.segment_format import (
     EMPTY_FOOTER_BYTES,
+    ROWS_A_CALL,
     FooterColumns,
     check_segment_header,
     columns_of_entries,
@@ -46,6 +47,7 @@ from kvtier.tiers.segment_format import (
     read_footer_columns,
     scan_records,
     segment_id_of,
+    values_of,
 )
 from kvtier.tiers.startup import (
     FanScan,
@@ -57,7 +59,7 @@ from kvtier.tiers.startup import (
 )
 
 logger = logging.getLogger(__name__)
-_GATHER_ROWS = 8192  # rows whose keys `_winners` gathers in one numpy call
+_GATHER_ROWS = ROWS_A_CALL  # rows whose keys `_winners` gathers in one numpy call
 # One footer decoded at a time: decoding is Python and numpy holding the GIL, and eight
 # loader threads queued for it kept the event loop waiting ~100-280 ms at a time at 1 M
 # records (with one decoder, the loop waits a switch interval at most). Reading the
@@ -329,7 +331,7 @@ class SegmentRecovery(SegmentCore):
                     np.fromiter(
                         (
                             int(fan_of(names[int(cols.ns[r])], cols.key(r)), 16)
-                            for r in rows.tolist()
+                            for (r,) in values_of(rows)
                         ),
                         dtype=np.uint8,
                         count=len(rows),
@@ -521,9 +523,7 @@ def _newest(
             np.fromiter(
                 (
                     h(view[o : o + n], ns_seeds[s])
-                    for o, n, s in zip(
-                        cols.key_off.tolist(), cols.key_len.tolist(), cols.ns.tolist(), strict=True
-                    )
+                    for o, n, s in values_of(cols.key_off, cols.key_len, cols.ns)
                 ),
                 dtype=np.uint64,
                 count=len(cols),

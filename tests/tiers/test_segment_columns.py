@@ -13,12 +13,13 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.buffers import aligned_buffer
-from kvtier.tiers import segment_recovery
+from kvtier.tiers import segment_format, segment_recovery
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.record import RecordHeader, header_size_for
 from kvtier.tiers.segment_format import (
@@ -66,8 +67,18 @@ ENTRY = st.tuples(
 
 
 @settings(max_examples=200, deadline=None)
-@given(entries=st.lists(ENTRY, max_size=30), uniform=st.booleans())
+@given(entries=st.lists(ENTRY, max_size=30), uniform=st.booleans(), rows_a_call=st.integers(1, 9))
 def test_footer_columns_are_read_footer(
+    entries: list[tuple[int, str, bytes, int, int, bool]], uniform: bool, rows_a_call: int
+) -> None:
+    saved, segment_format.ROWS_A_CALL = segment_format.ROWS_A_CALL, rows_a_call
+    try:
+        _footer_columns_are_read_footer(entries, uniform)
+    finally:
+        segment_format.ROWS_A_CALL = saved
+
+
+def _footer_columns_are_read_footer(
     entries: list[tuple[int, str, bytes, int, int, bool]], uniform: bool
 ) -> None:
     size = 64 * 4096
@@ -179,13 +190,33 @@ def recovered(root: Path, owned: bool) -> tuple[object, ...]:
 def test_columnar_recovery_equals_the_per_record_one(
     ops: list[tuple[str, int, int]], gather_rows: int
 ) -> None:
-    # The keys are gathered a few rows at a time (8192 in the daemon), so that slicing
-    # is tested on these small histories too.
-    saved, segment_recovery._GATHER_ROWS = segment_recovery._GATHER_ROWS, gather_rows
+    # Keys are gathered, and columns listed, a few rows at a time (8192 in the daemon), so
+    # that slicing is tested on these small histories too.
+    saved = segment_recovery._GATHER_ROWS, segment_format.ROWS_A_CALL
+    segment_recovery._GATHER_ROWS = segment_format.ROWS_A_CALL = gather_rows
     try:
         _columnar_equals_per_record(ops)
     finally:
-        segment_recovery._GATHER_ROWS = saved
+        segment_recovery._GATHER_ROWS, segment_format.ROWS_A_CALL = saved
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    columns=st.integers(1, 3).flatmap(
+        lambda k: st.lists(st.tuples(*[st.integers(0, 2**32) for _ in range(k)]), max_size=40)
+    ),
+    rows_a_call=st.integers(1, 9),
+)
+def test_values_of_is_zip_of_tolist(columns: list[tuple[int, ...]], rows_a_call: int) -> None:
+    width = len(columns[0]) if columns else 1
+    arrays = [np.array([row[i] for row in columns], dtype=np.uint64) for i in range(width)]
+    saved, segment_format.ROWS_A_CALL = segment_format.ROWS_A_CALL, rows_a_call
+    try:
+        assert list(segment_format.values_of(*arrays)) == list(
+            zip(*(a.tolist() for a in arrays), strict=True)
+        )
+    finally:
+        segment_format.ROWS_A_CALL = saved
 
 
 def _columnar_equals_per_record(ops: list[tuple[str, int, int]]) -> None:
