@@ -39,6 +39,7 @@ from kvtier.engine.residency import Released
 from kvtier.engine.shared import SharedTier
 from kvtier.index.catalog import Entry
 from kvtier.movers.io import IoPool
+from kvtier.tiers.dram import DramTier
 from kvtier.types import Extent
 
 
@@ -197,14 +198,16 @@ class Demoter:
         store = self._store
         try:
             await self._demote_batch(victims)
+            # The next batch of a stream is claimed in a loop turn of its own (see
+            # `_demote_batch`), while this one still counts as in flight: with no batch
+            # counted between them, a flush (the daemon's stop) could see none, return,
+            # and leave the next one's victims unwritten.
+            await asyncio.sleep(0)
         finally:
             self._claimed_bytes[tenant] -= claimed_bytes
             self._batches[tenant] -= 1
             store.space.signal()
-        # The next batch of a stream (if the arena is still below the mark) is claimed in
-        # a loop turn of its own: see `_demote_batch`.
-        await asyncio.sleep(0)
-        self.notice(tenant)
+        self.notice(tenant)  # the next batch of a stream, if it is still below the mark
 
     async def _demote_batch(self, victims: list[Entry]) -> None:
         store = self._store
@@ -270,7 +273,9 @@ class Demoter:
         total = sum(needs)
         room, dropped = residency.reserve_nvme(entries[0], total)
         store.remove_records(dropped)
-        arena = store.arena_of(entries[0].block_id)
+        # A demotion batch is one arena's victims, a flush's spans tenants: each block's
+        # bytes come from its own arena.
+        arenas: dict[str, DramTier] = {}
         headers, batch, views = [], [], []
         for (entry, extent), header, need in zip(placed, wanted, needs, strict=True):
             if not room:
@@ -280,6 +285,10 @@ class Demoter:
                     continue
             headers.append(header)
             batch.append((entry, need))
+            ns_id = entry.block_id[0]
+            arena = arenas.get(ns_id)
+            if arena is None:
+                arena = arenas[ns_id] = store.arena_of(entry.block_id)
             views.append(arena.view(extent))
         if not batch:
             return []
