@@ -546,8 +546,8 @@ class Catalog:
             self._nvme_count += 1
             self._nvme_add(slot, record)
         self._link(slot)
-        if extent is not None and self._on_dram is not None:
-            self._on_dram(block_id, extent, size, xxh3, gen)
+        if extent is not None:
+            self._dram_changed(slot, extent, block_id)
         return slot
 
     def _add_again(self, entry: Entry) -> None:

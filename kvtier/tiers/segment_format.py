@@ -453,12 +453,18 @@ def _uniform_columns(footer: bytes, count: int, end: int) -> _Cols | None:
     return fields, ns_off, fields["ns_len"].astype(np.int64), ns_off + ns_len
 
 
+def row_slices(rows: int) -> Iterator[slice]:
+    """[0, rows) as slices of ROWS_A_CALL: one numpy or `tolist()` call over a million
+    values holds the GIL tens of ms, and recovery's threads run beside the event loop
+    (which then waits for the GIL that long)."""
+    for lo in range(0, rows, ROWS_A_CALL):
+        yield slice(lo, min(lo + ROWS_A_CALL, rows))
+
+
 def values_of(*columns: np.ndarray) -> Iterator[tuple[int, ...]]:
-    """`zip(*(c.tolist() for c in columns))`, a slice of ROWS_A_CALL rows at a time: one
-    `tolist()` of a million values holds the GIL ~40 ms, and recovery's threads run
-    beside the event loop (which then waits for the GIL that long)."""
-    for lo in range(0, len(columns[0]), ROWS_A_CALL):
-        yield from zip(*(c[lo : lo + ROWS_A_CALL].tolist() for c in columns), strict=True)
+    """`zip(*(c.tolist() for c in columns))`, a `row_slices` slice at a time."""
+    for part in row_slices(len(columns[0])):
+        yield from zip(*(c[part].tolist() for c in columns), strict=True)
 
 
 def _unpacked_columns(footer: bytes, count: int) -> _Cols | None:
@@ -478,15 +484,9 @@ def _unpacked_columns(footer: bytes, count: int) -> _Cols | None:
             rows.append(row)
     except struct.error:
         return None
-    # A slice of rows at a time: one np.array of a segment's ~1 M values held the GIL
-    # tens of ms (recovery's loader threads run beside the event loop).
-    table = np.concatenate(
-        [np.zeros((0, len(_ENTRY_FIELDS)), np.uint64)]
-        + [
-            np.array(rows[lo : lo + ROWS_A_CALL], dtype=np.uint64).reshape(-1, len(_ENTRY_FIELDS))
-            for lo in range(0, count, ROWS_A_CALL)
-        ]
-    )
+    table = np.empty((count, len(_ENTRY_FIELDS)), np.uint64)
+    for part in row_slices(count):  # a segment's ~1 M values at once held the GIL
+        table[part] = rows[part]
     fields = {
         f: table[:, i].astype(np.dtype(t))
         for i, (f, t) in enumerate(zip(_ENTRY_FIELDS, _ENTRY_FORMATS, strict=True))

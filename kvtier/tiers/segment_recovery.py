@@ -38,13 +38,13 @@ from kvtier.tiers.segment_file import (
 )
 from kvtier.tiers.segment_format import (
     EMPTY_FOOTER_BYTES,
-    ROWS_A_CALL,
     FooterColumns,
     check_segment_header,
     columns_of_entries,
     entry_bytes,
     read_footer,
     read_footer_columns,
+    row_slices,
     scan_records,
     segment_id_of,
     values_of,
@@ -59,7 +59,6 @@ from kvtier.tiers.startup import (
 )
 
 logger = logging.getLogger(__name__)
-_GATHER_ROWS = ROWS_A_CALL  # rows whose keys `_winners` gathers in one numpy call
 # One footer decoded at a time: decoding is Python and numpy holding the GIL, and eight
 # loader threads queued for it kept the event loop waiting ~100-280 ms at a time at 1 M
 # records (with one decoder, the loop waits a switch interval at most). Reading the
@@ -598,8 +597,8 @@ def _winners(
         blob = np.frombuffer(cols.blob, dtype=np.uint8)
         # The keys' bytes gathered a slice of rows at a time: one gather of a segment's
         # ~4 M key bytes held the GIL ~20 ms, the event loop idle behind it (stalltrace).
-        for lo in range(0, len(rows), _GATHER_ROWS):
-            part_lens, part_starts = lens[lo : lo + _GATHER_ROWS], starts[lo : lo + _GATHER_ROWS]
+        for part in row_slices(len(rows)):
+            part_lens, part_starts = lens[part], starts[part]
             ends = np.cumsum(part_lens)
             total = int(ends[-1]) if len(ends) else 0
             gather = np.repeat(part_starts - (ends - part_lens), part_lens)

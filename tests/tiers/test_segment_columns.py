@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.buffers import aligned_buffer
-from kvtier.tiers import segment_format, segment_recovery
+from kvtier.tiers import segment_format
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.record import RecordHeader, header_size_for
 from kvtier.tiers.segment_format import (
@@ -192,12 +192,11 @@ def test_columnar_recovery_equals_the_per_record_one(
 ) -> None:
     # Keys are gathered, and columns listed, a few rows at a time (8192 in the daemon), so
     # that slicing is tested on these small histories too.
-    saved = segment_recovery._GATHER_ROWS, segment_format.ROWS_A_CALL
-    segment_recovery._GATHER_ROWS = segment_format.ROWS_A_CALL = gather_rows
+    saved, segment_format.ROWS_A_CALL = segment_format.ROWS_A_CALL, gather_rows
     try:
         _columnar_equals_per_record(ops)
     finally:
-        segment_recovery._GATHER_ROWS, segment_format.ROWS_A_CALL = saved
+        segment_format.ROWS_A_CALL = saved
 
 
 @settings(max_examples=100, deadline=None)
