@@ -91,6 +91,14 @@ def _mooncake(root: Path) -> Iterator[RemoteStore]:
     master = Path(sys.executable).parent / "mooncake_master"
     if not master.exists():
         _unavailable("Mooncake Store is not installed (pip install 'kvtier[mooncake]')")
+    loads = subprocess.run(
+        [sys.executable, "-c", "import mooncake.store"], capture_output=True, text=True
+    )
+    if loads.returncode != 0:
+        _unavailable(
+            f"Mooncake Store does not load: {loads.stderr.strip().splitlines()[-1]} "
+            "(apt-get install libibverbs1 librdmacm1)"
+        )
     netns = f"kvt-{uuid.uuid4().hex[:8]}"
     made = subprocess.run(["ip", "netns", "add", netns], capture_output=True, text=True)
     if made.returncode != 0:
