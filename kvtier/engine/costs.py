@@ -80,6 +80,13 @@ class CostModel:
         # Read by the policy's value model (shared dict: refreshed in place).
         self.value_costs: dict[str, TierCost] = {}
         self.planned: dict[BlockId, float] = {}  # in the order first planned
+        # Changes to `planned` (plans' updates, settled fetches, trims), and the last plan
+        # that updated it: (changes then, namespace, keys, recompute seconds, first index,
+        # blocks planned). The same plan again with no change since finds its blocks
+        # there with its values already: an engine re-planning one waiting prompt every
+        # scheduler step skips ~200 dict updates a Plan.
+        self._planned_changes = 0
+        self._last_planned: tuple[int, str, list[bytes], list[float], int, int] | None = None
         # Plans by every input the planner reads (its request, as a tuple): an engine
         # re-plans a waiting prompt each scheduler step with nothing changed, and a new
         # fit or observation changes the key, so nothing needs invalidating.
@@ -238,14 +245,35 @@ class CostModel:
         recompute = costs[2]
         planned = self.planned
         start, end = result.fetch_start, min(result.fetch_end, len(keys))
-        # One C-level update per plan (an engine re-plans a waiting prompt every step): a
-        # block planned again keeps its place, so the oldest first planned go first.
-        planned.update(
-            zip(zip(itertools.repeat(ns_id), keys[start:end]), recompute[start:end], strict=True)
-        )
-        if len(planned) > PLANNED_BLOCKS_KEPT:
-            for block_id in list(itertools.islice(planned, len(planned) - PLANNED_BLOCKS_KEPT)):
-                del planned[block_id]
+        fetched = keys[start:end]
+        last = self._last_planned
+        if not (
+            last is not None
+            and last[0] == self._planned_changes
+            and last[5] == len(planned)
+            and last[3] is recompute
+            and last[4] == start
+            and last[1] == ns_id
+            and last[2] == fetched
+        ):
+            # One C-level update per plan: a block planned again keeps its place, so the
+            # oldest first planned go first.
+            planned.update(
+                zip(zip(itertools.repeat(ns_id), fetched), recompute[start:end], strict=True)
+            )
+            if len(planned) > PLANNED_BLOCKS_KEPT:
+                trim = len(planned) - PLANNED_BLOCKS_KEPT
+                for block_id in list(itertools.islice(planned, trim)):
+                    del planned[block_id]
+            self._planned_changes += 1
+            self._last_planned = (
+                self._planned_changes,
+                ns_id,
+                fetched,
+                recompute,
+                start,
+                len(planned),
+            )
         self._counters.planned_fetch_blocks += result.fetch_blocks
         self._counters.planned_recompute_blocks += (
             len(recompute) - result.engine_blocks - result.fetch_blocks
@@ -260,6 +288,7 @@ class CostModel:
         recompute_s = self.planned.pop(block_id, None)
         if recompute_s is None:
             return
+        self._planned_changes += 1
         fetch_s = measured_s if measured_s is not None else self.path_cost(tier).fetch_s(size_bytes)
         self._counters.recompute_avoided_s += recompute_s
         if fetch_s > recompute_s:

@@ -175,13 +175,13 @@ class Residency:
         self._parent = array("i")
         self._parent_era = bytearray()
         # The chains learned last, by (namespace, last key): (epoch, last index asked,
-        # keys, slots, tiers).
+        # keys, slots, tiers, as asked; how many of its keys are distinct from the first).
         # A chain seen again with the same slots and tiers while nothing was relearned
         # or reused (the epoch) has nothing to learn: the common re-Plan of a waiting
         # prompt costs a few comparisons, not an array pass.
         self._learned: dict[
             tuple[str, bytes],
-            tuple[int, int, tuple[bytes, ...], tuple[int, ...], tuple[object, ...]],
+            tuple[int, int, tuple[bytes, ...], tuple[int, ...], tuple[object, ...], int],
         ] = {}
         self._learn_epoch = 0
         self._learned_blocks = 0  # keys held by _learned
@@ -281,11 +281,16 @@ class Residency:
 
     def lookup(self, ns_id: str, keys: list[bytes]) -> LookupResult:
         """Where each key of a chain lives; learns the chain (positions, lost reuse)."""
+        return LookupResult.of(self.lookup_chain(ns_id, keys)[1])
+
+    def lookup_chain(
+        self, ns_id: str, keys: list[bytes]
+    ) -> tuple[list[int], list[TierName | None]]:
+        """`lookup`, as each key's slot (NO_SLOT: not cached) and tier."""
         slots = self.catalog.slots_of(ns_id, keys)
-        tier_of = self.catalog.tier_of_slot
-        tiers = [tier_of(s) for s in slots]
+        tiers = self.catalog.tiers_of(slots)
         self._learn_chain(ns_id, keys, slots, tiers)
-        return LookupResult.of(tiers)
+        return slots, tiers
 
     def dram_entries(self, tenant: str) -> Iterator[Entry]:
         catalog = self.catalog
@@ -661,37 +666,33 @@ class Residency:
         since — is a few tuple comparisons (`_learned`), and otherwise one array
         comparison over the chain, Python only for the blocks that moved. `tiers`: each
         slot's tier (None: not cached)."""
-        last = len(keys) - 1
-        if len(set(keys)) != len(keys):
-            # A chain that names a block twice is not a chain past that point: a block
-            # must never become its own ancestor (the policy walks parents).
-            seen: set[bytes] = set()
-            for i, key in enumerate(keys):
-                if key in seen:
-                    keys, slots, tiers = keys[:i], slots[:i], tiers[:i]
-                    break
-                seen.add(key)
-        if not slots:
+        if not keys:
             return
+        last = len(keys) - 1
+        memo_key = (ns_id, keys[-1])
+        seen_now = (last, tuple(keys), tuple(slots), tuple(tiers))
+        learned = self._learned
+        was = learned.pop(memo_key, None)
+        if was is not None:
+            self._learned_blocks -= len(was[2])
+            if was[0] != self._learn_epoch or was[1:5] != seen_now:
+                was = None
+        # A chain that names a block twice is not a chain past that point: a block must
+        # never become its own ancestor (the policy walks parents).
+        cut = was[5] if was is not None else _distinct_prefix(keys)
+        if cut < len(keys):
+            keys, slots, tiers = keys[:cut], slots[:cut], tiers[:cut]
         catalog, ghosts = self.catalog, self.policies.ghosts
         if len(ghosts):  # an empty ghost table takes nothing: skip a digest per miss
             for i in [i for i, t in enumerate(tiers) if t is None]:
                 if ghosts.take(catalog.digest((ns_id, keys[i]))):
                     self._counters.lost_reuse += 1
-        memo_key = (ns_id, keys[-1])
-        seen_now = (last, tuple(keys), tuple(slots), tuple(tiers))
-        learned = self._learned
-        memo = learned.pop(memo_key, None)
-        if memo is not None:
-            self._learned_blocks -= len(memo[2])
-            if memo[0] == self._learn_epoch and memo[1:] == seen_now:
-                learned[memo_key] = memo  # now the most recently planned
-                self._learned_blocks += len(memo[2])
-                return
-        cached = np.fromiter((t is not None for t in tiers), dtype=bool, count=len(tiers))
-        self._learn_positions(last, slots, cached)
-        learned[memo_key] = (self._learn_epoch, *seen_now)
-        self._learned_blocks += len(keys)
+        if was is None:
+            cached = np.fromiter((t is not None for t in tiers), dtype=bool, count=len(tiers))
+            self._learn_positions(last, slots, cached)
+            was = (self._learn_epoch, *seen_now, cut)
+        learned[memo_key] = was  # now the most recently planned
+        self._learned_blocks += len(seen_now[1])
         # Bounded by blocks, not chains (a chain may be max_plan_blocks long).
         while self._learned_blocks > LEARNED_BLOCKS_KEPT:
             oldest = learned.pop(next(iter(learned)))
@@ -764,6 +765,18 @@ def _nothing_protected(block_id: BlockId) -> bool:
 READ_ERRORS_BEFORE_DROP = 3
 # Keys of the chains remembered for the re-Plan fast path (_learn_chain): ~100 B each.
 LEARNED_BLOCKS_KEPT = 1 << 17
+
+
+def _distinct_prefix(keys: list[bytes]) -> int:
+    """How many of `keys`, from the first, name no block twice."""
+    if len(set(keys)) == len(keys):
+        return len(keys)
+    seen: set[bytes] = set()
+    for i, key in enumerate(keys):
+        if key in seen:
+            return i
+        seen.add(key)
+    return len(keys)
 
 
 def new_residency(

@@ -63,7 +63,7 @@ from kvtier.errors import (
     InvalidArgument,
     ResourceExhausted,
 )
-from kvtier.index.catalog import Entry
+from kvtier.index.catalog import NO_SLOT, Entry
 from kvtier.index.estimators import PathEstimator, PrefillEstimator
 from kvtier.index.packed_policies import PackedPolicies
 from kvtier.index.planner import Family, Plan
@@ -567,15 +567,13 @@ class Store:
         family: Family = "any",
     ) -> tuple[Plan, BlockCosts]:
         """The plan for a chain, with its per-block tiers, fetch and recompute seconds."""
-        tiers = self.residency.lookup(ns_id, keys).tiers
-        if self.remote is not None and None in tiers:
-            tiers = await self.shared.probe(ns_id, keys, tiers)
+        slots, tiers = self.residency.lookup_chain(ns_id, keys)
         first_size_bytes = None
         if not kv_bytes_per_token:
-            first = next(
-                (e for k in keys if (e := self.residency.get((ns_id, k))) is not None), None
-            )
-            first_size_bytes = first.size_bytes if first is not None else None
+            first = next((s for s in slots if s != NO_SLOT), NO_SLOT)
+            first_size_bytes = None if first == NO_SLOT else self.residency.catalog.size_of(first)
+        if self.remote is not None and None in tiers:
+            tiers = await self.shared.probe(ns_id, keys, tiers)
         return self.costs.plan(
             ns_id,
             keys,

@@ -111,6 +111,28 @@ def plan_response(plan: Plan, costs: BlockCosts) -> pb.PlanResponse:
     )
 
 
+PLAN_RESPONSES_KEPT = 64  # a waiting prompt each: the engine's queue, with room
+
+
+class PlanResponses:
+    """`plan_response`, made once for each plan the cost model hands out again: an engine
+    re-plans each waiting prompt every scheduler step, and while no estimate or tier moves
+    the daemon answers with the same `Plan` object (its plan memo), so the same message."""
+
+    def __init__(self) -> None:
+        # id(plan) -> (plan, its message): the plan held, so its id names it while kept.
+        self._kept: dict[int, tuple[Plan, pb.PlanResponse]] = {}
+
+    def __call__(self, plan: Plan, costs: BlockCosts) -> pb.PlanResponse:
+        kept = self._kept.pop(id(plan), None)
+        if kept is None or kept[0] is not plan:
+            kept = (plan, plan_response(plan, costs))
+            if len(self._kept) >= PLAN_RESPONSES_KEPT:
+                del self._kept[next(iter(self._kept))]  # the least recently answered
+        self._kept[id(plan)] = kept
+        return kept[1]
+
+
 def prefill_response(fit: PrefillCost) -> pb.ReportPrefillResponse:
     return pb.ReportPrefillResponse(
         a_s_per_token=fit.a_s_per_token,

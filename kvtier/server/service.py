@@ -75,11 +75,11 @@ from kvtier.server.cuda_ops import CudaOps
 from kvtier.server.messages import (
     TIER_NAME_TO_PB,
     TIER_TO_PB,
+    PlanResponses,
     block_event,
     block_info,
     commit_results,
     leased,
-    plan_response,
     prefill_response,
     put_response,
     stats_response,
@@ -124,6 +124,7 @@ class KVTierService:
         self._certificates = dict(config.auth.certificates)
         self._limiter = RateLimiter(config)
         self._calls = CallSlots(CallCaps.of(config))
+        self._plan_responses = PlanResponses()
         _warn_node_cap(config)
         self.session_call = SessionDispatch(
             {
@@ -503,7 +504,7 @@ class KVTierService:
             family,
         )
         logger.debug("plan %s, %d blocks: %s", request.namespace, len(keys), plan.reason)
-        return plan_response(plan, costs)
+        return self._plan_responses(plan, costs)
 
     async def Prefetch(self, request: pb.PrefetchRequest, context: Ctx) -> pb.PrefetchResponse:
         ns_id = self._ns_id(self._caller(context), request.namespace)

@@ -49,6 +49,30 @@ def test_a_planned_fetch_is_settled_once_when_served() -> None:
     assert counters.fetch_regret_s == pytest.approx(0.5)
 
 
+def test_a_chain_planned_again_is_settled_again_after_each_serve() -> None:
+    """Re-planning one chain with nothing changed leaves `planned` as it is; once one of
+    its blocks was served (and settled), the next plan of it expects that fetch again,
+    and a plan of another chain between two of the same chain changes nothing of it."""
+    model, counters = make()
+    keys = [bytes([i]) * 16 for i in range(8)]
+    other = [bytes([100 + i]) * 16 for i in range(4)]
+    args = (["dram"] * 8, 512, 0, 0, "none", 0, 64 * MIB)
+    _, (_, _, recompute) = model.plan(NS, keys, *args)  # type: ignore[arg-type]
+    want = {(NS, k): r for k, r in zip(keys, recompute, strict=True)}
+    for _ in range(2):
+        model.plan(NS, list(keys), *args)  # type: ignore[arg-type]
+        assert model.planned == want
+    for served in range(1, 4):
+        model.served((NS, keys[3]), TierName.DRAM, 64 * MIB, None)
+        assert (NS, keys[3]) not in model.planned
+        assert counters.recompute_avoided_s == pytest.approx(served * recompute[3])
+        model.plan(NS, list(keys), *args)  # type: ignore[arg-type]
+        assert model.planned[(NS, keys[3])] == recompute[3]
+    model.plan(NS, other, ["dram"] * 4, 512, 0, 0, "none", 0, 64 * MIB)
+    model.plan(NS, list(keys), *args)  # type: ignore[arg-type]
+    assert {b: model.planned[b] for b in want} == want and len(model.planned) == 12
+
+
 def test_a_plan_without_kv_bytes_uses_the_first_cached_block_or_the_profile() -> None:
     model, _ = make()
     keys = [b"k" * 16]

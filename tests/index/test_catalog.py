@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
 from kvtier.engine.events import EventLog
-from kvtier.index.catalog import BlockId, Catalog, Entry, TierName
+from kvtier.index.catalog import NO_SLOT, BlockId, Catalog, Entry, TierName
 from kvtier.tiers.allocator import Extent
 
 NS = "default|m/l"
@@ -133,6 +133,7 @@ class PackedCatalogMachine(RuleBasedStateMachine):
         self.held: list[tuple[Entry, BlockId, tuple[int, int, int]]] = []  # removed, still held
         self.pins: dict[BlockId, int] = {}
         self.generation = 0
+        self.chains: list[tuple[str, list[bytes]]] = []
 
     def _fields(self, entry: Entry) -> tuple[int, int, int, int, int]:
         extent = entry.dram_extent
@@ -223,7 +224,21 @@ class PackedCatalogMachine(RuleBasedStateMachine):
 
     @rule(ns=st.sampled_from(NAMESPACES), keys=st.lists(KEYS, max_size=6))
     def lookup(self, ns: str, keys: list[bytes]) -> None:
+        self.chains.append((ns, keys))
+        self._look(ns, keys)
+
+    @rule(data=st.data())
+    def lookup_again(self, data: st.DataObject) -> None:
+        """A chain asked before, after whatever came and went since (its kept probe)."""
+        if self.chains:
+            ns, keys = data.draw(st.sampled_from(self.chains))
+            self._look(ns, [bytes(bytearray(k)) for k in keys])
+
+    def _look(self, ns: str, keys: list[bytes]) -> None:
         result = self.catalog.lookup(ns, keys)
+        # A chain's probe (inlined, or kept and checked) finds what one probe a key finds,
+        # colliding or not.
+        assert self.catalog.slots_of(ns, keys) == [self.catalog.slot_of((ns, k)) for k in keys]
         for key, tier in zip(keys, result.tiers, strict=True):
             want = self.model.get((ns, key))
             expected = None if want is None else TierName.DRAM if want[3] else TierName.NVME
@@ -275,6 +290,48 @@ def test_a_freed_slot_is_reused_once_its_handle_is_gone_and_no_tier_names_it() -
     assert catalog.slot_of((NS, b"fourth")) == slot
     assert catalog.get((NS, b"fourth")).generation == 4  # type: ignore[union-attr]
     assert catalog.get((NS, b"first")) is None
+
+
+def test_a_kept_chain_probe_never_answers_for_a_slot_freed_256_times() -> None:
+    """A slot's era is one byte: freed 256 times and live again, it reads as it did when a
+    chain was probed. The kept probe must not take it for the block it held then."""
+    catalog = Catalog()
+    slot = catalog.add_record((NS, b"a"), 10, 1, 1, 522)
+    era = catalog.era_of(slot)
+    assert catalog.slots_of(NS, [b"a", b"b"]) == [slot, NO_SLOT]
+    gone = catalog.get((NS, b"a"))
+    assert gone is not None
+    catalog.remove(gone)
+    del gone
+    for i in range(255):
+        key = b"x%d" % i
+        assert catalog.add_record((NS, key), 10, 1, 1, 522) == slot  # the slot, reused
+        gone = catalog.get((NS, key))
+        assert gone is not None
+        catalog.remove(gone)
+        del gone
+    assert catalog.add_record((NS, b"c"), 10, 1, 1, 522) == slot
+    assert catalog.era_of(slot) == era  # 256 frees: the era came round
+    assert catalog.slots_of(NS, [b"a", b"b"]) == [NO_SLOT, NO_SLOT]
+    assert catalog.slots_of(NS, [b"c", b"b"]) == [slot, NO_SLOT]
+
+
+def test_a_kept_chain_probe_finds_blocks_added_and_forgets_blocks_removed() -> None:
+    catalog = Catalog()
+    keys = [b"k%d" % i for i in range(8)]
+    slots = [catalog.add_record((NS, k), 10, 1, 1, 522) for k in keys[:4]]
+    assert catalog.slots_of(NS, keys) == slots + [NO_SLOT] * 4
+    added = catalog.add_record((NS, keys[5]), 10, 1, 1, 522)
+    assert catalog.slots_of(NS, keys) == [*slots, NO_SLOT, added, NO_SLOT, NO_SLOT]
+    gone = catalog.get((NS, keys[1]))
+    assert gone is not None
+    catalog.remove(gone)
+    del gone
+    again = catalog.add_record((NS, b"other"), 10, 1, 1, 522)  # may take keys[1]'s slot
+    assert catalog.slot_of((NS, b"other")) == again
+    want = [slots[0], NO_SLOT, slots[2], slots[3], NO_SLOT, added, NO_SLOT, NO_SLOT]
+    assert catalog.slots_of(NS, keys) == want
+    assert catalog.slots_of(NS, list(keys)) == want  # asked again, nothing changed
 
 
 def test_colliding_digests_are_told_apart_by_the_full_id() -> None:

@@ -255,3 +255,39 @@ def test_prefix_family_plans_only_loads_right_after_the_engines_blocks(
         with pytest.raises(grpc.RpcError) as err:
             client._stub.Plan(plan_request(NS, chain, TPB, 0, "none", None, None, "suffix"))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_chain_planned_again_sees_the_blocks_put_since(start_daemon: StartDaemon) -> None:
+    """The same chain asked every scheduler step is answered from the daemon's plan memo
+    and its remembered message, until a block of it comes or goes: then from the new
+    state, over the session socket and over gRPC alike."""
+    from kvtier.client._common import PB_TO_TIER, plan_request
+
+    daemon = start_daemon(dram="64MiB")
+    chain = kvtier.chain_keys(NS, [[i] * TPB for i in range(12)])
+    with daemon.client() as client:
+
+        def planned() -> list[object]:
+            """The chain's tiers as planned three times over each path (all equal): the
+            cached run from its first block, as the planner loads only a prefix run."""
+            session = [client.plan(NS, chain, TPB) for _ in range(3)]
+            grpc_ = [client._stub.Plan(plan_request(NS, chain, TPB, 0, "none", None, None))]
+            grpc_.append(client._stub.Plan(plan_request(NS, chain, TPB, 0, "none", None, None)))
+            assert session[0] == session[1] == session[2]
+            assert grpc_[0] == grpc_[1]
+            assert [PB_TO_TIER[t] for t in grpc_[0].tiers] == session[0].tiers
+            assert (grpc_[0].fetch_start, grpc_[0].fetch_end) == (
+                session[0].fetch_start,
+                session[0].fetch_end,
+            )
+            return list(session[0].tiers)
+
+        for i in range(6):
+            client.put_from(NS, chain[i], block_bytes(i, TPB * (8 << 10)))
+        assert client._arena is not None  # plans go over the attached session
+        assert planned() == client.lookup(NS, chain).tiers == ["dram"] * 6 + [None] * 6
+        for i in range(6, 9):
+            client.put_from(NS, chain[i], block_bytes(i, TPB * (8 << 10)))
+        assert planned() == ["dram"] * 9 + [None] * 3
+        assert client.delete(NS, chain[7])
+        assert planned() == ["dram"] * 7 + [None] * 5
