@@ -114,9 +114,13 @@ def tier_of(entry: Entry | None) -> TierName | None:
     return _NVME if entry.nvme_record_bytes else None
 
 
-# Keys of the chains whose probe is kept (the least recently asked go first): 256 chains
-# of 256 keys, ~22 KiB each with 32-byte keys.
+# Keys of the chains whose probe is kept (the least recently asked go first), each chain
+# counted CHAIN_OVERHEAD_KEYS more for its arrays (~0.5 KiB): 240 chains of 256 keys, ~22
+# KiB each with 32-byte keys; at most ~4 k short ones.
 CHAIN_KEYS_KEPT = 1 << 16
+CHAIN_OVERHEAD_KEYS = 16
+# A chain shorter than this is probed each time (a few keys cost less than keeping them).
+CHAIN_MIN_KEYS = 16
 
 
 @dataclass(slots=True)
@@ -214,7 +218,8 @@ class Catalog:
         self._unlinked = 0
         self._freed = 0
         self._chains: dict[tuple[str, bytes, int], _ChainProbe] = {}
-        self._chain_keys = 0  # held by _chains
+        self._chain_keys = 0  # held by _chains (with CHAIN_OVERHEAD_KEYS each)
+        self.chain_min_keys = CHAIN_MIN_KEYS  # tests keep short chains' probes too
         self._ns_ids: dict[str, int] = {}
         self._ns_names: list[str] = []
         self._ns_tenants: list[str] = []
@@ -409,17 +414,18 @@ class Catalog:
         """The slot of each key (NO_SLOT: not cached), making no handle.
 
         An engine asks about each waiting prompt's chain every scheduler step, so the
-        answer for a chain is kept (CHAIN_KEYS_KEPT keys' worth) and, asked again, only
-        what may have changed is probed again: the misses if a block was indexed since,
-        the hits if one was taken out (a hit still live in a slot not freed since, by
-        its era, is the same block; past 255 frees an era may have wrapped, so all)."""
-        if not keys:
-            return []
+        answer for a chain of CHAIN_MIN_KEYS or more is kept (CHAIN_KEYS_KEPT keys' worth)
+        and, asked again, only what may have changed is probed again: the misses if a
+        block was indexed since, the hits if one was taken out (a hit still live in a
+        slot not freed since, by its era, is the same block; past 255 frees an era may
+        have wrapped, so all)."""
+        if len(keys) < self.chain_min_keys:
+            return self._probe(ns_id, keys)
         memo_key = (ns_id, keys[-1], len(keys))
         chains = self._chains
         kept = chains.pop(memo_key, None)
         if kept is not None:
-            self._chain_keys -= len(kept.keys)
+            self._chain_keys -= len(kept.keys) + CHAIN_OVERHEAD_KEYS
             if kept.keys != keys:
                 kept = None
         if kept is None:
@@ -427,9 +433,10 @@ class Catalog:
         elif kept.linked != self._len + self._unlinked or kept.unlinked != self._unlinked:
             kept = self._kept_probe(keys, self._reprobe(ns_id, keys, kept))
         chains[memo_key] = kept
-        self._chain_keys += len(keys)
+        self._chain_keys += len(keys) + CHAIN_OVERHEAD_KEYS
         while self._chain_keys > CHAIN_KEYS_KEPT:
-            self._chain_keys -= len(chains.pop(next(iter(chains))).keys)  # least recent
+            oldest = chains.pop(next(iter(chains)))  # the least recently asked
+            self._chain_keys -= len(oldest.keys) + CHAIN_OVERHEAD_KEYS
         return list(kept.slots)
 
     def _kept_probe(self, keys: list[bytes], found: np.ndarray) -> _ChainProbe:

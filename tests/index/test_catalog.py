@@ -126,6 +126,7 @@ class PackedCatalogMachine(RuleBasedStateMachine):
         super().__init__()
         self.named: set[int] = set()  # slots a tier names as a parent
         self.catalog = Catalog(digest=tiny_digest)
+        self.catalog.chain_min_keys = 1  # every chain's probe kept, however short
         self.catalog.holds = self.named.__contains__
         self.model: dict[
             BlockId, tuple[int, int, int, int, int]
@@ -296,6 +297,7 @@ def test_a_kept_chain_probe_never_answers_for_a_slot_freed_256_times() -> None:
     """A slot's era is one byte: freed 256 times and live again, it reads as it did when a
     chain was probed. The kept probe must not take it for the block it held then."""
     catalog = Catalog()
+    catalog.chain_min_keys = 1
     slot = catalog.add_record((NS, b"a"), 10, 1, 1, 522)
     era = catalog.era_of(slot)
     assert catalog.slots_of(NS, [b"a", b"b"]) == [slot, NO_SLOT]
@@ -317,21 +319,23 @@ def test_a_kept_chain_probe_never_answers_for_a_slot_freed_256_times() -> None:
 
 
 def test_a_kept_chain_probe_finds_blocks_added_and_forgets_blocks_removed() -> None:
-    catalog = Catalog()
-    keys = [b"k%d" % i for i in range(8)]
+    catalog = Catalog()  # chains of 16 keys and more are kept by default
+    keys = [b"k%d" % i for i in range(16)]
     slots = [catalog.add_record((NS, k), 10, 1, 1, 522) for k in keys[:4]]
-    assert catalog.slots_of(NS, keys) == slots + [NO_SLOT] * 4
+    assert catalog.slots_of(NS, keys) == slots + [NO_SLOT] * 12
+    assert len(catalog._chains) == 1
     added = catalog.add_record((NS, keys[5]), 10, 1, 1, 522)
-    assert catalog.slots_of(NS, keys) == [*slots, NO_SLOT, added, NO_SLOT, NO_SLOT]
+    assert catalog.slots_of(NS, keys) == [*slots, NO_SLOT, added] + [NO_SLOT] * 10
     gone = catalog.get((NS, keys[1]))
     assert gone is not None
     catalog.remove(gone)
     del gone
     again = catalog.add_record((NS, b"other"), 10, 1, 1, 522)  # may take keys[1]'s slot
     assert catalog.slot_of((NS, b"other")) == again
-    want = [slots[0], NO_SLOT, slots[2], slots[3], NO_SLOT, added, NO_SLOT, NO_SLOT]
+    want = [slots[0], NO_SLOT, slots[2], slots[3], NO_SLOT, added] + [NO_SLOT] * 10
     assert catalog.slots_of(NS, keys) == want
     assert catalog.slots_of(NS, list(keys)) == want  # asked again, nothing changed
+    assert catalog.slots_of(NS, keys[:3]) == want[:3] and len(catalog._chains) == 1
 
 
 def test_colliding_digests_are_told_apart_by_the_full_id() -> None:
