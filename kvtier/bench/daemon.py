@@ -230,6 +230,11 @@ def bench_size(
 
 @contextlib.contextmanager
 def daemon(workdir: Path, transport: str, dram_bytes: int) -> Iterator[str]:
+    """A real daemon of the kvtier this process imported, serving `transport`: its
+    target. `python -m` puts the working directory first on the import path, so the
+    daemon starts in the directory that holds this kvtier: run from another checkout (or
+    with PYTHONPATH naming one, as the A/B scripts do), it is still the code measured."""
+    workdir = workdir.resolve()
     listen = f"unix://{workdir / 'bench.sock'}" if transport == "uds" else "127.0.0.1:0"
     proc = subprocess.Popen(
         [
@@ -250,6 +255,7 @@ def daemon(workdir: Path, transport: str, dram_bytes: int) -> Iterator[str]:
         ],
         stdout=subprocess.PIPE,
         text=True,
+        cwd=Path(__file__).resolve().parents[2],
         # The TCP run compares transports on loopback: plain TCP, as the peers use.
         env={**os.environ, "KVTIER_SERVER__TLS_INSECURE": "true"},
     )
