@@ -10,6 +10,29 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+# The chain plan_ab.py and plan_churn.py plan, as their worker processes' source (the
+# worker sets `transport` first; its own code follows, indented under the `with`): a real
+# daemon, a client, 256 blocks of 16 tokens with the first 192 put, the prefill fit warmed.
+PLAN_CHAIN_WORKER = r"""
+import statistics, sys, tempfile, time
+from pathlib import Path
+import kvtier
+from kvtier.bench.daemon import daemon
+
+ns = "llama3-8b/bench"
+with (
+    tempfile.TemporaryDirectory(prefix="kvtier-plan-") as tmp,
+    daemon(Path(tmp), transport, 64 << 20) as target,
+    kvtier.Client(target) as client,
+):
+    client.wait_ready()
+    chain = kvtier.chain_keys(ns, [[i] for i in range(256)])
+    for i in range(192):
+        client.put(ns, chain[i], b"x" * 4096)
+    for j in range(20):
+        client.report_prefill(ns, 0, 1000 + 100 * j, 0.05 + 0.01 * j)
+"""
+
 
 def start(
     workdir: Path, env: dict[str, str], nvme_capacity: str = "2GiB"

@@ -27,33 +27,20 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _daemon import baseline_tree
+from _daemon import PLAN_CHAIN_WORKER, baseline_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = ("wall_p50_s", "client_cpu_s", "daemon_cpu_s", "wall_p99_s")
 
 # Runs in a subprocess with PYTHONPATH set to one tree: its client and (through
 # kvtier.bench.daemon) its daemon. One line per round on stdin -> one line of figures.
-_WORKER = r"""
-import statistics, sys, tempfile, time
-from pathlib import Path
-import psutil
-import kvtier
-from kvtier.bench.daemon import daemon
-
+_WORKER = (
+    r"""
+import psutil, sys
 overlap, plans, transport = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-ns = "llama3-8b/bench"
-with (
-    tempfile.TemporaryDirectory(prefix="kvtier-plan-ab-") as tmp,
-    daemon(Path(tmp), transport, 64 << 20) as target,
-    kvtier.Client(target) as client,
-):
-    client.wait_ready()
-    chain = kvtier.chain_keys(ns, [[i] for i in range(256)])
-    for i in range(192):
-        client.put(ns, chain[i], b"x" * 4096)
-    for j in range(20):
-        client.report_prefill(ns, 0, 1000 + 100 * j, 0.05 + 0.01 * j)
+"""
+    + PLAN_CHAIN_WORKER
+    + r"""
     for _ in range(100):
         client.plan(ns, chain, 16, overlap=overlap)
     served_by = psutil.Process().children()[0]
@@ -70,6 +57,7 @@ with (
         p99 = sorted(walls)[int(0.99 * (len(walls) - 1))]
         print(statistics.median(walls), (cpu1 - cpu0) / plans, daemon_cpu, p99, flush=True)
 """
+)
 
 
 def measure(

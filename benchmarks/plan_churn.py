@@ -18,29 +18,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _daemon import baseline_tree
+from _daemon import PLAN_CHAIN_WORKER, baseline_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 
-_WORKER = r"""
-import statistics, sys, tempfile, time
-from pathlib import Path
-import kvtier
-from kvtier.bench.daemon import daemon
-
-mode, n = sys.argv[1], int(sys.argv[2])
-ns = "llama3-8b/bench"
-with (
-    tempfile.TemporaryDirectory(prefix="kvtier-plan-churn-") as tmp,
-    daemon(Path(tmp), "uds", 64 << 20) as target,
-    kvtier.Client(target) as client,
-):
-    client.wait_ready()
-    chain = kvtier.chain_keys(ns, [[i] for i in range(256)])
-    for i in range(192):
-        client.put(ns, chain[i], b"x" * 4096)
-    for j in range(20):
-        client.report_prefill(ns, 0, 1000 + 100 * j, 0.05 + 0.01 * j)
+_WORKER = (
+    r"""
+import sys
+mode, n, transport = sys.argv[1], int(sys.argv[2]), "uds"
+"""
+    + PLAN_CHAIN_WORKER
+    + r"""
     other = kvtier.chain_keys(ns, [[10000 + i] for i in range(n)])
     walls = []
     for i in range(n):
@@ -54,6 +42,7 @@ with (
     walls.sort()
     print(statistics.median(walls), walls[int(0.99 * (len(walls) - 1))])
 """
+)
 
 
 def main() -> None:

@@ -64,6 +64,18 @@ def check_keys(keys: Iterable[bytes], max_bytes: int) -> list[bytes]:
     return out
 
 
+def distinct_prefix(keys: list[bytes]) -> int:
+    """How many of `keys`, from the first, name no block twice."""
+    if len(set(keys)) == len(keys):
+        return len(keys)
+    seen: set[bytes] = set()
+    for i, key in enumerate(keys):
+        if key in seen:
+            return i
+        seen.add(key)
+    return len(keys)
+
+
 def namespace_id(tenant: str, namespace: str) -> str:
     """The daemon-internal name of a namespace: tenant and namespace, never confusable."""
     return f"{tenant}|{namespace}"

@@ -34,7 +34,7 @@ from kvtier.index.packed_policies import PackedPolicies
 from kvtier.index.policy import AdmissionMode, BlockInfo, ValueModel
 from kvtier.index.slot_policy import SlotPolicy
 from kvtier.index.slots import NO_SLOT, extend, headroom
-from kvtier.keys import tenant_of
+from kvtier.keys import distinct_prefix, tenant_of
 from kvtier.tiers.record import RecordHeader
 from kvtier.types import BlockId, Extent, LookupResult, TierName
 
@@ -679,7 +679,7 @@ class Residency:
                 was = None
         # A chain that names a block twice is not a chain past that point: a block must
         # never become its own ancestor (the policy walks parents).
-        cut = was[5] if was is not None else _distinct_prefix(keys)
+        cut = was[5] if was is not None else distinct_prefix(keys)
         if cut < len(keys):
             keys, slots, tiers = keys[:cut], slots[:cut], tiers[:cut]
         catalog, ghosts = self.catalog, self.policies.ghosts
@@ -765,18 +765,6 @@ def _nothing_protected(block_id: BlockId) -> bool:
 READ_ERRORS_BEFORE_DROP = 3
 # Keys of the chains remembered for the re-Plan fast path (_learn_chain): ~100 B each.
 LEARNED_BLOCKS_KEPT = 1 << 17
-
-
-def _distinct_prefix(keys: list[bytes]) -> int:
-    """How many of `keys`, from the first, name no block twice."""
-    if len(set(keys)) == len(keys):
-        return len(keys)
-    seen: set[bytes] = set()
-    for i, key in enumerate(keys):
-        if key in seen:
-            return i
-        seen.add(key)
-    return len(keys)
 
 
 def new_residency(

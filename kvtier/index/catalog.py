@@ -49,7 +49,6 @@ import weakref
 from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import numpy as np
@@ -57,6 +56,7 @@ import xxhash
 
 from kvtier.index import catalog_bulk
 from kvtier.index.catalog_bulk import RecordColumns
+from kvtier.index.chain_probes import CHAIN_MIN_KEYS, ChainProbes
 from kvtier.index.entry import DEMOTING, DOOMED, FREE, IN_REMOTE, LIVE, Entry
 from kvtier.index.slots import NO_SLOT, mapping, remap
 from kvtier.keys import tenant_of
@@ -112,29 +112,6 @@ def tier_of(entry: Entry | None) -> TierName | None:
     if entry.dram_extent is not None:
         return _DRAM
     return _NVME if entry.nvme_record_bytes else None
-
-
-# Keys of the chains whose probe is kept (the least recently asked go first), each chain
-# counted CHAIN_OVERHEAD_KEYS more for its arrays (~0.5 KiB): 240 chains of 256 keys, ~22
-# KiB each with 32-byte keys; at most ~4 k short ones.
-CHAIN_KEYS_KEPT = 1 << 16
-CHAIN_OVERHEAD_KEYS = 16
-# A chain shorter than this is probed each time (a few keys cost less than keeping them).
-CHAIN_MIN_KEYS = 16
-
-
-@dataclass(slots=True)
-class _ChainProbe:
-    """A chain's probe as `slots_of` answered it, and the catalog's counts then."""
-
-    keys: list[bytes]
-    slots: list[int]  # each key's slot, or NO_SLOT
-    found: np.ndarray  # the same, int64
-    hits: np.ndarray  # bool: found >= 0
-    eras: np.ndarray  # uint8: each hit's slot's era
-    linked: int  # blocks ever indexed (`_len + _unlinked`)
-    unlinked: int
-    freed: int
 
 
 def _never(slot: int) -> bool:
@@ -213,12 +190,8 @@ class Catalog:
         self._base = _MIN_BUCKETS
         self._split = 0
         self._len = 0
-        # Blocks ever taken out of the index, and slots ever freed: with `_len`, what a
-        # chain probed earlier checks to know which of its answers still hold (_chains).
-        self._unlinked = 0
-        self._freed = 0
-        self._chains: dict[tuple[str, bytes, int], _ChainProbe] = {}
-        self._chain_keys = 0  # held by _chains (with CHAIN_OVERHEAD_KEYS each)
+        self._unlinked = self._freed = 0  # blocks ever unindexed, slots ever freed: _chains
+        self._chains = ChainProbes()
         self.chain_min_keys = CHAIN_MIN_KEYS  # tests keep short chains' probes too
         self._ns_ids: dict[str, int] = {}
         self._ns_names: list[str] = []
@@ -411,65 +384,11 @@ class Catalog:
         return xxhash.xxh3_64_intdigest(block_id[1], self._seed(block_id[0]))
 
     def slots_of(self, ns_id: str, keys: list[bytes]) -> list[int]:
-        """The slot of each key (NO_SLOT: not cached), making no handle.
-
-        An engine asks about each waiting prompt's chain every scheduler step, so the
-        answer for a chain of CHAIN_MIN_KEYS or more is kept (CHAIN_KEYS_KEPT keys' worth)
-        and, asked again, only what may have changed is probed again: the misses if a
-        block was indexed since, the hits if one was taken out (a hit still live in a
-        slot not freed since, by its era, is the same block; past 255 frees an era may
-        have wrapped, so all)."""
-        if len(keys) < self.chain_min_keys:
-            return self._probe(ns_id, keys)
-        memo_key = (ns_id, keys[-1], len(keys))
-        chains = self._chains
-        kept = chains.pop(memo_key, None)
-        if kept is not None:
-            self._chain_keys -= len(kept.keys) + CHAIN_OVERHEAD_KEYS
-            if kept.keys != keys:
-                kept = None
-        if kept is None:
-            kept = self._kept_probe(keys, np.array(self._probe(ns_id, keys), dtype=np.int64))
-        elif kept.linked != self._len + self._unlinked or kept.unlinked != self._unlinked:
-            kept = self._kept_probe(keys, self._reprobe(ns_id, keys, kept))
-        chains[memo_key] = kept
-        self._chain_keys += len(keys) + CHAIN_OVERHEAD_KEYS
-        while self._chain_keys > CHAIN_KEYS_KEPT:
-            oldest = chains.pop(next(iter(chains)))  # the least recently asked
-            self._chain_keys -= len(oldest.keys) + CHAIN_OVERHEAD_KEYS
-        return list(kept.slots)
-
-    def _kept_probe(self, keys: list[bytes], found: np.ndarray) -> _ChainProbe:
-        hits = found >= 0
-        eras = np.frombuffer(self._era, np.uint8)[found[hits]]
-        linked = self._len + self._unlinked
-        return _ChainProbe(
-            list(keys), found.tolist(), found, hits, eras, linked, self._unlinked, self._freed
-        )
-
-    def _reprobe(self, ns_id: str, keys: list[bytes], kept: _ChainProbe) -> np.ndarray:
-        found = kept.found.copy()
-        again = np.zeros(len(keys), dtype=bool)
-        if self._len + self._unlinked != kept.linked:
-            again |= ~kept.hits  # a block indexed since may be one of the misses
-        if self._unlinked != kept.unlinked:
-            if self._freed - kept.freed > 0xFF:
-                again[:] = True
-            else:
-                where = np.flatnonzero(kept.hits)
-                slots = found[where]
-                same = (np.frombuffer(self._flags, np.uint8)[slots] & _LIVE != 0) & (
-                    np.frombuffer(self._era, np.uint8)[slots] == kept.eras
-                )
-                again[where[~same]] = True
-        redo = np.flatnonzero(again)
-        if len(redo):
-            found[redo] = self._probe(ns_id, [keys[i] for i in redo.tolist()])
-        return found
+        """The slot of each key (NO_SLOT: not cached), making no handle (chain_probes.py)."""
+        return self._chains.slots_of(self, ns_id, keys)
 
     def _probe(self, ns_id: str, keys: list[bytes]) -> list[int]:
-        """The slot of each key, walking the index: `_find` inlined (no call, bucket or
-        key compare per key but the bytes' own; 0.64x the time of a `_find` a key)."""
+        """The slot of each key, walking the index: `_find` inlined (0.64x its time)."""
         ns = self._ns_ids.get(ns_id)
         if ns is None:
             return [NO_SLOT] * len(keys)
