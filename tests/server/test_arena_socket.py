@@ -169,6 +169,16 @@ class Side:
 
     async def handler(self, session_id: int, op: int, payload: bytes) -> tuple[int, bytes]:
         self.calls.append((op, payload))
+        # Payloads may ask the handler to wait as a real op can: for a future that another
+        # callback completes (b"~f"), a bare loop turn (b"~t"), or a timer (b"~s").
+        if payload.startswith(b"~f"):
+            future = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_soon(future.set_result, payload[2:3])
+            payload = await future + payload
+        elif payload.startswith(b"~t"):
+            await asyncio.sleep(0)
+        elif payload.startswith(b"~s"):
+            await asyncio.sleep(0.002)
         return 0, payload[:8].ljust(self.reply_bytes, b".")
 
 
@@ -358,3 +368,28 @@ async def test_a_client_that_never_reads_stalls_only_its_own_session(side: Side)
         assert (code, body[:8]) == (0, i.to_bytes(8, "little"))
     assert side.arena.counters.sessions_paused == 0
     assert side.arena.counters.read_pauses >= 1
+
+
+def answered(payload: bytes) -> bytes:
+    """What Side.handler replies to `payload`, first 8 bytes."""
+    if payload.startswith(b"~f"):
+        payload = payload[2:3] + payload
+    return payload[:8].ljust(8, b".")
+
+
+async def test_pipelined_requests_that_wait_or_not_are_answered_in_order(side: Side) -> None:
+    """Requests whose handlers finish at once are answered in the read callback itself;
+    one that waits is carried on by the session's task, and none after it overtakes it."""
+    conn = await attached(side)
+    kinds = [b"~n", b"~f", b"~t", b"~s"]
+    payloads = [kinds[(i * 7 + i // 5) % 4] + b"%06d" % i for i in range(400)]
+    conn.sendall(b"".join(frame(Op.PLAN, p) for p in payloads))
+    for p in payloads:
+        code, body = await asyncio.to_thread(reply, conn)
+        assert (code, body[:8]) == (0, answered(p))
+    assert side.calls == [(Op.PLAN, p) for p in payloads]
+    # One at a time too: each kind is answered with nothing more sent after it.
+    for kind in kinds:
+        conn.sendall(frame(Op.PLAN, kind + b"alone"))
+        code, body = await asyncio.to_thread(reply, conn)
+        assert (code, body[:8]) == (0, answered(kind + b"alone"))
