@@ -38,12 +38,10 @@ def remove_all(s: object, keys: list[str]) -> None:
     then evict blocks before they are read back. So each refused key is tried again."""
     deadline_s = time.monotonic() + 30
     left = keys
-    while left:
-        left = [key for key in left if s.remove(key) != 0]  # type: ignore[attr-defined]
-        if left and time.monotonic() > deadline_s:
+    while left := [key for key in left if s.remove(key) != 0]:  # type: ignore[attr-defined]
+        if time.monotonic() > deadline_s:
             raise SystemExit(f"mooncake kept {len(left)} objects it was asked to remove")
-        if left:
-            time.sleep(0.1)
+        time.sleep(0.1)
 
 
 def client(sizes: list[int], pool_bytes: int, rounds: int) -> None:
