@@ -127,9 +127,16 @@ class _OutlierGate:
         warm_after: int,
         accept_after: int = 10,
         drift_factor: float | None = None,
+        drift_after: int = 0,
     ) -> None:
         self.factor = factor
         self.warm_after = warm_after
+        # The drift rule holds calls only once the fit has seen `drift_after` (and
+        # `warm_after`): a younger fit is still finding its shape, and holding the calls
+        # that disagree with it froze its error for `accept_after` calls (issue 26: after a
+        # start, fitted to five calls, one-block NVMe runs priced 1.7x what they took for
+        # six runs in a row, most of the real-tier check's p90).
+        self.drift_after = max(warm_after, drift_after)
         self.accept_after = accept_after
         self.rejected: list[tuple[list[float], float]] = []  # the far ones, in a row
         self._rejected_ratios: list[float] = []  # their observed / predicted
@@ -183,7 +190,7 @@ class _OutlierGate:
 
     def _drifted(self, x: list[float], observed: float, ratio: float, seen: int) -> Verdict:
         drift = self.drift_factor
-        if drift is None or seen < self.warm_after or 1 / drift <= ratio <= drift:
+        if drift is None or seen < self.drift_after or 1 / drift <= ratio <= drift:
             self._release()
             return "admit"
         if self._held_ratios and (self._held_ratios[0] > 1) != (ratio > 1):
@@ -403,6 +410,7 @@ class PrefillEstimator:
 
 
 DRIFT_FACTOR = 1.25  # run fits: calls this far off, all one way, accept_after in a row
+DRIFT_AFTER = 16  # run fits: calls seen before the drift rule holds any (see _OutlierGate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,7 +453,9 @@ class RunEstimator:
     ) -> None:
         self._fit = _WeightedLeastSquares(3, decay)
         self._min = min_observations
-        self._gate = _OutlierGate(outlier_factor, min_observations, drift_factor=drift_factor)
+        self._gate = _OutlierGate(
+            outlier_factor, min_observations, drift_factor=drift_factor, drift_after=DRIFT_AFTER
+        )
         self._estimate: RunCost | None = None
         self._solved = True  # nothing to solve yet
 
@@ -502,7 +512,9 @@ class ParallelRunEstimator:
         self.candidates = sorted(candidates | {max(1, max_streams)})
         self._fits = [_WeightedLeastSquares(3, decay) for _ in self.candidates]
         self._min = min_observations
-        self._gate = _OutlierGate(outlier_factor, min_observations, drift_factor=drift_factor)
+        self._gate = _OutlierGate(
+            outlier_factor, min_observations, drift_factor=drift_factor, drift_after=DRIFT_AFTER
+        )
         self._estimate: tuple[RunCost, int] | None = None
         self._solved = True
 

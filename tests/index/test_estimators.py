@@ -1,12 +1,19 @@
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvtier.index.estimators import PathEstimator, PrefillEstimator
+from kvtier.index.estimators import (
+    DRIFT_AFTER,
+    ParallelRunEstimator,
+    PathEstimator,
+    PrefillEstimator,
+    RunEstimator,
+)
 from kvtier.index.planner import PrefillCost, TierCost
 
 
@@ -412,3 +419,60 @@ def test_a_stationary_noisy_tier_does_not_drift() -> None:
         with_rule.observe(blocks, blocks * size, seconds)
         without.observe(blocks, blocks * size, seconds)
     assert with_rule.estimate() == without.estimate()
+
+
+def _price(est: RunEstimator | ParallelRunEstimator, blocks: int, size_bytes: int) -> float:
+    """What either run fit prices a run of `blocks` blocks of `size_bytes` at."""
+    if isinstance(est, RunEstimator):
+        fit = est.estimate()
+        assert fit is not None
+        return fit.seconds(blocks, blocks * size_bytes)
+    fitted = est.estimate()
+    assert fitted is not None
+    cost, streams = fitted
+    rounds = -(-blocks // streams)
+    return cost.seconds(rounds, rounds * size_bytes)
+
+
+def _observe(
+    est: RunEstimator | ParallelRunEstimator, blocks: int, size_bytes: int, seconds: float
+) -> None:
+    if isinstance(est, RunEstimator):
+        est.observe(blocks, blocks * size_bytes, seconds)
+    else:
+        est.observe([size_bytes] * blocks, seconds)
+
+
+def test_a_young_run_fit_learns_from_every_call_the_drift_rule_would_hold() -> None:
+    """Five calls of one shape (the call's start dear, few blocks), then calls that cost
+    1.6x that shape's price (inside the 4x gate, outside the drift rule's 25 %), as after
+    a start when a few calls have not shown the tier yet: each call moves the young fit
+    towards them (it was frozen for ten calls, each priced 1.6x off). A fit that has seen
+    DRIFT_AFTER calls holds them as before (the drift rule's own tests)."""
+
+    def first(blocks: int, size_bytes: int) -> float:
+        return 400e-6 + blocks * (200e-6 + size_bytes / 1e9)
+
+    def later(blocks: int, size_bytes: int) -> float:
+        return 1.6 * first(blocks, size_bytes)
+
+    rng = random.Random(2)
+    young = [(1, 1 << 20), (4, 256 << 10), (1, 4 << 20), (2, 1 << 20), (4, 4 << 20)]
+    estimators: list[RunEstimator | ParallelRunEstimator] = [
+        RunEstimator(min_observations=4),
+        ParallelRunEstimator(4),
+    ]
+    for est in estimators:
+        for blocks, size in young:
+            _observe(est, blocks, size, first(blocks, size))
+        calls = [(rng.choice([1, 2, 4]), rng.choice(_SIZES)) for _ in range(5)]
+        errors = [max(abs(_price(est, b, s) - later(b, s)) / later(b, s) for b, s in calls)]
+        assert errors[0] > 0.25  # the premise: priced outside the drift rule's band
+        estimates = [est.estimate()]
+        for blocks, size in calls:
+            _observe(est, blocks, size, later(blocks, size))
+            estimates.append(est.estimate())
+        errors.append(max(abs(_price(est, b, s) - later(b, s)) / later(b, s) for b, s in calls))
+        assert all(a != b for a, b in itertools.pairwise(estimates)), est  # none held
+        assert errors[1] < 0.9 * errors[0], (est, errors)
+    assert len(young) + 5 < DRIFT_AFTER
