@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Sequence
@@ -192,6 +193,9 @@ class Run(Generic[T]):
         self.reply: Any = None
         self.failure: BaseException | None = None
         self.result: T
+        # The session its OpenSession gave it: its requests go there and nowhere else (its
+        # write area and arena views are that session's).
+        self.session: object | None = None
 
     def next_step(self) -> Step | None:
         reply, failure = self.reply, self.failure
@@ -634,6 +638,7 @@ class ClientBase(ABC, Generic[ArenaT, ChannelT]):
         self._stub, self._put, self._get = calls.stub, calls.put, calls.get
         self._put_block, self._get_block = calls.put_block, calls.get_block
         self._arena: ArenaT | None = None
+        self._attach_lock = threading.Lock()  # threads of one Client attach one session
         self._zero_copy_possible = self.target.startswith("unix:")
         self._attach_again_at_s = 0.0  # after transient failures: not before then
 
@@ -664,10 +669,17 @@ class ClientBase(ABC, Generic[ArenaT, ChannelT]):
             tune_malloc_once()
         return call(request, timeout=timeout, metadata=self._metadata)
 
-    def _attached(self) -> ArenaT:
-        if self._arena is None:  # another call lost it since this operation's OpenSession
+    def _attached(self, run: Run[Any] | None = None) -> ArenaT:
+        """The session `run`'s requests go to: the one its OpenSession gave it. A session
+        another call attached since (after this one was lost) is not it: its write area
+        and arena views are not the ones `run` holds, so its requests would name bytes it
+        never wrote."""
+        arena = self._arena
+        if arena is None:  # another call lost it since this operation's OpenSession
             raise Unavailable("the session with the daemon is closed")
-        return self._arena
+        if run is not None and run.session is not None and run.session is not arena:
+            raise Unavailable("the session this call began on was lost; call again")
+        return arena
 
     def _attached_now(self, arena: ArenaT) -> ArenaT:
         """A session just attached, set up as this client wants it."""

@@ -55,6 +55,8 @@ class AsyncClient(ClientBase[AsyncSharedArena, grpc.aio.Channel]):
     async iterators).
     """
 
+    _attaching: asyncio.Lock | None = None  # coroutines of one client attach one session
+
     put = awaiting(_core.put)
     get = awaiting(_core.get)
     lookup = awaiting(_core.lookup)
@@ -121,12 +123,12 @@ class AsyncClient(ClientBase[AsyncSharedArena, grpc.aio.Channel]):
         while (step := run.next_step()) is not None:
             # Failures, a cancellation too, go to the operation: its cleanup steps still run.
             try:
-                run.reply = await self._perform(step)
+                run.reply = await self._perform(run, step)
             except BaseException as err:
                 run.failure = self._failure(err)
         return run.result
 
-    async def _perform(self, step: Step) -> Any:
+    async def _perform(self, run: Run[Any], step: Step) -> Any:
         if isinstance(step, _core.REPORTS_HITS_FIRST) and self._arena is not None:
             try:
                 for hits in self._pending_hits():  # the direct reads' report goes ahead
@@ -134,7 +136,7 @@ class AsyncClient(ClientBase[AsyncSharedArena, grpc.aio.Channel]):
             except OSError:
                 self._close_session()  # lost: a call that needs it attaches again
         if isinstance(step, _core.SessionCall):
-            return await self._attached().call(
+            return await self._attached(run).call(
                 step.op, step.request, step.response_type, step.while_waiting
             )
         if isinstance(step, _core.Rpc):
@@ -142,9 +144,9 @@ class AsyncClient(ClientBase[AsyncSharedArena, grpc.aio.Channel]):
         if isinstance(step, _core.Stream):
             return [item async for item in self._aiterate(step)]
         if isinstance(step, _core.OpenSession):
-            arena = await self._shared_arena()
+            run.session = arena = await self._shared_arena()
             return None if arena is None else arena.view
-        return await self._attached().send(step.op, step.request)
+        return await self._attached(run).send(step.op, step.request)
 
     async def _aiterate(self, stream: _core.Stream[T]) -> AsyncIterator[T]:
         call = self._grpc(stream.method, stream.request, stream.timeout_s)
@@ -159,6 +161,15 @@ class AsyncClient(ClientBase[AsyncSharedArena, grpc.aio.Channel]):
     async def _shared_arena(self) -> AsyncSharedArena | None:
         if not self._may_attach():
             return self._arena
+        # One attach at a time: coroutines that call together share the session it makes.
+        if self._attaching is None:
+            self._attaching = asyncio.Lock()
+        async with self._attaching:
+            if not self._may_attach():
+                return self._arena
+            return await self._attach()
+
+    async def _attach(self) -> AsyncSharedArena | None:
         for tries_left in reversed(range(_core.ATTACH_TRIES)):
             try:
                 resp = await self._grpc("Attach", pb.AttachRequest())

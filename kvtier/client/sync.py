@@ -136,12 +136,12 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
         while (step := run.next_step()) is not None:
             # Any failure goes to the operation, which may clean up (abort a reservation).
             try:
-                run.reply = self._perform(step)
+                run.reply = self._perform(run, step)
             except BaseException as err:
                 run.failure = self._failure(err)
         return run.result
 
-    def _perform(self, step: Step) -> Any:
+    def _perform(self, run: Run[Any], step: Step) -> Any:
         if isinstance(step, _core.REPORTS_HITS_FIRST) and self._arena is not None:
             try:
                 for hits in self._pending_hits():  # the direct reads' report goes ahead
@@ -149,7 +149,7 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
             except OSError:
                 self._close_session()  # lost: a call that needs it attaches again
         if isinstance(step, _core.SessionCall):
-            return self._attached().call(
+            return self._attached(run).call(
                 step.op, step.request, step.response_type, step.while_waiting
             )
         if isinstance(step, _core.Rpc):
@@ -157,9 +157,9 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
         if isinstance(step, _core.Stream):
             return list(self._iterate(step))
         if isinstance(step, _core.OpenSession):
-            arena = self._shared_arena()
+            run.session = arena = self._shared_arena()
             return None if arena is None else arena.view
-        return self._attached().send(step.op, step.request)
+        return self._attached(run).send(step.op, step.request)
 
     def _iterate(self, stream: _core.Stream[T]) -> Iterator[T]:
         call = self._grpc(stream.method, stream.request, stream.timeout_s)
@@ -174,6 +174,13 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
     def _shared_arena(self) -> SharedArena | None:
         if not self._may_attach():
             return self._arena
+        # One attach at a time: threads that call together share the session it makes.
+        with self._attach_lock:
+            if not self._may_attach():
+                return self._arena
+            return self._attach()
+
+    def _attach(self) -> SharedArena | None:
         for tries_left in reversed(range(_core.ATTACH_TRIES)):
             try:
                 self._arena = self._attached_now(

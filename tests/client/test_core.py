@@ -361,7 +361,7 @@ class ScriptedClient(kvtier.Client):
         super().__init__("unix:///nonexistent/kvtier.sock")
         self.failures = failures
 
-    def _perform(self, step: Step) -> Any:
+    def _perform(self, run: Run[Any], step: Step) -> Any:
         raise self.failures.pop(0)
 
 
@@ -384,7 +384,7 @@ class ScriptedAsyncClient(kvtier.AsyncClient):
         super().__init__("unix:///nonexistent/kvtier.sock")
         self.replies = replies
 
-    async def _perform(self, step: Step) -> Any:
+    async def _perform(self, run: Run[Any], step: Step) -> Any:
         reply = self.replies.pop(0)
         if isinstance(reply, BaseException):
             raise reply
@@ -441,3 +441,27 @@ def test_as_keys_passes_bytes_chains_through_and_converts_the_rest() -> None:
     mixed: list[bytes | str] = [b"a", "b", bytearray(b"c"), memoryview(b"d")]  # type: ignore[list-item]
     assert as_keys(mixed) == [as_key(k) for k in mixed] == [b"a", b"b", b"c", b"d"]
     assert all(type(k) is bytes for k in as_keys(mixed))
+
+
+def test_an_operation_sends_only_on_the_session_it_opened() -> None:
+    """Once an operation opened a session, its requests go there or fail Unavailable (the
+    caller may call again): a session another call attached after that one was lost has
+    another write area, so a put's request there would name bytes it never wrote."""
+    from kvtier.client._core import session
+
+    client = kvtier.Client("unix:///nonexistent/kvtier.sock")
+    opened, other = object(), object()
+    run = Run(session())
+    run.session = opened
+    client._arena = opened  # type: ignore[assignment]
+    assert client._attached(run) is opened
+    client._arena = other  # type: ignore[assignment]
+    with pytest.raises(kvtier.errors.Unavailable, match="call again"):
+        client._attached(run)
+    assert client._attached() is other  # a step of no operation: the client's session
+    fresh = Run(session())  # an operation that has not opened one takes the current
+    assert client._attached(fresh) is other
+    client._arena = None
+    with pytest.raises(kvtier.errors.Unavailable, match="closed"):
+        client._attached(run)
+    client.close()

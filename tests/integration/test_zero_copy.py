@@ -385,3 +385,79 @@ def test_a_shed_attach_is_tried_again(
         for _ in range(3):
             assert client.get_into(NS, b"k", out) == len(data) and bytes(out) == data
         assert client._arena is None and flaky.calls == 1
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_concurrent_first_calls_share_one_session(
+    start_daemon: StartDaemon, monkeypatch: pytest.MonkeyPatch, asynchronous: bool
+) -> None:
+    """Calls that begin together before a client has a session (coroutines of one
+    AsyncClient, threads of one Client) attach once and all use that session. Each used
+    to attach its own; the last became the client's, and a put that had opened the first
+    wrote its blocks into that session's write area while its requests went to the other:
+    DataLoss (the daemon hashed bytes the client never wrote), never wrong bytes stored. A
+    small arena makes the puts wait for room, so their exchanges interleave."""
+    import asyncio
+    import threading
+
+    from kvtier.client import zerocopy
+
+    attaches = []
+    real = zerocopy.SharedArena.attach
+
+    def counted(resp: pb.AttachResponse) -> object:
+        attaches.append(resp.session_id)
+        time.sleep(0.05)  # every caller gets here before the first attach ends
+        return real(resp)
+
+    monkeypatch.setattr(zerocopy.SharedArena, "attach", staticmethod(counted))
+    daemon = start_daemon(dram="4MiB", nvme="256MiB")
+    callers, rounds = 4, 6
+
+    def items(caller: int, r: int) -> list[tuple[str, bytes]]:
+        return [
+            (f"c{caller}-{r}-{i}", block_bytes(caller * 1000 + r * 16 + i, 65536))
+            for i in range(16)
+        ]
+
+    if asynchronous:
+
+        async def main() -> list[list[bool]]:
+            async with kvtier.AsyncClient(daemon.target) as client:
+
+                async def caller(c: int) -> list[bool]:
+                    stored: list[bool] = []
+                    for r in range(rounds):
+                        stored += await client.put_many(NS, items(c, r))
+                    return stored
+
+                return await asyncio.gather(*(caller(c) for c in range(callers)))
+
+        results = asyncio.run(main())
+    else:
+        results = [[] for _ in range(callers)]
+        failures: list[BaseException] = []
+        with kvtier.Client(daemon.target) as client:
+            barrier = threading.Barrier(callers)
+
+            def caller(c: int) -> None:
+                try:
+                    barrier.wait()
+                    for r in range(rounds):
+                        results[c] += client.put_many(NS, items(c, r))
+                except BaseException as err:
+                    failures.append(err)
+
+            threads = [threading.Thread(target=caller, args=(c,)) for c in range(callers)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        assert failures == []
+    assert results == [[True] * (16 * rounds)] * callers
+    assert len(attaches) == 1
+    with daemon.client() as client:
+        for c in range(callers):
+            for r in (0, rounds - 1):
+                for key, value in items(c, r)[:2]:
+                    assert client.get(NS, key) == value
