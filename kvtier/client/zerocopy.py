@@ -260,7 +260,8 @@ class SharedArena:
         self.session_id = session_id
         self._mapping = mapping
         self._conn = conn
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one exchange (request, then its reply) at a time
+        self._send_lock = threading.Lock()  # one frame at a time
         self._inbox = bytearray(64 << 10)
         self.write_area = write_area
         self.directory = directory
@@ -288,7 +289,8 @@ class SharedArena:
         payload = request.SerializeToString()
         failure: BaseException | None = None
         with self._lock:
-            self._conn.sendall(frame(op, payload))
+            with self._send_lock:
+                self._conn.sendall(frame(op, payload))
             if while_waiting is not None:
                 try:
                     while_waiting()
@@ -312,8 +314,11 @@ class SharedArena:
         return response_type.FromString(reply)
 
     def send(self, op: Op, request: Message) -> None:
-        """A request that gets no response (Release): the caller does not wait."""
-        with self._lock:
+        """A request that gets no response (Release): the caller does not wait, not even
+        for a call in progress on another thread (only for its frame to go out whole).
+        The daemon runs it beside a request that waits (kvtier/server/arena_socket.py),
+        so a put waiting for DRAM this client's lease pins is freed by that Release."""
+        with self._send_lock:
             self._conn.sendall(frame(op, request.SerializeToString()))
 
     def _recv_more(self, offset: int) -> int:
@@ -399,7 +404,8 @@ class AsyncSharedArena:
         self.directory = arena.directory
         self._conn = arena._conn
         self._conn.setblocking(False)
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # one exchange (request, then its reply) at a time
+        self._send_lock = asyncio.Lock()  # one frame at a time
 
     @classmethod
     async def attach(cls, resp: pb.AttachResponse) -> AsyncSharedArena:
@@ -415,7 +421,8 @@ class AsyncSharedArena:
         loop = asyncio.get_running_loop()
         failure: BaseException | None = None
         async with self._lock:
-            await loop.sock_sendall(self._conn, frame(op, request.SerializeToString()))
+            async with self._send_lock:
+                await loop.sock_sendall(self._conn, frame(op, request.SerializeToString()))
             if while_waiting is not None:
                 try:
                     while_waiting()  # a memory copy: what a put does on the loop anyway
@@ -431,7 +438,8 @@ class AsyncSharedArena:
         return response_type.FromString(reply)
 
     async def send(self, op: Op, request: Message) -> None:
-        async with self._lock:
+        """As `SharedArena.send`: waits for no call in progress, only for its frame."""
+        async with self._send_lock:
             await asyncio.get_running_loop().sock_sendall(
                 self._conn, frame(op, request.SerializeToString())
             )

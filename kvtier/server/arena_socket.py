@@ -425,6 +425,10 @@ class _Suspended:
     awaited: Any
 
 
+async def _finish_aside(call: Coroutine[Any, Any, Any], awaited: Any) -> None:
+    await _resume(call, awaited)
+
+
 @types.coroutine
 def _resume(call: Coroutine[Any, Any, Any], awaited: Any) -> Generator[Any, Any, Any]:
     """Carry on a coroutine that was started outside any task and suspended on `awaited`:
@@ -476,6 +480,7 @@ class _SessionProtocol(asyncio.Protocol):
         self._can_write = asyncio.Event()
         self._can_write.set()
         self._worker: asyncio.Task[None] | None = None
+        self._aside: set[asyncio.Task[None]] = set()  # reply-less requests that waited
         self._transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -542,12 +547,30 @@ class _SessionProtocol(asyncio.Protocol):
         return True
 
     def _queue(self, request: _Request) -> None:
+        if request.op in NO_REPLY_OPS and (self._worker is not None or self._pending):
+            # No reply to keep in order, and what it frees may be what a request ahead
+            # waits for (a put waiting for DRAM its own client's lease pins, the lease's
+            # Release sent after it, waited limits.reserve_wait_s and failed): run now.
+            self._run_aside(request)
+            return
         self._pending.append(request)
         self._queued_bytes += request.cost_bytes
         if self._worker is None:
             suspended = self._run_inline()
             if suspended is not None or self._pending:
                 self._worker = asyncio.ensure_future(self._work(suspended))
+
+    def _run_aside(self, request: _Request) -> None:
+        """A reply-less request, run beside the session's queue: here, or (if its
+        handler waits) in a task of its own."""
+        call = self._handler(self._session_id, request.op, request.payload)
+        try:
+            awaited = call.send(None)
+        except StopIteration:
+            return
+        task = asyncio.ensure_future(_finish_aside(call, awaited))
+        self._aside.add(task)
+        task.add_done_callback(self._aside.discard)
 
     def _run_inline(self) -> _Suspended | None:
         """Run queued requests here, in the read callback, while their handlers finish

@@ -161,6 +161,7 @@ class Side:
         self.reply_bytes = 16
         self.ended: list[int] = []
         self.sockets: list[socket.socket] = []  # the clients', closed at teardown
+        self.freed = asyncio.Event()  # a b"~w" request waits for a b"~r" Release
 
     def client_socket(self) -> socket.socket:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -171,6 +172,10 @@ class Side:
         self.calls.append((op, payload))
         # Payloads may ask the handler to wait as a real op can: for a future that another
         # callback completes (b"~f"), a bare loop turn (b"~t"), or a timer (b"~s").
+        if op == Op.RELEASE and payload.startswith(b"~r"):
+            self.freed.set()
+        if payload.startswith(b"~w"):
+            await self.freed.wait()
         if payload.startswith(b"~f"):
             future = asyncio.get_running_loop().create_future()
             asyncio.get_running_loop().call_soon(future.set_result, payload[2:3])
@@ -368,6 +373,23 @@ async def test_a_client_that_never_reads_stalls_only_its_own_session(side: Side)
         assert (code, body[:8]) == (0, i.to_bytes(8, "little"))
     assert side.arena.counters.sessions_paused == 0
     assert side.arena.counters.read_pauses >= 1
+
+
+async def test_a_reply_less_request_runs_beside_a_request_that_waits_for_it(side: Side) -> None:
+    """A request that waits for what a later reply-less one frees (a put waiting for DRAM
+    its own client's lease pins, the lease's Release sent after it) is answered at once:
+    the Release runs as it arrives, not behind the request it would unblock (it has no
+    reply whose order to keep); the requests after are answered in order as before."""
+    conn = await attached(side)
+    conn.settimeout(5)  # queued behind the wait, the Release would never run
+    conn.sendall(frame(Op.PLAN, b"~wait") + frame(Op.RELEASE, b"~r") + frame(Op.PLAN, b"after"))
+    assert await asyncio.to_thread(reply, conn) == (0, b"~wait".ljust(16, b"."))
+    assert await asyncio.to_thread(reply, conn) == (0, b"after".ljust(16, b"."))
+    assert side.calls == [(Op.PLAN, b"~wait"), (Op.RELEASE, b"~r"), (Op.PLAN, b"after")]
+    # Alone (nothing ahead of it), a Release runs in order as before.
+    side.freed.clear()
+    conn.sendall(frame(Op.RELEASE, b"~r") + frame(Op.PLAN, b"~wait"))
+    assert await asyncio.to_thread(reply, conn) == (0, b"~wait".ljust(16, b"."))
 
 
 def answered(payload: bytes) -> bytes:
