@@ -174,7 +174,16 @@ class SessionSend:
     request: Message
 
 
-Step = Rpc | Stream[Any] | OpenSession | SessionCall | SessionSend
+@dataclass(frozen=True, slots=True)
+class HoldStaging:
+    """Wait for the session's staging range (`WriteArea.hold_staging`) while another
+    put of this client holds it. The reply: True once held, False if the client's
+    timeout passed first (the put then reserves and commits instead)."""
+
+    area: WriteArea
+
+
+Step = Rpc | Stream[Any] | OpenSession | SessionCall | SessionSend | HoldStaging
 # Steps that carry a request the daemon answers: the direct reads' pending hits are sent
 # on the session socket first, so a Plan (same socket, in order) already counts them, and
 # a gRPC call (Stats) almost always does.
@@ -427,7 +436,16 @@ def put_many(
             stored.append((yield from put(namespace, key, joined(parts), overwrite)))
         return stored
     keys = [as_key(k) for k, _ in items]
-    if isinstance(area, WriteArea) and area.hold_staging():
+    # A put of this client waits for another's staging range rather than reserving and
+    # committing in two exchanges: between those, the reserved DRAM is held while another
+    # thread's request (a read promoting blocks, a put) can wait for that very DRAM, and
+    # the Commit that frees it is sent only after that request's reply (one exchange at a
+    # time per session): each such wait ran to `limits.reserve_wait_s` and failed.
+    if (
+        isinstance(area, WriteArea)
+        and area.one_exchange
+        and (area.hold_staging() or (yield HoldStaging(area)))
+    ):
         try:
             # One exchange: the blocks go to the session's staging range (Stage grows it).
             streamed = streams(area, blocks)

@@ -18,7 +18,7 @@ from kvtier._session import Op
 from kvtier.client._common import translate
 from kvtier.client._core import ClientBase, Operation, Run, Step, as_method
 from kvtier.client.cuda import CudaGetGroups
-from kvtier.client.zerocopy import AsyncSharedArena
+from kvtier.client.zerocopy import AsyncSharedArena, WriteArea
 from kvtier.errors import KVTierError
 
 P = ParamSpec("P")
@@ -146,6 +146,8 @@ class AsyncClient(ClientBase[AsyncSharedArena, grpc.aio.Channel]):
         if isinstance(step, _core.OpenSession):
             run.session = arena = await self._shared_arena()
             return None if arena is None else arena.view
+        if isinstance(step, _core.HoldStaging):
+            return await _hold_staging(step.area, self.timeout_s)
         return await self._attached(run).send(step.op, step.request)
 
     async def _aiterate(self, stream: _core.Stream[T]) -> AsyncIterator[T]:
@@ -180,3 +182,17 @@ class AsyncClient(ClientBase[AsyncSharedArena, grpc.aio.Channel]):
                     break
             await asyncio.sleep(_core.ATTACH_PAUSE_S)
         return self._arena
+
+
+async def _hold_staging(area: WriteArea, timeout_s: float | None) -> bool:
+    """`WriteArea.hold_staging` without blocking the loop: tried again after pauses that
+    double from 50 µs to 2 ms (the holder is another task's put, one exchange long)."""
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    pause_s = 50e-6
+    while not area.hold_staging():
+        if deadline is not None and loop.time() >= deadline:
+            return False
+        await asyncio.sleep(pause_s)
+        pause_s = min(pause_s * 2, 2e-3)
+    return True

@@ -159,6 +159,8 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
         if isinstance(step, _core.OpenSession):
             run.session = arena = self._shared_arena()
             return None if arena is None else arena.view
+        if isinstance(step, _core.HoldStaging):
+            return step.area.hold_staging(self.timeout_s)
         return self._attached(run).send(step.op, step.request)
 
     def _iterate(self, stream: _core.Stream[T]) -> Iterator[T]:

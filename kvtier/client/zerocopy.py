@@ -106,10 +106,16 @@ class WriteArea:
         self._ticket = 0
         self._staging_held = threading.Lock()
 
-    def hold_staging(self) -> bool:
-        """Take the staging range for one put; False when another put has it (that put
-        then takes the two-exchange path: never wait, an event loop may be running us)."""
-        return self.one_exchange and self._staging_held.acquire(blocking=False)
+    def hold_staging(self, wait_s: float | None = 0.0) -> bool:
+        """Take the staging range for one put, waiting up to `wait_s` (None: as long as it
+        takes) while another put has it; False if it did not come (or puts here take two
+        exchanges). Only a thread of the sync client waits here: an event loop's must not
+        block (the async client polls with 0)."""
+        if not self.one_exchange:
+            return False
+        if wait_s is None:
+            return self._staging_held.acquire()
+        return self._staging_held.acquire(blocking=wait_s > 0, timeout=wait_s if wait_s > 0 else -1)
 
     def drop_staging(self) -> None:
         self._staging_held.release()

@@ -4,7 +4,9 @@ staging range, or with a wrong checksum, stores nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import struct
+import threading
 import time
 from collections.abc import Callable
 
@@ -201,3 +203,62 @@ def test_a_streamed_put_stores_what_the_daemon_hashed_and_checks_each_checksum(
         view.release()
         assert client.get(NS, "s0") == first and client.get(NS, "s1") is None
         assert client.stats()["leases"] == 0
+
+
+def test_a_put_waits_for_the_staging_range_another_put_holds(start_daemon: StartDaemon) -> None:
+    """A put of one client while another holds the staging range waits for it instead of
+    reserving DRAM and committing in a second exchange (a reservation held between
+    exchanges could be what another thread's request, ahead of that Commit, waited for);
+    past the client's timeout it reserves and commits after all."""
+    daemon = start_daemon(dram="64MiB", nvme="256MiB")
+    data = block_bytes(1, 300_001)
+    with daemon.client() as client:
+        area = attached(client).write_area
+        assert area is not None
+        assert client.put_many(NS, [("first", data)]) == [True]
+        assert area.hold_staging()  # as another thread's put in flight would
+        done: list[list[bool]] = []
+        waiter = threading.Thread(target=lambda: done.append(client.put_many(NS, [("w", data)])))
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and not done, "the put went on without the staging range"
+        assert client.stats()["leases"] == 0  # it reserved nothing meanwhile
+        area.drop_staging()
+        waiter.join(30)
+        assert done == [[True]]
+        assert client.get(NS, "w") == data
+    with daemon.client(timeout_s=0.3) as impatient:
+        area = attached(impatient).write_area
+        assert area is not None and area.hold_staging()
+        began = time.monotonic()
+        assert impatient.put_many(NS, [("late", data)]) == [True]  # reserve + commit
+        assert time.monotonic() - began >= 0.3
+        area.drop_staging()
+        assert impatient.get(NS, "late") == data
+
+
+def test_an_async_put_waits_for_the_staging_range_without_blocking_the_loop(
+    start_daemon: StartDaemon,
+) -> None:
+    daemon = start_daemon(dram="64MiB", nvme="256MiB")
+    data = block_bytes(2, 300_001)
+
+    async def scenario() -> None:
+        async with kvtier.AsyncClient(daemon.target) as client:
+            assert await client.put_many(NS, [("first", data)]) == [True]
+            arena = await client._shared_arena()
+            assert arena is not None
+            area = arena._arena.write_area
+            assert area is not None and area.hold_staging()
+            put = asyncio.ensure_future(client.put_many(NS, [("w", data)]))
+            ticks = 0
+            for _ in range(50):  # the loop keeps turning while the put waits
+                await asyncio.sleep(0.01)
+                ticks += 1
+            assert ticks == 50 and not put.done()
+            assert (await client.stats())["leases"] == 0
+            area.drop_staging()
+            assert await asyncio.wait_for(put, 30) == [True]
+            assert await client.get(NS, "w") == data
+
+    asyncio.run(scenario())
