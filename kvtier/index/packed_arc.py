@@ -186,9 +186,22 @@ class PackedChainArc(SlotPolicy):
             if old >= 0 and (young < 0 or probation <= self.target):
                 young, kind = old, PROTECTED
             chosen = young
-        if chosen < 0:
-            return None
+        if chosen < 0:  # ChainArcPolicy.victim: leaves first is a preference
+            chosen = self._first_evictable(evictable)
+            if chosen < 0:
+                return None
+            kind = self._list[chosen] - 1
         return self._evicted(chosen, kind)
+
+    def _first_evictable(self, evictable: Callable[[int], bool]) -> int:
+        """The least recently used evictable slot, leaf or not."""
+        nxt = self._rnext
+        node = nxt[0]
+        while node:
+            if evictable(node - 1):
+                return node - 1
+            node = nxt[node]
+        return NO_SLOT
 
     def _evicted(self, chosen: int, kind: int) -> int:
         if kind != PROTECTED:

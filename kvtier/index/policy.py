@@ -649,7 +649,14 @@ class ChainArcPolicy(TierPolicy):
                 young, kind = old, PROTECTED
             chosen = young
         if chosen is None:
-            return None
+            # Leaves first is a preference, never why nothing is evicted: a parent whose
+            # cached children are all pinned, or blocks that chains disagreeing on their
+            # order made each other's parent (a cycle: none is a leaf), must still make
+            # room. Then the least recently used evictable block goes.
+            chosen = next((key for key in self._recent if evictable(key)), None)
+            if chosen is None:
+                return None
+            kind = self._where[chosen]
         return self._evicted(chosen, kind)
 
     def _evicted(self, chosen: Key, kind: int) -> Key:

@@ -83,6 +83,8 @@ def _serve(
                 if victim is None:
                     break
                 assert victim not in pinned
+                # Only pinned blocks have children here (a prompt pins its whole chain,
+                # conversations share no block), so an evictable leaf is always there.
                 assert not policy.names_as_parent(victim), "a victim is a leaf"
                 victims.append(victim)
             policy.insert(key, BlockInfo(SIZE, position, parent))
@@ -118,6 +120,37 @@ def _put(
 
 def _not(*pinned: str) -> Any:
     return lambda key: key not in pinned
+
+
+def test_with_no_evictable_leaf_the_least_recent_evictable_block_goes() -> None:
+    """Leaves first is a preference: blocks that chains disagreeing on their order made
+    each other's parent (neither is a leaf), or a parent whose only child is pinned, are
+    still evicted when nothing else can be, least recent first."""
+    sketch = FrequencySketch()
+    policy = ChainArcPolicy(sketch)
+    _put(policy, sketch, "a", 1, "b")  # a chain b, a
+    _put(policy, sketch, "b", 1, "a")  # a chain a, b
+    assert [policy.victim(lambda k: True), policy.victim(lambda k: True)] == ["a", "b"]
+    _put(policy, sketch, "a")
+    _put(policy, sketch, "c", 1, "a")
+    assert policy.victim(_not("c")) == "a"
+    assert policy.victim(_not("c")) is None
+
+
+def test_the_packed_order_evicts_a_non_leaf_when_no_leaf_can_go() -> None:
+    keys = ["a", "b", "c"]
+    sketch = FrequencySketch()
+    packed = PackedChainArc(
+        lambda slot: sketch.count(keys[slot]), lambda slot: key_digest(keys[slot])
+    )
+    packed.insert(0, SIZE, 1, 1)  # a, its parent b
+    packed.insert(1, SIZE, 1, 0)  # b, its parent a
+    assert [packed.victim(lambda s: True), packed.victim(lambda s: True)] == [0, 1]
+    assert len(packed) == 0
+    packed.insert(0, SIZE, 0, NO_SLOT)
+    packed.insert(2, SIZE, 1, 0)  # c, a's child
+    assert packed.victim(lambda s: s != 2) == 0
+    assert packed.victim(lambda s: s != 2) is None
 
 
 def test_a_finished_prompts_last_block_goes_before_older_leaves() -> None:
