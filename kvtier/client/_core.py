@@ -82,6 +82,7 @@ from kvtier.client.cuda import (
     wait_request,
 )
 from kvtier.client.zerocopy import (
+    SPIN_S,
     DirectoryReader,
     Parts,
     StreamedPut,
@@ -639,10 +640,13 @@ class ClientBase(ABC, Generic[ArenaT, ChannelT]):
         tls_server_name: str | None = None,
         tune_malloc: bool = True,
         direct_reads: bool = True,
+        spin_s: float | None = None,
     ) -> None:
         self.target = normalize_target(target)
         # False: every zero-copy get acquires a lease, never reads the directory itself.
         self.direct_reads = direct_reads
+        # The sync client's poll for a session reply before it sleeps (zerocopy.SPIN_S).
+        self.spin_s = SPIN_S if spin_s is None else max(spin_s, 0.0)
         # The byte path's multi-MiB messages: see kvtier/_malloc.py. False leaves this
         # process's allocator as it is (then a 4 MiB get costs page faults in every copy).
         self._tune_malloc = tune_malloc

@@ -51,8 +51,8 @@ class AsyncClient(ClientBase[AsyncSharedArena, grpc.aio.Channel]):
     """A connection to one kvtier daemon for asyncio code; use `async with` or `await close()`.
 
     Arguments as for `kvtier.Client` (target, then keyword-only timeout_s, token and the
-    TLS options); each method is `Client`'s, awaited (`list` and `watch_events` return
-    async iterators).
+    TLS options; `spin_s` is not used: the loop waits for a reply's readiness); each
+    method is `Client`'s, awaited (`list` and `watch_events` return async iterators).
     """
 
     _attaching: asyncio.Lock | None = None  # coroutines of one client attach one session

@@ -59,8 +59,10 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
     leaves this process's malloc thresholds alone (by default the first put or get raises
     them, kvtier/_malloc.py: multi-MiB blocks otherwise page-fault in every copy).
     `direct_reads=False` makes every zero-copy get acquire a lease (by default it reads
-    the tenant's directory first, docs/design.md "Direct reads"). All but `target` are
-    keyword-only.
+    the tenant's directory first, docs/design.md "Direct reads"). `spin_s`: how long a
+    call polls the session socket for its reply before it sleeps (default
+    `kvtier.client.zerocopy.SPIN_S`, 300 µs; 0 never polls; polling pauses by itself
+    while replies come later than that). All but `target` are keyword-only.
     """
 
     put = blocking(_core.put)
@@ -185,9 +187,9 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
     def _attach(self) -> SharedArena | None:
         for tries_left in reversed(range(_core.ATTACH_TRIES)):
             try:
-                self._arena = self._attached_now(
-                    SharedArena.attach(self._grpc("Attach", pb.AttachRequest()))
-                )
+                arena = SharedArena.attach(self._grpc("Attach", pb.AttachRequest()))
+                arena.spin_s = self.spin_s
+                self._arena = self._attached_now(arena)
                 break
             except (grpc.RpcError, OSError, KVTierError) as err:
                 if not self._attach_failed(err, tries_left):

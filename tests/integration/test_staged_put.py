@@ -17,7 +17,7 @@ import xxhash
 import kvtier
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import Op
-from kvtier.client.zerocopy import SharedArena
+from kvtier.client.zerocopy import SPIN_S, SharedArena
 from tests.conftest import DaemonProcess, block_bytes
 
 NS = "llama3-8b/bf16-b16"
@@ -262,3 +262,18 @@ def test_an_async_put_waits_for_the_staging_range_without_blocking_the_loop(
             assert await client.get(NS, "w") == data
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("spin_s", [None, 0.0])
+def test_a_clients_reply_poll_reaches_its_session(
+    start_daemon: StartDaemon, spin_s: float | None
+) -> None:
+    """Puts and reads come back whole whether the client polls for replies or sleeps."""
+    daemon = start_daemon(dram="64MiB", nvme="256MiB")
+    with daemon.client(spin_s=spin_s, direct_reads=False) as client:
+        data = block_bytes(3, 100_000)
+        assert client.put_many(NS, [("p", data)]) == [True]
+        sink = bytearray(len(data))
+        assert client.get_into(NS, "p", sink) == len(data) and bytes(sink) == data
+        arena = attached(client)
+        assert arena.spin_s == (SPIN_S if spin_s is None else 0.0)

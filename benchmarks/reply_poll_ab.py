@@ -1,0 +1,116 @@
+"""Same-run A/B of the sync client's reply poll (`kvtier.client.zerocopy.SPIN_S`): two
+clients of one real daemon, one polling the session socket for its replies (the
+default) and one sleeping in recv (`spin_s=0`), taking turns round by round (who goes
+first alternates), one call in flight.
+
+    python benchmarks/reply_poll_ab.py [--rounds 6] [--calls 1500]
+        [--ops put:4KiB,put:256KiB,get:4KiB,get:256KiB,plan:256] [--json out.json]
+
+Ops: `put:SIZE` (`put_from`, one block, overwriting a pool of 512 keys), `get:SIZE`
+(`get_into` of one of 32 blocks under a lease: `direct_reads=False`, so every get is an
+exchange), `plan:N` (a Plan of an N-block chain, 16 tokens a block). Prints each op's
+p50 per side (median over rounds, and the range) and the ratio poll / sleep; the client
+process's CPU per call is printed too, since polling spends it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kvtier
+from kvtier.bench.daemon import daemon
+from kvtier.sizes import parse_size
+
+
+def one_op(client: kvtier.Client, side: str, op: str, arg: int, i: int, pool: Any) -> None:
+    if op == "put":
+        key = f"{side}/{arg}/p{i % 512}".encode()
+        client.put_from("ns", key, pool[arg][i % len(pool[arg])], overwrite=True)
+    elif op == "get":
+        client.get_into("ns", f"{side}/{arg}/g{i % 32}".encode(), pool["sink", arg])
+    else:
+        client.plan("ns", pool["chain", arg], 16)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--calls", type=int, default=1500)
+    parser.add_argument("--ops", default="put:4KiB,put:256KiB,get:4KiB,get:256KiB,plan:256")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    ops = []
+    for spec in args.ops.split(","):
+        op, _, value = spec.partition(":")
+        if op not in {"put", "get", "plan"}:
+            raise SystemExit(f"unknown op {op!r}: use put:SIZE, get:SIZE or plan:BLOCKS")
+        ops.append((op, int(value) if op == "plan" else parse_size(value)))
+    pool: dict[Any, Any] = {}
+    for op, arg in ops:
+        if op == "plan":
+            pool["chain", arg] = [f"chain{j}".encode() for j in range(arg)]
+        else:
+            pool.setdefault(arg, [os.urandom(arg) for _ in range(32)])
+            pool["sink", arg] = bytearray(arg)
+    p50s: dict[str, dict[str, list[float]]] = {}
+    cpu: dict[str, dict[str, list[float]]] = {}
+    with (
+        tempfile.TemporaryDirectory(dir="/var/tmp", prefix="kvtier-poll-ab-") as scratch,
+        daemon(Path(scratch), "uds", 2 << 30) as target,
+    ):
+        clients = {
+            "poll": kvtier.Client(target, direct_reads=False),
+            "sleep": kvtier.Client(target, direct_reads=False, spin_s=0),
+        }
+        for side, client in clients.items():
+            for op, arg in ops:
+                if op == "get":
+                    for i, data in enumerate(pool[arg]):
+                        client.put_from("ns", f"{side}/{arg}/g{i}".encode(), data)
+        for rnd in range(args.rounds):
+            order = list(clients.items())
+            for side, client in order if rnd % 2 == 0 else order[::-1]:
+                for op, arg in ops:
+                    name = f"{op}:{arg}"
+                    times = []
+                    cpu0 = time.process_time()
+                    for i in range(args.calls):
+                        began = time.perf_counter()
+                        one_op(client, side, op, arg, i, pool)
+                        times.append(time.perf_counter() - began)
+                    used = (time.process_time() - cpu0) / args.calls
+                    p50s.setdefault(name, {}).setdefault(side, []).append(
+                        statistics.median(times) * 1e6
+                    )
+                    cpu.setdefault(name, {}).setdefault(side, []).append(used * 1e6)
+            print(f"round {rnd} done", file=sys.stderr, flush=True)
+        for client in clients.values():
+            client.close()
+    print(f"{os.cpu_count()} CPUs, {args.rounds} rounds x {args.calls} calls, medians of rounds")
+    columns = ("poll p50 us", "sleep p50 us", "ratio", "client CPU us/call")
+    print(f"{'op':14s} {columns[0]:>20s} {columns[1]:>20s} {columns[2]:>6s} {columns[3]:>22s}")
+    for name, sides in p50s.items():
+        poll, sleep = sides["poll"], sides["sleep"]
+        ratio = statistics.median(poll) / statistics.median(sleep)
+        print(
+            f"{name:14s} {statistics.median(poll):8.0f} ({min(poll):.0f}-{max(poll):.0f})"
+            f" {statistics.median(sleep):8.0f} ({min(sleep):.0f}-{max(sleep):.0f})"
+            f" {ratio:6.2f} {statistics.median(cpu[name]['poll']):10.0f} /"
+            f" {statistics.median(cpu[name]['sleep']):.0f}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"p50_us": p50s, "client_cpu_us": cpu}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
