@@ -4,19 +4,22 @@ default) and one sleeping in recv (`spin_s=0`), taking turns round by round (who
 first alternates), one call in flight.
 
     python benchmarks/reply_poll_ab.py [--rounds 6] [--calls 1500]
-        [--ops put:4KiB,put:256KiB,get:4KiB,get:256KiB,plan:256] [--json out.json]
+        [--ops put:4KiB,put:256KiB,get:4KiB,get:256KiB,plan:256] [--hogs 0] [--json out.json]
 
 Ops: `put:SIZE` (`put_from`, one block, overwriting a pool of 512 keys), `get:SIZE`
 (`get_into` of one of 32 blocks under a lease: `direct_reads=False`, so every get is an
 exchange), `plan:N` (a Plan of an N-block chain, 16 tokens a block). Prints each op's
-p50 per side (median over rounds, and the range) and the ratio poll / sleep; the client
-process's CPU per call is printed too, since polling spends it.
+p50 and mean per side (medians over rounds; the p50's range) and the ratio poll / sleep;
+the client process's CPU per call is printed too, since polling spends it. `--hogs N`
+runs N processes that only burn CPU meanwhile (a loaded host: the poll then competes with
+the daemon and them for the cores).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import sys
@@ -42,11 +45,17 @@ def one_op(client: kvtier.Client, side: str, op: str, arg: int, i: int, pool: An
         client.plan("ns", pool["chain", arg], 16)
 
 
+def burn(stop: Any) -> None:
+    while not stop.is_set():
+        sum(range(10_000))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--calls", type=int, default=1500)
     parser.add_argument("--ops", default="put:4KiB,put:256KiB,get:4KiB,get:256KiB,plan:256")
+    parser.add_argument("--hogs", type=int, default=0, help="CPU-burning processes meanwhile")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     ops = []
@@ -63,7 +72,10 @@ def main() -> None:
             pool.setdefault(arg, [os.urandom(arg) for _ in range(32)])
             pool["sink", arg] = bytearray(arg)
     p50s: dict[str, dict[str, list[float]]] = {}
+    means: dict[str, dict[str, list[float]]] = {}
     cpu: dict[str, dict[str, list[float]]] = {}
+    stop = multiprocessing.Event()
+    hogs = [multiprocessing.Process(target=burn, args=(stop,)) for _ in range(args.hogs)]
     with (
         tempfile.TemporaryDirectory(dir="/var/tmp", prefix="kvtier-poll-ab-") as scratch,
         daemon(Path(scratch), "uds", 2 << 30) as target,
@@ -79,6 +91,9 @@ def main() -> None:
                         client.put_from("ns", f"{side}/{arg}/g{i}".encode(), data)
         for rnd in range(args.rounds):
             order = list(clients.items())
+            if rnd == 0:
+                for hog in hogs:
+                    hog.start()
             for side, client in order if rnd % 2 == 0 else order[::-1]:
                 for op, arg in ops:
                     name = f"{op}:{arg}"
@@ -93,23 +108,38 @@ def main() -> None:
                         statistics.median(times) * 1e6
                     )
                     cpu.setdefault(name, {}).setdefault(side, []).append(used * 1e6)
+                    means.setdefault(name, {}).setdefault(side, []).append(
+                        statistics.fmean(times) * 1e6
+                    )
             print(f"round {rnd} done", file=sys.stderr, flush=True)
+        stop.set()
+        for hog in hogs:
+            hog.join()
         for client in clients.values():
             client.close()
-    print(f"{os.cpu_count()} CPUs, {args.rounds} rounds x {args.calls} calls, medians of rounds")
-    columns = ("poll p50 us", "sleep p50 us", "ratio", "client CPU us/call")
-    print(f"{'op':14s} {columns[0]:>20s} {columns[1]:>20s} {columns[2]:>6s} {columns[3]:>22s}")
+    print(
+        f"{os.cpu_count()} CPUs, {args.hogs} hogs, {args.rounds} rounds x {args.calls} calls,"
+        " medians of rounds"
+    )
+    columns = ("poll p50 us", "sleep p50 us", "ratio", "mean us", "client CPU us/call")
+    print(
+        f"{'op':14s} {columns[0]:>20s} {columns[1]:>20s} {columns[2]:>6s} {columns[3]:>14s}"
+        f" {columns[4]:>20s}"
+    )
     for name, sides in p50s.items():
         poll, sleep = sides["poll"], sides["sleep"]
         ratio = statistics.median(poll) / statistics.median(sleep)
         print(
             f"{name:14s} {statistics.median(poll):8.0f} ({min(poll):.0f}-{max(poll):.0f})"
             f" {statistics.median(sleep):8.0f} ({min(sleep):.0f}-{max(sleep):.0f})"
-            f" {ratio:6.2f} {statistics.median(cpu[name]['poll']):10.0f} /"
+            f" {ratio:6.2f} {statistics.median(means[name]['poll']):6.0f} /"
+            f" {statistics.median(means[name]['sleep']):<6.0f}"
+            f" {statistics.median(cpu[name]['poll']):10.0f} /"
             f" {statistics.median(cpu[name]['sleep']):.0f}"
         )
     if args.json:
-        args.json.write_text(json.dumps({"p50_us": p50s, "client_cpu_us": cpu}, indent=1))
+        out = {"hogs": args.hogs, "p50_us": p50s, "mean_us": means, "client_cpu_us": cpu}
+        args.json.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

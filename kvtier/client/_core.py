@@ -81,8 +81,8 @@ from kvtier.client.cuda import (
     register_request,
     wait_request,
 )
+from kvtier.client.reply_wait import SPIN_S
 from kvtier.client.zerocopy import (
-    SPIN_S,
     DirectoryReader,
     Parts,
     StreamedPut,
@@ -645,7 +645,7 @@ class ClientBase(ABC, Generic[ArenaT, ChannelT]):
         self.target = normalize_target(target)
         # False: every zero-copy get acquires a lease, never reads the directory itself.
         self.direct_reads = direct_reads
-        # The sync client's poll for a session reply before it sleeps (zerocopy.SPIN_S).
+        # The sync client's poll for a session reply (client/reply_wait.py).
         self.spin_s = SPIN_S if spin_s is None else max(spin_s, 0.0)
         # The byte path's multi-MiB messages: see kvtier/_malloc.py. False leaves this
         # process's allocator as it is (then a 4 MiB get costs page faults in every copy).

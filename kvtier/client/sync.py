@@ -60,9 +60,9 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
     them, kvtier/_malloc.py: multi-MiB blocks otherwise page-fault in every copy).
     `direct_reads=False` makes every zero-copy get acquire a lease (by default it reads
     the tenant's directory first, docs/design.md "Direct reads"). `spin_s`: how long a
-    call polls the session socket for its reply before it sleeps (default
-    `kvtier.client.zerocopy.SPIN_S`, 300 µs; 0 never polls; polling pauses by itself
-    while replies come later than that). All but `target` are keyword-only.
+    call may poll the session socket for its reply before it sleeps (default 300 µs; 0
+    never polls); whether it polls is chosen per kind of call by which way measured
+    faster (kvtier/client/reply_wait.py). All but `target` are keyword-only.
     """
 
     put = blocking(_core.put)
@@ -188,7 +188,7 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
         for tries_left in reversed(range(_core.ATTACH_TRIES)):
             try:
                 arena = SharedArena.attach(self._grpc("Attach", pb.AttachRequest()))
-                arena.spin_s = self.spin_s
+                arena.reply_wait.spin_s = self.spin_s
                 self._arena = self._attached_now(arena)
                 break
             except (grpc.RpcError, OSError, KVTierError) as err:

@@ -49,6 +49,7 @@ from kvtier._directory import (
 )
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import HEADER, MAX_CALLS_PER_HITS, Op, frame
+from kvtier.client.reply_wait import ReplyWait
 from kvtier.errors import InvalidArgument, Unavailable, from_status_value
 
 M = TypeVar("M", bound=Message)
@@ -67,17 +68,6 @@ STAGE_ALIGN_BYTES = 4096
 # as long at load 24 (the daemon polls while the client waits for a CPU).
 STREAM_MIN_BYTES = 1 << 20
 STREAMS = platform.machine() in {"x86_64", "AMD64"} and (os.cpu_count() or 1) >= 4
-# A reply on the session socket comes ~100-300 µs after its request. A thread asleep in
-# recv must be woken for it: on this 2-vCPU VM that wake-up cost the daemon's send
-# ~40-60 µs of its loop and this thread as long again to run. Polling the socket first
-# (non-blocking recv, the GIL released in each) took a 256 KiB put from ~300 to ~205 µs
-# p50 and a leased 4 KiB get from ~235 to ~155 (BENCHMARKS.md, 2026-12-05). Bounded, and
-# paused while replies keep coming later than that (large puts, promotions from NVMe):
-# those sleep at once, so a slow exchange costs no polling CPU. Only the sync client
-# polls; an event loop waits for readiness as before.
-SPIN_S = 300e-6
-SPIN_MISSES = 4  # replies in a row later than the poll before it pauses
-SPIN_PAUSE_CALLS = 64  # exchanges that then wait asleep at once
 _WORD = struct.Struct("<Q")
 _TICKET = struct.Struct("<QQ")
 STREAM_ABANDONED = (1 << 64) - 1
@@ -280,9 +270,7 @@ class SharedArena:
         self._lock = threading.Lock()  # one exchange (request, then its reply) at a time
         self._send_lock = threading.Lock()  # one frame at a time
         self._inbox = bytearray(64 << 10)
-        self.spin_s = SPIN_S  # 0: every reply waited for asleep
-        self._late = 0  # replies in a row that came after the poll
-        self._asleep = 0  # exchanges left that wait asleep at once
+        self.reply_wait = ReplyWait()  # polling for a reply or asleep (reply_wait.py)
         self.write_area = write_area
         self.directory = directory
         if isinstance(mapping, _ArenaMapping):
@@ -317,7 +305,10 @@ class SharedArena:
                 except BaseException as err:
                     failure = err
             # One recv usually brings the whole reply; read more only for a long one.
-            got = self._poll_reply() or self._conn.recv_into(self._inbox)
+            polls = self.reply_wait.polls(op)
+            began = time.perf_counter()
+            got = (polls and self._poll_reply()) or self._conn.recv_into(self._inbox)
+            self.reply_wait.took(op, polls, time.perf_counter() - began)
             while got < HEADER.size:
                 got += self._recv_more(got)
             length, code = HEADER.unpack_from(self._inbox)
@@ -342,27 +333,16 @@ class SharedArena:
             self._conn.sendall(frame(op, request.SerializeToString()))
 
     def _poll_reply(self) -> int:
-        """The reply's first bytes if they come within `spin_s` (see SPIN_S), else 0: then
+        """The reply's first bytes if they come within `reply_wait.spin_s`, else 0: then
         the caller waits asleep (and on a closed socket, finds it closed there)."""
-        if self.spin_s <= 0:
-            return 0
-        if self._asleep:
-            self._asleep -= 1
-            return 0
         conn, inbox = self._conn, self._inbox
-        until = time.perf_counter() + self.spin_s
+        until = time.perf_counter() + self.reply_wait.spin_s
         while True:
             try:
-                got = conn.recv_into(inbox, 0, socket.MSG_DONTWAIT)
+                return conn.recv_into(inbox, 0, socket.MSG_DONTWAIT)
             except BlockingIOError:
-                if time.perf_counter() < until:
-                    continue
-                self._late += 1
-                if self._late >= SPIN_MISSES:
-                    self._late, self._asleep = 0, SPIN_PAUSE_CALLS
-                return 0
-            self._late = 0
-            return got
+                if time.perf_counter() >= until:
+                    return 0
 
     def _recv_more(self, offset: int) -> int:
         with memoryview(self._inbox) as view:

@@ -1,23 +1,84 @@
-"""The sync client's poll for a session reply before it sleeps (zerocopy.SPIN_S): it
-returns a reply that is there, gives up after `spin_s`, pauses after replies keep coming
-late, and a client's `spin_s` reaches its session."""
+"""How the sync client waits for a session reply (kvtier/client/reply_wait.py): each op
+waits the way that measured faster, polling only when clearly so, and keeps measuring
+the other; the poll returns a reply that is there and gives up after `spin_s`."""
 
 from __future__ import annotations
 
 import mmap
 import socket
+import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
+import kvtier
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import HEADER, Op
-from kvtier.client import zerocopy
-from kvtier.client.zerocopy import SPIN_MISSES, SPIN_PAUSE_CALLS, SharedArena
+from kvtier.client.reply_wait import EXPLORE_EVERY, MARGIN, SPIN_S, ReplyWait
+from kvtier.client.zerocopy import SharedArena
+
+
+def _ways(wait: ReplyWait, op: int, calls: int, poll_s: float, sleep_s: float) -> list[bool]:
+    """`calls` waits where polling takes `poll_s` and sleeping `sleep_s`: how each went."""
+    ways = []
+    for _ in range(calls):
+        polls = wait.polls(op)
+        wait.took(op, polls, poll_s if polls else sleep_s)
+        ways.append(polls)
+    return ways
+
+
+def test_each_way_is_measured_first_then_the_faster_is_used_and_the_other_sampled() -> None:
+    wait = ReplyWait()
+    ways = _ways(wait, Op.PLAN, 2 + 10 * EXPLORE_EVERY, poll_s=150e-6, sleep_s=250e-6)
+    assert ways[:2] == [True, False]
+    assert ways[2:].count(False) == 10  # one in EXPLORE_EVERY
+    ways = _ways(wait, Op.STAGE, 2 + 10 * EXPLORE_EVERY, poll_s=300e-6, sleep_s=200e-6)
+    assert ways[2:].count(True) == 10
+
+
+def test_a_tie_sleeps() -> None:
+    wait = ReplyWait()
+    ways = _ways(wait, Op.PLAN, 200, poll_s=200e-6, sleep_s=200e-6 * (MARGIN + 0.02))
+    assert ways[2:].count(True) <= 200 // EXPLORE_EVERY + 1
+
+
+def test_the_way_follows_when_the_host_changes() -> None:
+    """Polling wins on an idle host; once load makes it slower, the sampled sleeps show
+    it and the client turns to sleeping (and back)."""
+    wait = ReplyWait()
+    _ways(wait, Op.PUT_STAGED, 300, poll_s=150e-6, sleep_s=250e-6)
+    assert wait.polls(Op.PUT_STAGED) or wait.polls(Op.PUT_STAGED)
+    loaded = _ways(wait, Op.PUT_STAGED, 60 * EXPLORE_EVERY, poll_s=400e-6, sleep_s=230e-6)
+    assert loaded[-4 * EXPLORE_EVERY :].count(True) <= 4  # only the samples poll now
+    quiet = _ways(wait, Op.PUT_STAGED, 60 * EXPLORE_EVERY, poll_s=150e-6, sleep_s=250e-6)
+    assert quiet[-4 * EXPLORE_EVERY :].count(False) <= 4
+    polled, slept = wait.mean_s(Op.PUT_STAGED)
+    assert polled < slept
+
+
+def test_ops_are_measured_apart() -> None:
+    wait = ReplyWait()
+    _ways(wait, Op.PLAN, 100, poll_s=100e-6, sleep_s=200e-6)
+    _ways(wait, Op.ACQUIRE, 100, poll_s=400e-6, sleep_s=200e-6)
+    assert wait.mean_s(Op.PLAN)[0] < wait.mean_s(Op.PLAN)[1]
+    assert wait.mean_s(Op.ACQUIRE)[0] > wait.mean_s(Op.ACQUIRE)[1]
+
+
+def test_no_polling_with_spin_s_zero() -> None:
+    assert not any(_ways(ReplyWait(spin_s=0), Op.PLAN, 50, poll_s=1e-6, sleep_s=1.0))
+
+
+def test_a_late_outlier_counts_as_a_few_averages_only() -> None:
+    wait = ReplyWait()
+    _ways(wait, Op.PLAN, 50, poll_s=100e-6, sleep_s=200e-6)
+    wait.took(Op.PLAN, True, 1.0)  # a preemption, not the way's cost
+    assert wait.mean_s(Op.PLAN)[0] < 200e-6
 
 
 @pytest.fixture
-def pair() -> tuple[SharedArena, socket.socket]:
+def pair() -> Iterator[tuple[SharedArena, socket.socket]]:
     mine, daemon = socket.socketpair()
     arena = SharedArena(7, mmap.mmap(-1, 4096), mine)
     yield arena, daemon
@@ -30,71 +91,46 @@ def _reply(daemon: socket.socket, message: pb.StatsResponse) -> None:
     daemon.sendall(HEADER.pack(len(payload), 0) + payload)
 
 
-def test_a_reply_already_there_is_read_without_sleeping(
+def test_the_poll_reads_a_reply_that_is_there_and_gives_up_after_spin_s(
     pair: tuple[SharedArena, socket.socket],
 ) -> None:
     arena, daemon = pair
+    arena.reply_wait.spin_s = 0.002
+    began = time.perf_counter()
+    assert arena._poll_reply() == 0
+    assert time.perf_counter() - began >= 0.002
     _reply(daemon, pb.StatsResponse(puts=3))
     got = arena._poll_reply()
-    assert got > 0 and arena._late == 0
     length, code = HEADER.unpack_from(arena._inbox)
-    assert code == 0 and pb.StatsResponse.FromString(
-        bytes(arena._inbox[HEADER.size : HEADER.size + length])
-    ) == pb.StatsResponse(puts=3)
-
-
-def test_the_poll_gives_up_after_spin_s_and_pauses_after_late_replies(
-    pair: tuple[SharedArena, socket.socket],
-) -> None:
-    arena, _ = pair
-    arena.spin_s = 0.002
-    for late in range(1, SPIN_MISSES):
-        began = time.perf_counter()
-        assert arena._poll_reply() == 0
-        assert time.perf_counter() - began >= 0.002
-        assert arena._late == late
-    assert arena._poll_reply() == 0  # the last late reply in a row: polling pauses
-    assert arena._asleep == SPIN_PAUSE_CALLS and arena._late == 0
-    began = time.perf_counter()
-    for _ in range(SPIN_PAUSE_CALLS):
-        assert arena._poll_reply() == 0
-    assert time.perf_counter() - began < 0.002 * SPIN_PAUSE_CALLS / 4  # no polling
-    assert arena._asleep == 0
-
-
-def test_no_polling_with_spin_s_zero(pair: tuple[SharedArena, socket.socket]) -> None:
-    arena, daemon = pair
-    arena.spin_s = 0
-    _reply(daemon, pb.StatsResponse(puts=1))
-    assert arena._poll_reply() == 0  # the reply is left for the sleeping read
+    assert got == HEADER.size + length and code == 0
+    assert pb.StatsResponse.FromString(bytes(arena._inbox[HEADER.size : got])).puts == 3
 
 
 def test_a_call_reads_its_reply_whether_it_polled_or_slept(
     pair: tuple[SharedArena, socket.socket],
 ) -> None:
-    """A reply that comes within the poll and one that comes after it: both read whole."""
-    import threading
-
+    """Replies that come within the poll and after it, both ways: each read whole, and
+    each way's time measured."""
     arena, daemon = pair
-    arena.spin_s = 0.05
-    for delay_s in (0.0, 0.2):
+    arena.reply_wait.spin_s = 0.05
+    for n, delay_s in enumerate([0.0, 0.0, 0.1, 0.0, 0.1, 0.0]):
 
-        def answer(delay_s: float = delay_s) -> None:
+        def answer(delay_s: float = delay_s, n: int = n) -> None:
             daemon.recv(1 << 16)
             time.sleep(delay_s)
-            _reply(daemon, pb.StatsResponse(puts=int(delay_s * 10) + 1))
+            _reply(daemon, pb.StatsResponse(puts=n))
 
         thread = threading.Thread(target=answer)
         thread.start()
         got = arena.call(Op.HITS, pb.HitsRequest(), pb.StatsResponse)
         thread.join()
-        assert got == pb.StatsResponse(puts=int(delay_s * 10) + 1)
+        assert got == pb.StatsResponse(puts=n)
+    polled, slept = arena.reply_wait.mean_s(Op.HITS)
+    assert polled > 0 and slept > 0
 
 
-def test_the_default_poll_is_the_modules() -> None:
-    import kvtier
-
-    for spin_s, want in ((None, zerocopy.SPIN_S), (0, 0.0), (-1, 0.0), (0.001, 0.001)):
+def test_a_clients_spin_s() -> None:
+    for spin_s, want in ((None, SPIN_S), (0, 0.0), (-1, 0.0), (0.001, 0.001)):
         client = kvtier.Client("unix:///nonexistent.sock", spin_s=spin_s)
         assert client.spin_s == want
         client.close()

@@ -17,7 +17,8 @@ import xxhash
 import kvtier
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import Op
-from kvtier.client.zerocopy import SPIN_S, SharedArena
+from kvtier.client.reply_wait import SPIN_S
+from kvtier.client.zerocopy import SharedArena
 from tests.conftest import DaemonProcess, block_bytes
 
 NS = "llama3-8b/bf16-b16"
@@ -276,4 +277,4 @@ def test_a_clients_reply_poll_reaches_its_session(
         sink = bytearray(len(data))
         assert client.get_into(NS, "p", sink) == len(data) and bytes(sink) == data
         arena = attached(client)
-        assert arena.spin_s == (SPIN_S if spin_s is None else 0.0)
+        assert arena.reply_wait.spin_s == (SPIN_S if spin_s is None else 0.0)
