@@ -81,8 +81,9 @@ from kvtier.client.cuda import (
     register_request,
     wait_request,
 )
-from kvtier.client.reply_wait import SPIN_S
+from kvtier.client.ways import SPIN_S
 from kvtier.client.zerocopy import (
+    STREAM_MIN_BYTES,
     DirectoryReader,
     Parts,
     StreamedPut,
@@ -94,10 +95,12 @@ from kvtier.client.zerocopy import (
     directory_of,
     fill_slots,
     joined,
+    parts_bytes,
     release_request,
     reserve_request,
     staged_put_request,
     staging_bytes,
+    stream_class,
     streams,
     write_area_of,
 )
@@ -459,16 +462,19 @@ def put_many(
                     area.staging = (staged.offset, staged.size_bytes)
                 except (InvalidArgument, Unimplemented):
                     area.staging = None  # too large, or an older daemon: two exchanges
+            began_s = time.perf_counter()
             if area.staging is not None and area.staging[1] >= need and streamed:
                 # The daemon copies behind this client's copy, which runs once it is sent.
                 stream = StreamedPut(area, namespace, keys, blocks, overwrite)
                 done = yield from session_call(
                     Op.PUT_STAGED, stream.request, pb.CommitResponse, stream.write
                 )
+                _took(area, blocks, True, began_s)
                 return commit_results(done)
             if area.staging is not None and area.staging[1] >= need:
                 staged_put = staged_put_request(area, namespace, keys, blocks, overwrite)
                 done = yield from session_call(Op.PUT_STAGED, staged_put, pb.CommitResponse)
+                _took(area, blocks, False, began_s)
                 return commit_results(done)
         finally:
             area.drop_staging()
@@ -482,6 +488,14 @@ def put_many(
         raise
     commit = pb.CommitRequest(lease_id=reserved.lease_id, xxh3_64=checksums)
     return commit_results((yield from session_call(Op.COMMIT, commit, pb.CommitResponse)))
+
+
+def _took(area: WriteArea, blocks: list[Parts], streamed: bool, began_s: float) -> None:
+    """What a put that could have streamed took, for the choice of way (ways.py)."""
+    if area.streams is None:
+        total = sum(parts_bytes(p) for p in blocks)
+        if total >= STREAM_MIN_BYTES:
+            area.stream_ways.took(stream_class(total), streamed, time.perf_counter() - began_s)
 
 
 def get_many(
@@ -645,7 +659,7 @@ class ClientBase(ABC, Generic[ArenaT, ChannelT]):
         self.target = normalize_target(target)
         # False: every zero-copy get acquires a lease, never reads the directory itself.
         self.direct_reads = direct_reads
-        # The sync client's poll for a session reply (client/reply_wait.py).
+        # The sync client's poll for a session reply (client/ways.py).
         self.spin_s = SPIN_S if spin_s is None else max(spin_s, 0.0)
         # The byte path's multi-MiB messages: see kvtier/_malloc.py. False leaves this
         # process's allocator as it is (then a 4 MiB get costs page faults in every copy).

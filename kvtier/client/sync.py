@@ -62,7 +62,7 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
     the tenant's directory first, docs/design.md "Direct reads"). `spin_s`: how long a
     call may poll the session socket for its reply before it sleeps (default 300 µs; 0
     never polls); whether it polls is chosen per kind of call by which way measured
-    faster (kvtier/client/reply_wait.py). All but `target` are keyword-only.
+    faster (kvtier/client/ways.py). All but `target` are keyword-only.
     """
 
     put = blocking(_core.put)

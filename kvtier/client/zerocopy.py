@@ -49,7 +49,7 @@ from kvtier._directory import (
 )
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import HEADER, MAX_CALLS_PER_HITS, Op, frame
-from kvtier.client.reply_wait import ReplyWait
+from kvtier.client.ways import ReplyWait, TwoWays
 from kvtier.errors import InvalidArgument, Unavailable, from_status_value
 
 M = TypeVar("M", bound=Message)
@@ -58,16 +58,17 @@ _REPLY = struct.Struct("<QQ")
 # Copy and hash in cache-sized pieces: each piece is hashed while it is still in cache.
 COPY_PIECE_BYTES = 256 << 10
 STAGE_ALIGN_BYTES = 4096
-# Puts of at least this many bytes stream: the daemon copies behind the client's copy
-# (kvtier.proto, StagedPutRequest.ticket), so the two copies overlap instead of adding
-# up. Only where stores become visible to another core in program order (x86-64's TSO):
-# elsewhere the daemon could see the byte count before the bytes; its hash would then
-# refuse the put (never wrong bytes), so the plain one-exchange put is used there. And
-# only with cores to spare for both copies at once: on the 2 shared vCPUs measured here
-# (BENCHMARKS.md, issue 25) a streamed 4 MiB put was 12 % faster at load 11 but took 3.9x
-# as long at load 24 (the daemon polls while the client waits for a CPU).
+# Puts of at least this many bytes may stream: the daemon copies behind the client's
+# copy (kvtier.proto, StagedPutRequest.ticket), so the two copies overlap instead of
+# adding up. Only where stores become visible to another core in program order (x86-64's
+# TSO): elsewhere the daemon could see the byte count before the bytes; its hash would
+# then refuse the put (never wrong bytes), so the plain one-exchange put is used there.
+# And only where it is faster: it needs a CPU for each copy at once (on the 2-vCPU VM
+# measured here, 1.6x faster idle, even with two CPU-bound processes beside it, 3.9x
+# slower loaded 12-fold), so each size class of put streams or not by what each way took
+# on this host (ways.py).
 STREAM_MIN_BYTES = 1 << 20
-STREAMS = platform.machine() in {"x86_64", "AMD64"} and (os.cpu_count() or 1) >= 4
+STREAMS: bool | None = None if platform.machine() in {"x86_64", "AMD64"} else False
 _WORD = struct.Struct("<Q")
 _TICKET = struct.Struct("<QQ")
 STREAM_ABANDONED = (1 << 64) - 1
@@ -103,7 +104,10 @@ class WriteArea:
         self._mapping: mmap.mmap | None = None
         self.staging: tuple[int, int] | None = None  # (offset, size): Stage's reply
         self.one_exchange = True  # False: every put reserves and commits (tests run both)
-        self.streams = STREAMS  # False: puts are written whole before they are sent
+        # None: each size class streams or not by what each way took (`stream_ways`);
+        # True: always (tests), False: never (puts written whole before they are sent).
+        self.streams = STREAMS
+        self.stream_ways = TwoWays()
         self._ticket = 0
         self._staging_held = threading.Lock()
 
@@ -270,7 +274,7 @@ class SharedArena:
         self._lock = threading.Lock()  # one exchange (request, then its reply) at a time
         self._send_lock = threading.Lock()  # one frame at a time
         self._inbox = bytearray(64 << 10)
-        self.reply_wait = ReplyWait()  # polling for a reply or asleep (reply_wait.py)
+        self.reply_wait = ReplyWait()  # polling for a reply or asleep (ways.py)
         self.write_area = write_area
         self.directory = directory
         if isinstance(mapping, _ArenaMapping):
@@ -544,7 +548,17 @@ def _aligned(size_bytes: int) -> int:
 
 def streams(area: WriteArea, blocks: list[Parts]) -> bool:
     """Whether a put of `blocks` is streamed (see STREAM_MIN_BYTES)."""
-    return area.streams and sum(parts_bytes(p) for p in blocks) >= STREAM_MIN_BYTES
+    if area.streams is False:
+        return False
+    total = sum(parts_bytes(p) for p in blocks)
+    if total < STREAM_MIN_BYTES:
+        return False
+    return area.streams or area.stream_ways.dear(stream_class(total))
+
+
+def stream_class(total_bytes: int) -> int:
+    """The size class a put's way is measured in: puts within a power of two."""
+    return total_bytes.bit_length()
 
 
 def staging_bytes(blocks: list[Parts], streamed: bool = False) -> int:

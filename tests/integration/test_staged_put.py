@@ -17,7 +17,7 @@ import xxhash
 import kvtier
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import Op
-from kvtier.client.reply_wait import SPIN_S
+from kvtier.client.ways import SPIN_S
 from kvtier.client.zerocopy import SharedArena
 from tests.conftest import DaemonProcess, block_bytes
 
@@ -278,3 +278,45 @@ def test_a_clients_reply_poll_reaches_its_session(
         assert client.get_into(NS, "p", sink) == len(data) and bytes(sink) == data
         arena = attached(client)
         assert arena.reply_wait.spin_s == (SPIN_S if spin_s is None else 0.0)
+
+
+def test_large_puts_stream_or_not_by_what_each_way_took(start_daemon: StartDaemon) -> None:
+    """With the way left to measurement (`streams = None`, x86-64's default), a size class
+    of large puts is put both ways first, then each put reports its way and time, and the
+    way that took less is taken, the other one call in EXPLORE_EVERY (here the streamed
+    way is made to look twice as fast); every put comes back bit-exact either way."""
+    from kvtier.client.ways import EXPLORE_EVERY
+    from kvtier.client.zerocopy import stream_class
+
+    daemon = start_daemon(dram="256MiB", nvme="512MiB")
+    with daemon.client() as client:
+        area = attached(client).write_area
+        assert area is not None
+        area.streams = None
+        values = [block_bytes(i, (2 << 20) + 4096 * i) for i in range(4)]
+        asked: list[bool] = []
+        reported: list[tuple[object, bool]] = []
+        ways = area.stream_ways
+        dear, took = ways.dear, ways.took
+
+        def ask(key: object) -> bool:
+            asked.append(dear(key))
+            return asked[-1]
+
+        def report(key: object, streamed: bool, seconds: float) -> None:
+            assert seconds > 0
+            reported.append((key, streamed))
+            took(key, streamed, 0.001 if streamed else 0.002)
+
+        ways.dear, ways.took = ask, report  # type: ignore[method-assign]
+        calls = 2 + 4 * EXPLORE_EVERY
+        for i in range(calls):
+            assert client.put_many(NS, [(f"s{i}", values[i % 4])], overwrite=True) == [True]
+        assert asked[:2] == [True, False]  # each way once
+        assert asked[2:].count(False) == 4  # then streamed, but one in EXPLORE_EVERY
+        assert reported == [(stream_class(len(values[0])), way) for way in asked]
+        for i in range(calls):
+            assert client.get(NS, f"s{i}") == values[i % 4]
+        area.streams = False  # never: no choice asked, nothing reported
+        assert client.put_many(NS, [("never", values[0])]) == [True]
+        assert len(asked) == len(reported) == calls

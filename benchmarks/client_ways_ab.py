@@ -1,18 +1,19 @@
-"""Same-run A/B of the sync client's reply poll (`kvtier.client.zerocopy.SPIN_S`): two
-clients of one real daemon, one polling the session socket for its replies (the
-default) and one sleeping in recv (`spin_s=0`), taking turns round by round (who goes
-first alternates), one call in flight.
+"""Same-run A/B of the sync client's measured ways (kvtier/client/ways.py): two clients of
+one real daemon, one as shipped (per op it polls the session socket for replies or
+sleeps, per size class a large put streams or not, whichever took less) and one as
+before on this 2-CPU host (`spin_s=0`: asleep in recv; puts never streamed), taking
+turns round by round (who goes first alternates), one call in flight.
 
-    python benchmarks/reply_poll_ab.py [--rounds 6] [--calls 1500]
+    python benchmarks/client_ways_ab.py [--rounds 6] [--calls 1500]
         [--ops put:4KiB,put:256KiB,get:4KiB,get:256KiB,plan:256] [--hogs 0] [--json out.json]
 
 Ops: `put:SIZE` (`put_from`, one block, overwriting a pool of 512 keys), `get:SIZE`
 (`get_into` of one of 32 blocks under a lease: `direct_reads=False`, so every get is an
 exchange), `plan:N` (a Plan of an N-block chain, 16 tokens a block). Prints each op's
-p50 and mean per side (medians over rounds; the p50's range) and the ratio poll / sleep;
-the client process's CPU per call is printed too, since polling spends it. `--hogs N`
-runs N processes that only burn CPU meanwhile (a loaded host: the poll then competes with
-the daemon and them for the cores).
+p50 and mean per side (medians over rounds; the p50's range) and the ratio this /
+before; the client process's CPU per call is printed too, since polling spends it.
+`--hogs N` runs N processes that only burn CPU meanwhile (a loaded host: polling and
+streaming then compete with the daemon and them for the cores).
 """
 
 from __future__ import annotations
@@ -77,13 +78,17 @@ def main() -> None:
     stop = multiprocessing.Event()
     hogs = [multiprocessing.Process(target=burn, args=(stop,)) for _ in range(args.hogs)]
     with (
-        tempfile.TemporaryDirectory(dir="/var/tmp", prefix="kvtier-poll-ab-") as scratch,
+        tempfile.TemporaryDirectory(dir="/var/tmp", prefix="kvtier-ways-ab-") as scratch,
         daemon(Path(scratch), "uds", 2 << 30) as target,
     ):
         clients = {
-            "poll": kvtier.Client(target, direct_reads=False),
-            "sleep": kvtier.Client(target, direct_reads=False, spin_s=0),
+            "this": kvtier.Client(target, direct_reads=False),
+            "before": kvtier.Client(target, direct_reads=False, spin_s=0),
         }
+        before = clients["before"]._shared_arena()
+        if before is None or before.write_area is None:
+            raise SystemExit("no shared arena: the daemon refused the session")
+        before.write_area.streams = False
         for side, client in clients.items():
             for op, arg in ops:
                 if op == "get":
@@ -121,21 +126,21 @@ def main() -> None:
         f"{os.cpu_count()} CPUs, {args.hogs} hogs, {args.rounds} rounds x {args.calls} calls,"
         " medians of rounds"
     )
-    columns = ("poll p50 us", "sleep p50 us", "ratio", "mean us", "client CPU us/call")
+    columns = ("this p50 us", "before p50 us", "ratio", "mean us", "client CPU us/call")
     print(
         f"{'op':14s} {columns[0]:>20s} {columns[1]:>20s} {columns[2]:>6s} {columns[3]:>14s}"
         f" {columns[4]:>20s}"
     )
     for name, sides in p50s.items():
-        poll, sleep = sides["poll"], sides["sleep"]
-        ratio = statistics.median(poll) / statistics.median(sleep)
+        this, before = sides["this"], sides["before"]
+        ratio = statistics.median(this) / statistics.median(before)
         print(
-            f"{name:14s} {statistics.median(poll):8.0f} ({min(poll):.0f}-{max(poll):.0f})"
-            f" {statistics.median(sleep):8.0f} ({min(sleep):.0f}-{max(sleep):.0f})"
-            f" {ratio:6.2f} {statistics.median(means[name]['poll']):6.0f} /"
-            f" {statistics.median(means[name]['sleep']):<6.0f}"
-            f" {statistics.median(cpu[name]['poll']):10.0f} /"
-            f" {statistics.median(cpu[name]['sleep']):.0f}"
+            f"{name:14s} {statistics.median(this):8.0f} ({min(this):.0f}-{max(this):.0f})"
+            f" {statistics.median(before):8.0f} ({min(before):.0f}-{max(before):.0f})"
+            f" {ratio:6.2f} {statistics.median(means[name]['this']):6.0f} /"
+            f" {statistics.median(means[name]['before']):<6.0f}"
+            f" {statistics.median(cpu[name]['this']):10.0f} /"
+            f" {statistics.median(cpu[name]['before']):.0f}"
         )
     if args.json:
         out = {"hogs": args.hogs, "p50_us": p50s, "mean_us": means, "client_cpu_us": cpu}

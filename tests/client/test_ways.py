@@ -1,6 +1,7 @@
-"""How the sync client waits for a session reply (kvtier/client/reply_wait.py): each op
-waits the way that measured faster, polling only when clearly so, and keeps measuring
-the other; the poll returns a reply that is there and gives up after `spin_s`."""
+"""Two ways chosen by what each took (kvtier/client/ways.py): how the sync client waits
+for a session reply (each op the way that measured faster, polling only when clearly so,
+the other still sampled; the poll returns a reply that is there and gives up after
+`spin_s`), and whether a large put streams."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import kvtier
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import HEADER, Op
-from kvtier.client.reply_wait import EXPLORE_EVERY, MARGIN, SPIN_S, ReplyWait
+from kvtier.client.ways import EXPLORE_EVERY, MARGIN, SPIN_S, ReplyWait, TwoWays
 from kvtier.client.zerocopy import SharedArena
 
 
@@ -134,3 +135,13 @@ def test_a_clients_spin_s() -> None:
         client = kvtier.Client("unix:///nonexistent.sock", spin_s=spin_s)
         assert client.spin_s == want
         client.close()
+
+
+def test_the_cheap_way_is_taken_at_a_tie_and_keys_are_apart() -> None:
+    ways = TwoWays()
+    for _ in range(200):
+        for key, dear_s, cheap_s in ((21, 1.0, 1.0), (23, 0.5, 1.0)):
+            dear = ways.dear(key)
+            ways.took(key, dear, dear_s if dear else cheap_s)
+    assert sum(ways.dear(21) for _ in range(64)) == 64 // EXPLORE_EVERY
+    assert sum(ways.dear(23) for _ in range(64)) == 64 - 64 // EXPLORE_EVERY
