@@ -152,7 +152,7 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
                 self._close_session()  # lost: a call that needs it attaches again
         if isinstance(step, _core.SessionCall):
             return self._attached(run).call(
-                step.op, step.request, step.response_type, step.while_waiting
+                step.op, step.request, step.response_type, step.while_waiting, step.size_class
             )
         if isinstance(step, _core.Rpc):
             return self._grpc(step.method, step.request)

@@ -63,11 +63,12 @@ class TwoWays:
 
 
 class ReplyWait(TwoWays):
-    """Per op: poll for the reply (the dear way) or sleep. `spin_s` 0: always asleep."""
+    """Per kind of call (an op, with the size class of what it moves): poll for the reply
+    (the dear way) or sleep. `spin_s` 0: always asleep."""
 
     def __init__(self, spin_s: float = SPIN_S) -> None:
         super().__init__()
         self.spin_s = spin_s
 
-    def polls(self, op: int) -> bool:
-        return self.spin_s > 0 and self.dear(op)
+    def polls(self, key: Hashable) -> bool:
+        return self.spin_s > 0 and self.dear(key)

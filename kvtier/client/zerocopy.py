@@ -294,10 +294,12 @@ class SharedArena:
         request: Message,
         response_type: type[M],
         while_waiting: Callable[[], object] | None = None,
+        size_class: int = 0,
     ) -> M:
         """One request on the session socket, waiting for its response; `while_waiting`
         runs once the request is sent (a streamed put's copy), its failure raised after
-        the reply is read (the stream stays in step)."""
+        the reply is read (the stream stays in step). `size_class`: the bytes it moves,
+        as `stream_class` (0: none), for the choice of how to wait."""
         payload = request.SerializeToString()
         failure: BaseException | None = None
         with self._lock:
@@ -309,10 +311,11 @@ class SharedArena:
                 except BaseException as err:
                     failure = err
             # One recv usually brings the whole reply; read more only for a long one.
-            polls = self.reply_wait.polls(op)
+            wait_key = (op, size_class)
+            polls = self.reply_wait.polls(wait_key)
             began = time.perf_counter()
             got = (polls and self._poll_reply()) or self._conn.recv_into(self._inbox)
-            self.reply_wait.took(op, polls, time.perf_counter() - began)
+            self.reply_wait.took(wait_key, polls, time.perf_counter() - began)
             while got < HEADER.size:
                 got += self._recv_more(got)
             length, code = HEADER.unpack_from(self._inbox)

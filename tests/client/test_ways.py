@@ -126,7 +126,7 @@ def test_a_call_reads_its_reply_whether_it_polled_or_slept(
         got = arena.call(Op.HITS, pb.HitsRequest(), pb.StatsResponse)
         thread.join()
         assert got == pb.StatsResponse(puts=n)
-    polled, slept = arena.reply_wait.mean_s(Op.HITS)
+    polled, slept = arena.reply_wait.mean_s((Op.HITS, 0))
     assert polled > 0 and slept > 0
 
 

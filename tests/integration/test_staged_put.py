@@ -18,7 +18,7 @@ import kvtier
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import Op
 from kvtier.client.ways import SPIN_S
-from kvtier.client.zerocopy import SharedArena
+from kvtier.client.zerocopy import SharedArena, stream_class
 from tests.conftest import DaemonProcess, block_bytes
 
 NS = "llama3-8b/bf16-b16"
@@ -278,6 +278,12 @@ def test_a_clients_reply_poll_reaches_its_session(
         assert client.get_into(NS, "p", sink) == len(data) and bytes(sink) == data
         arena = attached(client)
         assert arena.reply_wait.spin_s == (SPIN_S if spin_s is None else 0.0)
+        # A put's wait is measured by the size of what it moves: one block and a batch
+        # of 40 are measured apart.
+        assert client.put_many(NS, [(f"b{i}", data) for i in range(40)]) == [True] * 40
+        one, batch = stream_class(len(data)), stream_class(40 * len(data))
+        for size_class in (one, batch):
+            assert sum(arena.reply_wait.mean_s((Op.PUT_STAGED, size_class))) > 0
 
 
 def test_large_puts_stream_or_not_by_what_each_way_took(start_daemon: StartDaemon) -> None:
