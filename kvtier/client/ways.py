@@ -26,7 +26,7 @@ SPIN_S = 300e-6  # the longest a reply is polled for before the client sleeps
 EXPLORE_EVERY = 16
 MARGIN = 0.95
 _WEIGHT = 1 / 8  # of each new time in its way's moving average
-_CLIP = 4.0  # a time over this many averages counts as this many (a preemption, not the way)
+_CLIP = 20.0  # a time over this many averages counts as this many (a stall, not the way)
 
 
 class TwoWays:

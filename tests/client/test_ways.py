@@ -16,7 +16,7 @@ import pytest
 import kvtier
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import HEADER, Op
-from kvtier.client.ways import EXPLORE_EVERY, MARGIN, SPIN_S, ReplyWait, TwoWays
+from kvtier.client.ways import _CLIP, _WEIGHT, EXPLORE_EVERY, MARGIN, SPIN_S, ReplyWait, TwoWays
 from kvtier.client.zerocopy import SharedArena
 
 
@@ -71,10 +71,15 @@ def test_no_polling_with_spin_s_zero() -> None:
     assert not any(_ways(ReplyWait(spin_s=0), Op.PLAN, 50, poll_s=1e-6, sleep_s=1.0))
 
 
-def test_a_late_outlier_counts_as_a_few_averages_only() -> None:
+def test_a_stall_counts_as_at_most_a_few_dozen_averages() -> None:
+    """A wait that stalled (a preemption, a pause of the collector) moves its way's figure
+    by at most _CLIP averages' worth: it cannot turn the choice for long."""
     wait = ReplyWait()
     _ways(wait, Op.PLAN, 50, poll_s=100e-6, sleep_s=200e-6)
-    wait.took(Op.PLAN, True, 1.0)  # a preemption, not the way's cost
+    wait.took(Op.PLAN, True, 10.0)
+    polled = wait.mean_s(Op.PLAN)[0]
+    assert polled <= 100e-6 * (1 + _WEIGHT * (_CLIP - 1)) * 1.01
+    _ways(wait, Op.PLAN, 200, poll_s=100e-6, sleep_s=200e-6)  # it comes back
     assert wait.mean_s(Op.PLAN)[0] < 200e-6
 
 
