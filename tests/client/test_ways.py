@@ -20,6 +20,16 @@ from kvtier.client.ways import _CLIP, _WEIGHT, EXPLORE_EVERY, MARGIN, SPIN_S, Re
 from kvtier.client.zerocopy import SharedArena
 
 
+@pytest.fixture(autouse=True)
+def idle_host(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The choices as on a host with CPUs to spare, whatever the machine running the
+    tests is doing (one test sets the load itself)."""
+    from kvtier.client import ways as ways_module
+
+    if "host_is_busy" not in request.node.name:
+        monkeypatch.setattr(ways_module, "host_busy", lambda: False)
+
+
 def _ways(wait: ReplyWait, op: int, calls: int, poll_s: float, sleep_s: float) -> list[bool]:
     """`calls` waits where polling takes `poll_s` and sleeping `sleep_s`: how each went."""
     ways = []
@@ -150,3 +160,24 @@ def test_the_cheap_way_is_taken_at_a_tie_and_keys_are_apart() -> None:
             ways.took(key, dear, dear_s if dear else cheap_s)
     assert sum(ways.dear(21) for _ in range(64)) == 64 // EXPLORE_EVERY
     assert sum(ways.dear(23) for _ in range(64)) == 64 - 64 // EXPLORE_EVERY
+
+
+def test_no_dear_way_while_the_host_is_busy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no CPU to spare (load average over the CPU count), neither polling nor
+    streaming is taken, whatever the figures say; once the load falls, they are again."""
+    import os
+
+    from kvtier.client import ways as ways_module
+
+    load = [64.0]
+    monkeypatch.setattr(os, "getloadavg", lambda: (load[0], load[0], load[0]))
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(ways_module._Host, "looked_s", float("-inf"))
+    wait = ReplyWait()
+    assert not any(_ways(wait, Op.PLAN, 40, poll_s=50e-6, sleep_s=500e-6))
+    load[0] = 2.0
+    monkeypatch.setattr(ways_module._Host, "looked_s", float("-inf"))
+    assert _ways(wait, Op.PLAN, 40, poll_s=50e-6, sleep_s=500e-6).count(True) >= 36
+    load[0] = 8.6  # the CPU count and a half: busy
+    monkeypatch.setattr(ways_module._Host, "looked_s", float("-inf"))
+    assert not TwoWays().dear("streamed")
