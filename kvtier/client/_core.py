@@ -83,7 +83,6 @@ from kvtier.client.cuda import (
 )
 from kvtier.client.ways import SPIN_S
 from kvtier.client.zerocopy import (
-    STREAM_MIN_BYTES,
     DirectoryReader,
     Parts,
     StreamedPut,
@@ -457,7 +456,8 @@ def put_many(
     ):
         try:
             # One exchange: the blocks go to the session's staging range (Stage grows it).
-            size = stream_class(sum(parts_bytes(p) for p in blocks))
+            total = sum(parts_bytes(p) for p in blocks)
+            size = stream_class(total)
             streamed = streams(area, blocks)
             need = staging_bytes(blocks, streamed)
             if area.staging is None or area.staging[1] < need:
@@ -475,14 +475,14 @@ def put_many(
                 done = yield from session_call(
                     Op.PUT_STAGED, stream.request, pb.CommitResponse, stream.write, size
                 )
-                _took(area, blocks, True, began_s)
+                area.put_took(total, True, time.perf_counter() - began_s)
                 return commit_results(done)
             if area.staging is not None and area.staging[1] >= need:
                 staged_put = staged_put_request(area, namespace, keys, blocks, overwrite)
                 done = yield from session_call(
                     Op.PUT_STAGED, staged_put, pb.CommitResponse, size_class=size
                 )
-                _took(area, blocks, False, began_s)
+                area.put_took(total, False, time.perf_counter() - began_s)
                 return commit_results(done)
         finally:
             area.drop_staging()
@@ -496,14 +496,6 @@ def put_many(
         raise
     commit = pb.CommitRequest(lease_id=reserved.lease_id, xxh3_64=checksums)
     return commit_results((yield from session_call(Op.COMMIT, commit, pb.CommitResponse)))
-
-
-def _took(area: WriteArea, blocks: list[Parts], streamed: bool, began_s: float) -> None:
-    """What a put that could have streamed took, for the choice of way (ways.py)."""
-    if area.streams is None:
-        total = sum(parts_bytes(p) for p in blocks)
-        if total >= STREAM_MIN_BYTES:
-            area.stream_ways.took(stream_class(total), streamed, time.perf_counter() - began_s)
 
 
 def get_many(

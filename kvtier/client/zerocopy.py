@@ -125,6 +125,11 @@ class WriteArea:
     def drop_staging(self) -> None:
         self._staging_held.release()
 
+    def put_took(self, total_bytes: int, streamed: bool, seconds: float) -> None:
+        """What a put took, for the choice of way where it could have streamed."""
+        if self.streams is None and total_bytes >= STREAM_MIN_BYTES:
+            self.stream_ways.took(stream_class(total_bytes), streamed, seconds)
+
     def next_ticket(self) -> int:
         self._ticket += 1
         return self._ticket
