@@ -82,11 +82,11 @@ from kvtier.client.cuda import (
     wait_request,
 )
 from kvtier.client.ways import SPIN_S
+from kvtier.client.write_area import WriteArea, stream_class
 from kvtier.client.zerocopy import (
     DirectoryReader,
     Parts,
     StreamedPut,
-    WriteArea,
     block_parts,
     commit_results,
     copy_bytes,
@@ -99,7 +99,6 @@ from kvtier.client.zerocopy import (
     reserve_request,
     staged_put_request,
     staging_bytes,
-    stream_class,
     streams,
     write_area_of,
 )
@@ -444,16 +443,10 @@ def put_many(
             stored.append((yield from put(namespace, key, joined(parts), overwrite)))
         return stored
     keys = [as_key(k) for k, _ in items]
-    # A put of this client waits for another's staging range rather than reserving and
-    # committing in two exchanges: between those, the reserved DRAM is held while another
-    # thread's request (a read promoting blocks, a put) can wait for that very DRAM, and
-    # the Commit that frees it is sent only after that request's reply (one exchange at a
-    # time per session): each such wait ran to `limits.reserve_wait_s` and failed.
-    if (
-        isinstance(area, WriteArea)
-        and area.one_exchange
-        and (area.hold_staging() or (yield HoldStaging(area)))
-    ):
+    # A put waits for another's staging range rather than reserve and commit in two
+    # exchanges: a request of another thread between them could wait for that DRAM, which
+    # only the Commit sent after its reply frees (it failed after reserve_wait_s).
+    if isinstance(area, WriteArea) and area.one_exchange and (yield from _hold(area)):
         try:
             # One exchange: the blocks go to the session's staging range (Stage grows it).
             total = sum(parts_bytes(p) for p in blocks)
@@ -496,6 +489,18 @@ def put_many(
         raise
     commit = pb.CommitRequest(lease_id=reserved.lease_id, xxh3_64=checksums)
     return commit_results((yield from session_call(Op.COMMIT, commit, pb.CommitResponse)))
+
+
+def _hold(area: WriteArea) -> Operation[bool]:
+    """The staging range, waited for while another put holds it (see put_many)."""
+    if area.hold_staging():
+        return True
+    step = HoldStaging(area)
+    try:
+        return bool((yield step))
+    except BaseException:
+        area.drop_staging_of(step)  # taken for this step before the failure came
+        raise
 
 
 def get_many(

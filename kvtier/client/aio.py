@@ -18,7 +18,7 @@ from kvtier._session import Op
 from kvtier.client._common import translate
 from kvtier.client._core import ClientBase, Operation, Run, Step, as_method
 from kvtier.client.cuda import CudaGetGroups
-from kvtier.client.zerocopy import AsyncSharedArena, WriteArea
+from kvtier.client.zerocopy import AsyncSharedArena
 from kvtier.errors import KVTierError
 
 P = ParamSpec("P")
@@ -147,7 +147,7 @@ class AsyncClient(ClientBase[AsyncSharedArena, grpc.aio.Channel]):
             run.session = arena = await self._shared_arena()
             return None if arena is None else arena.view
         if isinstance(step, _core.HoldStaging):
-            return await _hold_staging(step.area, self.timeout_s)
+            return await _hold_staging(step, self.timeout_s)
         return await self._attached(run).send(step.op, step.request)
 
     async def _aiterate(self, stream: _core.Stream[T]) -> AsyncIterator[T]:
@@ -184,15 +184,14 @@ class AsyncClient(ClientBase[AsyncSharedArena, grpc.aio.Channel]):
         return self._arena
 
 
-async def _hold_staging(area: WriteArea, timeout_s: float | None) -> bool:
-    """`WriteArea.hold_staging` without blocking the loop: tried again after pauses that
-    double from 50 µs to 2 ms (the holder is another task's put, one exchange long)."""
+async def _hold_staging(step: _core.HoldStaging, timeout_s: float | None) -> bool:
+    """`WriteArea.hold_staging` without blocking the loop: tried again after each loop
+    pause of a millisecond (the loop's timer resolution; the holder is another task's
+    put, one exchange long)."""
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
-    pause_s = 50e-6
-    while not area.hold_staging():
+    while not step.area.hold_staging(holder=step):
         if deadline is not None and loop.time() >= deadline:
             return False
-        await asyncio.sleep(pause_s)
-        pause_s = min(pause_s * 2, 2e-3)
+        await asyncio.sleep(1e-3)
     return True

@@ -162,7 +162,7 @@ class Client(ClientBase[SharedArena, grpc.Channel]):
             run.session = arena = self._shared_arena()
             return None if arena is None else arena.view
         if isinstance(step, _core.HoldStaging):
-            return step.area.hold_staging(self.timeout_s)
+            return step.area.hold_staging(self.timeout_s, holder=step)
         return self._attached(run).send(step.op, step.request)
 
     def _iterate(self, stream: _core.Stream[T]) -> Iterator[T]:

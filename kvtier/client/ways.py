@@ -16,7 +16,7 @@ So `TwoWays` keeps, per key (an op, a size class), a moving average of what each
 and takes the one that took less, one call in `EXPLORE_EVERY` the other, to keep that
 figure current. The dearer way (polling, streaming: each spends CPU waiting) is taken
 only when it is clearly faster (by `MARGIN`); at a tie the cheap one. And never while
-the host has no CPU to spare (the 1-minute load average at least the CPU count plus a
+the host has no CPU to spare (the 1-minute load average at least the CPUs it may use plus a
 half, looked at once a second): what a way costs other work there (the daemon's other
 calls, the host's other processes) is not in its own figure, and with two CPU-bound
 processes beside it polling chosen by the figures alone still made some calls' mean 1.2-
@@ -51,10 +51,18 @@ def host_busy() -> bool:
     if now - _Host.looked_s >= LOAD_CHECK_S:
         _Host.looked_s = now
         try:
-            _Host.busy = os.getloadavg()[0] >= (os.cpu_count() or 1) + 0.5
+            _Host.busy = os.getloadavg()[0] >= _cpus() + 0.5
         except OSError:  # no load average here: judge by the figures alone
             _Host.busy = False
     return _Host.busy
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (a container's or a pinned process's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 class TwoWays:
@@ -62,8 +70,9 @@ class TwoWays:
     measured yet). `dear(key)` says which to take next; `took` is told what it took."""
 
     def __init__(self) -> None:
+        # Per key: [dear way's average, cheap way's, calls counted] (a count per key: with
+        # one for all, calls cycling through a few keys could always sample the same one).
         self._mean_s: dict[Hashable, list[float]] = {}
-        self._calls = 0
 
     def dear(self, key: Hashable) -> bool:
         if host_busy():
@@ -73,12 +82,12 @@ class TwoWays:
             return True  # measure each way once first
         if not means[1]:
             return False
-        self._calls += 1
+        means[2] += 1
         faster = means[0] < means[1] * MARGIN
-        return faster != (self._calls % EXPLORE_EVERY == 0)
+        return faster != (means[2] % EXPLORE_EVERY == 0)
 
     def took(self, key: Hashable, dear: bool, seconds: float) -> None:
-        means = self._mean_s.setdefault(key, [0.0, 0.0])
+        means = self._mean_s.setdefault(key, [0.0, 0.0, 0])
         way = 0 if dear else 1
         mean = means[way]
         if not mean:
@@ -88,7 +97,7 @@ class TwoWays:
 
     def mean_s(self, key: Hashable) -> tuple[float, float]:
         """(dear, cheap) moving averages for `key` (0.0: not measured)."""
-        dear, cheap = self._mean_s.get(key, (0.0, 0.0))
+        dear, cheap, _ = self._mean_s.get(key, (0.0, 0.0, 0))
         return dear, cheap
 
 

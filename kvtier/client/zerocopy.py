@@ -49,7 +49,8 @@ from kvtier._directory import (
 )
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import HEADER, MAX_CALLS_PER_HITS, Op, frame
-from kvtier.client.ways import ReplyWait, TwoWays
+from kvtier.client.ways import ReplyWait
+from kvtier.client.write_area import STREAM_MIN_BYTES, WriteArea, stream_class
 from kvtier.errors import InvalidArgument, Unavailable, from_status_value
 
 M = TypeVar("M", bound=Message)
@@ -58,17 +59,6 @@ _REPLY = struct.Struct("<QQ")
 # Copy and hash in cache-sized pieces: each piece is hashed while it is still in cache.
 COPY_PIECE_BYTES = 256 << 10
 STAGE_ALIGN_BYTES = 4096
-# Puts of at least this many bytes may stream: the daemon copies behind the client's
-# copy (kvtier.proto, StagedPutRequest.ticket), so the two copies overlap instead of
-# adding up. Only where stores become visible to another core in program order (x86-64's
-# TSO): elsewhere the daemon could see the byte count before the bytes; its hash would
-# then refuse the put (never wrong bytes), so the plain one-exchange put is used there.
-# And only where it is faster: it needs a CPU for each copy at once (on the 2-vCPU VM
-# measured here, 1.6x faster idle, even with two CPU-bound processes beside it, 3.9x
-# slower loaded 12-fold), so each size class of put streams or not by what each way took
-# on this host (ways.py).
-STREAM_MIN_BYTES = 1 << 20
-STREAMS: bool | None = None if platform.machine() in {"x86_64", "AMD64"} else False
 _WORD = struct.Struct("<Q")
 _TICKET = struct.Struct("<QQ")
 STREAM_ABANDONED = (1 << 64) - 1
@@ -91,64 +81,6 @@ DIRECT_READS = platform.machine() in {"x86_64", "AMD64"}
 # the oldest has waited HITS_EVERY_S, or before the next request that goes to the daemon.
 HITS_BATCH = 64
 HITS_EVERY_S = 0.05
-
-
-class WriteArea:
-    """This session's write area: the memory a put's reserved slots are in. The daemon
-    grows it as reservations need; the mapping follows (older mappings are left to the
-    garbage collector: another thread may still be copying through one)."""
-
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
-        self._lock = threading.Lock()
-        self._mapping: mmap.mmap | None = None
-        self.staging: tuple[int, int] | None = None  # (offset, size): Stage's reply
-        self.one_exchange = True  # False: every put reserves and commits (tests run both)
-        # None: each size class streams or not by what each way took (`stream_ways`);
-        # True: always (tests), False: never (puts written whole before they are sent).
-        self.streams = STREAMS
-        self.stream_ways = TwoWays()
-        self._ticket = 0
-        self._staging_held = threading.Lock()
-
-    def hold_staging(self, wait_s: float | None = 0.0) -> bool:
-        """Take the staging range for one put, waiting up to `wait_s` (None: as long as it
-        takes) while another put has it; False if it did not come (or puts here take two
-        exchanges). Only a thread of the sync client waits here: an event loop's must not
-        block (the async client polls with 0)."""
-        if not self.one_exchange:
-            return False
-        if wait_s is None:
-            return self._staging_held.acquire()
-        return self._staging_held.acquire(blocking=wait_s > 0, timeout=wait_s if wait_s > 0 else -1)
-
-    def drop_staging(self) -> None:
-        self._staging_held.release()
-
-    def put_took(self, total_bytes: int, streamed: bool, seconds: float) -> None:
-        """What a put took, for the choice of way where it could have streamed."""
-        if self.streams is None and total_bytes >= STREAM_MIN_BYTES:
-            self.stream_ways.took(stream_class(total_bytes), streamed, seconds)
-
-    def next_ticket(self) -> int:
-        self._ticket += 1
-        return self._ticket
-
-    def slot(self, offset: int, size_bytes: int) -> memoryview:
-        """A writable view of the slot at `offset` (from a Reserve reply)."""
-        end = offset + size_bytes
-        with self._lock:
-            mapping = self._mapping
-            if mapping is None or len(mapping) < end:
-                size = os.fstat(self._fd).st_size
-                if size < end:
-                    raise InvalidArgument("the reserved slot lies outside the write area")
-                mapping = self._mapping = mmap.mmap(self._fd, size, mmap.MAP_SHARED)
-        return memoryview(mapping)[offset:end]
-
-    def close(self) -> None:
-        self._mapping = None
-        os.close(self._fd)
 
 
 class DirectoryReader:
@@ -562,11 +494,6 @@ def streams(area: WriteArea, blocks: list[Parts]) -> bool:
     if total < STREAM_MIN_BYTES:
         return False
     return area.streams or area.stream_ways.dear(stream_class(total))
-
-
-def stream_class(total_bytes: int) -> int:
-    """The size class a put's way is measured in: puts within a power of two."""
-    return total_bytes.bit_length()
 
 
 def staging_bytes(blocks: list[Parts], streamed: bool = False) -> int:

@@ -117,11 +117,15 @@ class DenseOrder(SlotPolicy):
             self._left(local)
 
     def victim(self, evictable: Callable[[int], bool]) -> int | None:
-        glob = self._global
-        local = self._order.victim(lambda lo: evictable(glob[lo]))
+        return self._chosen(self._order.victim(lambda lo: evictable(self._global[lo])))
+
+    def last_resort(self, evictable: Callable[[int], bool]) -> int | None:
+        return self._chosen(self._order.last_resort(lambda lo: evictable(self._global[lo])))
+
+    def _chosen(self, local: int | None) -> int | None:
         if local is None:
             return None
-        slot = glob[local]
+        slot = self._global[local]
         self._left(local)
         return slot
 
@@ -473,6 +477,8 @@ class Residency:
             if slot is None and first is not evictable:
                 # Protection is a preference, never why a put or read finds no room.
                 slot = order.victim(evictable)
+            if slot is None:  # nor are the order's own rules (leaves first)
+                slot = order.last_resort(evictable)
             if slot is None:
                 break
             if not has_dram(slot):

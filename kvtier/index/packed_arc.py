@@ -186,22 +186,20 @@ class PackedChainArc(SlotPolicy):
             if old >= 0 and (young < 0 or probation <= self.target):
                 young, kind = old, PROTECTED
             chosen = young
-        if chosen < 0:  # ChainArcPolicy.victim: leaves first is a preference
-            chosen = self._first_evictable(evictable)
-            if chosen < 0:
-                return None
-            kind = self._list[chosen] - 1
+        if chosen < 0:
+            return None
         return self._evicted(chosen, kind)
 
-    def _first_evictable(self, evictable: Callable[[int], bool]) -> int:
-        """The least recently used evictable slot, leaf or not."""
+    def last_resort(self, evictable: Callable[[int], bool]) -> int | None:
+        """ChainArcPolicy.last_resort: the least recently used evictable slot, leaf or not."""
         nxt = self._rnext
         node = nxt[0]
         while node:
-            if evictable(node - 1):
-                return node - 1
+            slot = node - 1
+            if evictable(slot):
+                return self._evicted(slot, self._list[slot] - 1)
             node = nxt[node]
-        return NO_SLOT
+        return None
 
     def _evicted(self, chosen: int, kind: int) -> int:
         if kind != PROTECTED:

@@ -82,6 +82,11 @@ class TierPolicy(ABC):
     def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
         """The next block to evict (forgotten by the policy), or None if none may go."""
 
+    def last_resort(self, evictable: Callable[[Key], bool]) -> Key | None:
+        """A victim when `victim` found none for any predicate the caller tried: one its
+        own rules held back (a parent, for an order that evicts leaves first)."""
+        return None
+
     @abstractmethod
     def __contains__(self, key: object) -> bool: ...
 
@@ -649,15 +654,17 @@ class ChainArcPolicy(TierPolicy):
                 young, kind = old, PROTECTED
             chosen = young
         if chosen is None:
-            # Leaves first is a preference, never why nothing is evicted: a parent whose
-            # cached children are all pinned, or blocks that chains disagreeing on their
-            # order made each other's parent (a cycle: none is a leaf), must still make
-            # room. Then the least recently used evictable block goes.
-            chosen = next((key for key in self._recent if evictable(key)), None)
-            if chosen is None:
-                return None
-            kind = self._where[chosen]
+            return None
         return self._evicted(chosen, kind)
+
+    def last_resort(self, evictable: Callable[[Key], bool]) -> Key | None:
+        """Leaves first is a preference, never why nothing is evicted: a parent whose
+        cached children are all pinned, or blocks that chains disagreeing on their order
+        made each other's parent (a cycle: none is a leaf), must still make room. The
+        least recently used evictable block, leaf or not (after the caller's every
+        `victim` try: a protected leaf goes before an unprotected parent)."""
+        chosen = next((key for key in self._recent if evictable(key)), None)
+        return None if chosen is None else self._evicted(chosen, self._where[chosen])
 
     def _evicted(self, chosen: Key, kind: int) -> Key:
         if kind != PROTECTED:

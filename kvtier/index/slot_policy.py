@@ -45,6 +45,10 @@ class SlotPolicy(ABC):
     def victim(self, evictable: Callable[[int], bool]) -> int | None:
         """The next slot to evict (forgotten by the policy), or None if none may go."""
 
+    def last_resort(self, evictable: Callable[[int], bool]) -> int | None:
+        """TierPolicy.last_resort, over slots."""
+        return None
+
     @abstractmethod
     def __contains__(self, slot: object) -> bool: ...
 

@@ -95,6 +95,11 @@ class KeyedTier(TierPolicy):
         slot = self.policy.victim(lambda s: evictable(keys[s]))
         return None if slot is None else keys[slot]
 
+    def last_resort(self, evictable: Callable[[Key], bool]) -> Key | None:
+        keys = self._slots.keys
+        slot = self.policy.last_resort(lambda s: evictable(keys[s]))
+        return None if slot is None else keys[slot]
+
     def __contains__(self, key: object) -> bool:
         slot = self._slots.find(key)
         return slot != NO_SLOT and slot in self.policy

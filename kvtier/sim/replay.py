@@ -353,6 +353,8 @@ class Replay:
             if victim is None and self.protected is not None and not strict:
                 # Protection is a preference: the prefill being served still gets room.
                 victim = self.dram.victim(lambda k: True)
+            if victim is None and not strict:  # and so are the order's (leaves first)
+                victim = self.dram.last_resort(lambda k: True)
             if victim is None:
                 return False
             assert isinstance(victim, int)

@@ -171,8 +171,9 @@ def test_no_dear_way_while_the_host_is_busy(monkeypatch: pytest.MonkeyPatch) -> 
 
     load = [64.0]
     monkeypatch.setattr(os, "getloadavg", lambda: (load[0], load[0], load[0]))
-    monkeypatch.setattr(os, "cpu_count", lambda: 8)
     monkeypatch.setattr(ways_module._Host, "looked_s", float("-inf"))
+    monkeypatch.setattr(ways_module._Host, "busy", False)  # restored after the test
+    monkeypatch.setattr(ways_module, "_cpus", lambda: 8)
     wait = ReplyWait()
     assert not any(_ways(wait, Op.PLAN, 40, poll_s=50e-6, sleep_s=500e-6))
     load[0] = 2.0
@@ -181,3 +182,16 @@ def test_no_dear_way_while_the_host_is_busy(monkeypatch: pytest.MonkeyPatch) -> 
     load[0] = 8.6  # the CPU count and a half: busy
     monkeypatch.setattr(ways_module._Host, "looked_s", float("-inf"))
     assert not TwoWays().dear("streamed")
+
+
+def test_each_key_samples_the_other_way_even_when_calls_cycle_through_keys() -> None:
+    """Calls alternating between two kinds (a put, a get) sample the other way for each:
+    a count shared by all keys landed every sample on one of them."""
+    ways = TwoWays()
+    samples = {1: 0, 2: 0}
+    for _ in range(40 * EXPLORE_EVERY):
+        for key in (1, 2):
+            dear = ways.dear(key)
+            ways.took(key, dear, 1.0 if dear else 2.0)  # the dear way is faster: mostly it
+            samples[key] += not dear
+    assert all(n >= 39 for n in samples.values()), samples

@@ -134,3 +134,29 @@ def test_a_chain_is_relearned_when_its_block_comes_back_in_a_reused_slot() -> No
     assert residency.catalog.slot_of((NS_A, key)) == slot  # the slot was reused
     residency.lookup(NS_A, chain)
     assert residency._position(slot) == 1 and residency._from_end_of(slot) == 0
+
+
+def test_dram_victims_take_a_protected_leaf_before_a_parent_and_a_parent_last() -> None:
+    """The kvtier order evicts leaves; protection is a preference, and so are leaves: a
+    protected leaf goes before an unprotected parent, and a parent whose only cached
+    child is pinned goes rather than none (a put would wait for room and fail)."""
+    residency, _ = make("kvtier")
+    parent = put(residency, NS_A, b"p", 0)
+    child = put(residency, NS_A, b"c", PAGE)
+    residency.lookup(NS_A, [b"p", b"c"])  # c's parent is p
+    for entry in (parent, child):  # each leaves the tier and comes back, as promotions
+        residency.dram_order["a"].remove(entry.slot)
+        residency.dram_order["a"].insert(entry.slot, PAGE, 0, residency._parent_of(entry.slot))
+    assert residency.dram_order["a"].names_as_parent(parent.slot)
+    residency.protected = lambda block_id: block_id == child.block_id
+    (first,) = residency.dram_victims("a", PAGE, most=1)
+    assert first is child  # the protected leaf, not the unprotected parent
+    residency.finish_dram_eviction(first)
+    residency.protected = lambda block_id: False
+    again = put(residency, NS_A, b"c", 2 * PAGE, generation=2)
+    residency.lookup(NS_A, [b"p", b"c"])
+    residency.dram_order["a"].remove(again.slot)
+    residency.dram_order["a"].insert(again.slot, PAGE, 1, parent.slot)
+    residency.pin(again)
+    (last,) = residency.dram_victims("a", PAGE, most=1)
+    assert last is parent  # its only child is pinned: no leaf may go, so the parent

@@ -179,6 +179,10 @@ class Pair:
             if stop():
                 return
             assert old == (None if new is None else block_id(self.key_of(new))), op
+            if old is None:  # what the caller asks last: a victim the order's rules held
+                old = self.old.last_resort(lambda k: k not in pinned)
+                new = self.new.last_resort(lambda s: s not in pinned_slots)
+                assert old == (None if new is None else block_id(self.key_of(new))), op
             self.victims += old is not None
         assert len(self.old) == len(self.new)
         if self.check_members:

@@ -122,22 +122,25 @@ def _not(*pinned: str) -> Any:
     return lambda key: key not in pinned
 
 
-def test_with_no_evictable_leaf_the_least_recent_evictable_block_goes() -> None:
+def test_with_no_evictable_leaf_the_last_resort_is_the_least_recent_evictable_block() -> None:
     """Leaves first is a preference: blocks that chains disagreeing on their order made
     each other's parent (neither is a leaf), or a parent whose only child is pinned, are
-    still evicted when nothing else can be, least recent first."""
+    evicted by `last_resort`, least recent first, when `victim` finds nothing."""
     sketch = FrequencySketch()
     policy = ChainArcPolicy(sketch)
     _put(policy, sketch, "a", 1, "b")  # a chain b, a
     _put(policy, sketch, "b", 1, "a")  # a chain a, b
-    assert [policy.victim(lambda k: True), policy.victim(lambda k: True)] == ["a", "b"]
+    assert policy.victim(lambda k: True) is None  # a cycle: no leaf
+    assert policy.last_resort(lambda k: True) == "a"
+    assert policy.victim(lambda k: True) == "b"  # a leaf now
     _put(policy, sketch, "a")
     _put(policy, sketch, "c", 1, "a")
-    assert policy.victim(_not("c")) == "a"
     assert policy.victim(_not("c")) is None
+    assert policy.last_resort(_not("c")) == "a"
+    assert policy.last_resort(_not("c")) is None
 
 
-def test_the_packed_order_evicts_a_non_leaf_when_no_leaf_can_go() -> None:
+def test_the_packed_order_has_the_same_last_resort() -> None:
     keys = ["a", "b", "c"]
     sketch = FrequencySketch()
     packed = PackedChainArc(
@@ -145,12 +148,15 @@ def test_the_packed_order_evicts_a_non_leaf_when_no_leaf_can_go() -> None:
     )
     packed.insert(0, SIZE, 1, 1)  # a, its parent b
     packed.insert(1, SIZE, 1, 0)  # b, its parent a
-    assert [packed.victim(lambda s: True), packed.victim(lambda s: True)] == [0, 1]
+    assert packed.victim(lambda s: True) is None
+    assert packed.last_resort(lambda s: True) == 0
+    assert packed.victim(lambda s: True) == 1
     assert len(packed) == 0
     packed.insert(0, SIZE, 0, NO_SLOT)
     packed.insert(2, SIZE, 1, 0)  # c, a's child
-    assert packed.victim(lambda s: s != 2) == 0
     assert packed.victim(lambda s: s != 2) is None
+    assert packed.last_resort(lambda s: s != 2) == 0
+    assert packed.last_resort(lambda s: s != 2) is None
 
 
 def test_a_finished_prompts_last_block_goes_before_older_leaves() -> None:

@@ -18,7 +18,8 @@ import kvtier
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import Op
 from kvtier.client.ways import SPIN_S
-from kvtier.client.zerocopy import SharedArena, stream_class
+from kvtier.client.write_area import stream_class
+from kvtier.client.zerocopy import SharedArena
 from tests.conftest import DaemonProcess, block_bytes
 
 NS = "llama3-8b/bf16-b16"
@@ -228,8 +229,9 @@ def test_a_put_waits_for_the_staging_range_another_put_holds(start_daemon: Start
         waiter.join(30)
         assert done == [[True]]
         assert client.get(NS, "w") == data
-    with daemon.client(timeout_s=0.3) as impatient:
-        area = attached(impatient).write_area
+    with daemon.client() as impatient:
+        area = attached(impatient).write_area  # attached with time to spare
+        impatient.timeout_s = 0.3
         assert area is not None and area.hold_staging()
         began = time.monotonic()
         assert impatient.put_many(NS, [("late", data)]) == [True]  # reserve + commit
@@ -295,7 +297,6 @@ def test_large_puts_stream_or_not_by_what_each_way_took(
     way is made to look twice as fast); every put comes back bit-exact either way."""
     from kvtier.client import ways as ways_module
     from kvtier.client.ways import EXPLORE_EVERY
-    from kvtier.client.zerocopy import stream_class
 
     monkeypatch.setattr(ways_module, "host_busy", lambda: False)  # as on an idle host
 
