@@ -617,6 +617,8 @@ class Residency:
         catalog = self.catalog
         while True:
             slot = self.nvme_order.victim(evictable)
+            if slot is None:  # no leaf may go: a parent, rather than no room at all
+                slot = self.nvme_order.last_resort(evictable)
             if slot is None:
                 return False
             if not catalog.is_live_slot(slot) or not catalog.record_bytes_of(slot):

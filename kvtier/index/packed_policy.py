@@ -735,6 +735,17 @@ class PackedValue(SlotPolicy):
             self.remove(chosen)
         return chosen
 
+    def last_resort(self, evictable: Callable[[int], bool]) -> int | None:
+        """ValuePolicy.last_resort: the least recently used evictable slot, parent or not."""
+        nxt = self._rnext
+        node = nxt[0]
+        while node:
+            if evictable(node - 1):
+                self.remove(node - 1)
+                return node - 1
+            node = nxt[node]
+        return None
+
     def _least_recent_leaf(self, evictable: Callable[[int], bool]) -> int | None:
         first, nxt = self._first, self._rnext
         node = nxt[0]

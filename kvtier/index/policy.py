@@ -442,6 +442,14 @@ class ValuePolicy(TierPolicy):
             self._compact()
         return chosen
 
+    def last_resort(self, evictable: Callable[[Key], bool]) -> Key | None:
+        """ChainArcPolicy.last_resort, for this order: the least recently used evictable
+        block, parent or not (L unchanged: no value was weighed)."""
+        chosen = next((key for key in self._recency if evictable(key)), None)
+        if chosen is not None:
+            self.remove(chosen)
+        return chosen
+
     def _least_recent_leaf(self, evictable: Callable[[Key], bool]) -> Key | None:
         # A chain's blocks are used front to back, so its head is older than its tail:
         # the first leaf from the old end is that chain's tail, and the chain leaves

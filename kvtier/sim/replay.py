@@ -321,6 +321,8 @@ class Replay:
     def _make_room_nvme(self) -> None:
         while self.catalog.count(TierName.NVME) >= self.config.nvme_blocks:
             victim = self.nvme.victim(lambda k: True)
+            if victim is None:  # the order's rules held every block (leaves first)
+                victim = self.nvme.last_resort(lambda k: True)
             if victim is None:
                 return
             assert isinstance(victim, int)

@@ -519,3 +519,18 @@ def test_a_block_costs_a_few_bytes_and_no_object(kind: str, bytes_per_block: int
     assert grown_objects < 50  # the policy and its arrays, not one per block
     ghosts = BLOCKS // 10 * 30 if kind == "s3fifo" else 0
     assert grown_bytes < BLOCKS * bytes_per_block + ghosts + 4096
+
+
+def test_the_value_order_evicts_a_parent_as_a_last_resort_both_copies() -> None:
+    """Two blocks each other's parent (chains disagreeing on their order): no leaf, so
+    `victim` gives none, and `last_resort` the least recently used of them, in both
+    copies; once it is gone the other is a leaf again."""
+    pair = _value_pair(list(range(KEYS)), "nvme", None, MODEL)
+    pair.run(("insert", 0, 4096, 1, 1))
+    pair.run(("insert", 1, 4096, 1, 0))
+    assert pair.old.victim(lambda k: True) is None
+    assert pair.new.victim(lambda s: True) is None
+    pair.run(("victim", frozenset()))  # Pair.run asks last_resort of both, and compares
+    assert pair.victims == 1 and len(pair.old) == len(pair.new) == 1
+    assert pair.old.victim(lambda k: True) == block_id(1)
+    assert pair.new.victim(lambda s: True) == 1
