@@ -32,7 +32,7 @@ from kvtier.engine.results import Counters
 from kvtier.index.catalog import Catalog, DramHook, Entry, RecordColumns
 from kvtier.index.packed_policies import PackedPolicies
 from kvtier.index.policy import AdmissionMode, BlockInfo, ValueModel
-from kvtier.index.slot_policy import SlotPolicy
+from kvtier.index.slot_policy import SlotPolicy, last_victim
 from kvtier.index.slots import NO_SLOT, extend, headroom
 from kvtier.keys import distinct_prefix, tenant_of
 from kvtier.tiers.record import RecordHeader
@@ -616,9 +616,7 @@ class Residency:
         """Drop one NVMe record chosen by the policy; False when none may go."""
         catalog = self.catalog
         while True:
-            slot = self.nvme_order.victim(evictable)
-            if slot is None:  # no leaf may go: a parent, rather than no room at all
-                slot = self.nvme_order.last_resort(evictable)
+            slot = last_victim(self.nvme_order, evictable)
             if slot is None:
                 return False
             if not catalog.is_live_slot(slot) or not catalog.record_bytes_of(slot):

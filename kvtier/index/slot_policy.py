@@ -58,3 +58,10 @@ class SlotPolicy(ABC):
     def names_as_parent(self, slot: int) -> bool:
         """Whether a block in this tier names `slot` as its parent."""
         return False
+
+
+def last_victim(order: SlotPolicy, evictable: Callable[[int], bool]) -> int | None:
+    """`order.victim`, else its `last_resort` (no leaf may go: a parent, rather than no
+    room at all)."""
+    slot = order.victim(evictable)
+    return order.last_resort(evictable) if slot is None else slot

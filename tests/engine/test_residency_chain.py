@@ -160,3 +160,23 @@ def test_dram_victims_take_a_protected_leaf_before_a_parent_and_a_parent_last() 
     residency.pin(again)
     (last,) = residency.dram_victims("a", PAGE, most=1)
     assert last is parent  # its only child is pinned: no leaf may go, so the parent
+
+
+def test_nvme_room_is_made_even_when_every_record_is_a_parent() -> None:
+    """Two records that chains disagreeing on their order made each other's parent are
+    no leaves: the NVMe order's last resort still evicts one for a new record."""
+    residency, _ = make("kvtier", nvme_capacity_bytes=4 * PAGE)
+    one = put(residency, NS_A, b"1", 0)
+    two = put(residency, NS_A, b"2", PAGE)
+    for entry in (one, two):
+        residency.written(entry, 2 * PAGE)
+    order = residency.nvme_order
+    for entry, parent in ((one, two), (two, one)):  # each entered again under the other
+        order.remove(entry.slot)
+        order.insert(entry.slot, PAGE, 1, parent.slot)
+    assert order.names_as_parent(one.slot) and order.names_as_parent(two.slot)
+    assert order.victim(lambda slot: True) is None
+    newcomer = put(residency, NS_A, b"new", 2 * PAGE)
+    room, dropped = residency.reserve_nvme(newcomer, 2 * PAGE)
+    assert room and [e.block_id for e in dropped] == [one.block_id]  # least recent
+    residency.unreserve_nvme(newcomer, 2 * PAGE)
