@@ -99,7 +99,6 @@ from kvtier.client.zerocopy import (
     reserve_request,
     staged_put_request,
     staging_bytes,
-    streams,
     write_area_of,
 )
 from kvtier.errors import InvalidArgument, KVTierError, NotFound, Unavailable, Unimplemented
@@ -451,7 +450,7 @@ def put_many(
             # One exchange: the blocks go to the session's staging range (Stage grows it).
             total = sum(parts_bytes(p) for p in blocks)
             size = stream_class(total)
-            streamed = streams(area, blocks)
+            streamed = area.streams_put(total)
             need = staging_bytes(blocks, streamed)
             if area.staging is None or area.staging[1] < need:
                 try:

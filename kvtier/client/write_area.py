@@ -46,17 +46,15 @@ class WriteArea:
 
     def hold_staging(self, wait_s: float | None = 0.0, holder: object = None) -> bool:
         """Take the staging range for one put, waiting up to `wait_s` (None: as long as it
-        takes) while another put has it; False if it did not come (or puts here take two
-        exchanges). Only a thread of the sync client waits here: an event loop's must not
-        block (the async client polls with 0). `holder`: see `drop_staging_of`."""
-        if not self.one_exchange:
-            return False
+        takes) while another put has it; False if it did not come. Only a thread of the
+        sync client waits here: an event loop's must not block (the async client polls
+        with 0). `holder`: see `drop_staging_of`."""
         if wait_s is None:
             held = self._staging_held.acquire()
+        elif wait_s > 0:
+            held = self._staging_held.acquire(timeout=wait_s)
         else:
-            held = self._staging_held.acquire(
-                blocking=wait_s > 0, timeout=wait_s if wait_s > 0 else -1
-            )
+            held = self._staging_held.acquire(blocking=False)
         if held:
             self._staging_holder = holder
         return held
@@ -70,6 +68,12 @@ class WriteArea:
         for that put, before the put could know (Ctrl-C then), must not keep it."""
         if holder is not None and self._staging_holder is holder:
             self.drop_staging()
+
+    def streams_put(self, total_bytes: int) -> bool:
+        """Whether a put of `total_bytes` streams (see STREAM_MIN_BYTES)."""
+        if self.streams is False or total_bytes < STREAM_MIN_BYTES:
+            return False
+        return self.streams or self.stream_ways.dear(stream_class(total_bytes))
 
     def put_took(self, total_bytes: int, streamed: bool, seconds: float) -> None:
         """What a put took, for the choice of way where it could have streamed."""

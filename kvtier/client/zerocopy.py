@@ -50,7 +50,7 @@ from kvtier._directory import (
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._session import HEADER, MAX_CALLS_PER_HITS, Op, frame
 from kvtier.client.ways import ReplyWait
-from kvtier.client.write_area import STREAM_MIN_BYTES, WriteArea, stream_class
+from kvtier.client.write_area import WriteArea
 from kvtier.errors import InvalidArgument, Unavailable, from_status_value
 
 M = TypeVar("M", bound=Message)
@@ -484,16 +484,6 @@ def fill_slots(
 
 def _aligned(size_bytes: int) -> int:
     return -(-max(size_bytes, 1) // STAGE_ALIGN_BYTES) * STAGE_ALIGN_BYTES
-
-
-def streams(area: WriteArea, blocks: list[Parts]) -> bool:
-    """Whether a put of `blocks` is streamed (see STREAM_MIN_BYTES)."""
-    if area.streams is False:
-        return False
-    total = sum(parts_bytes(p) for p in blocks)
-    if total < STREAM_MIN_BYTES:
-        return False
-    return area.streams or area.stream_ways.dear(stream_class(total))
 
 
 def staging_bytes(blocks: list[Parts], streamed: bool = False) -> int:
