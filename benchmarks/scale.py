@@ -33,7 +33,8 @@ of 256 chained SHA-256 keys (as an engine's prefix keys), each value derived fro
   --rounds, round after round, and with --baseline another checkout's daemon (main's, for
   an A/B) streaming in each round between this one's and fio; --ceiling adds, in each
   round, the same stream into a DRAM arena that holds all of it (every byte counted: the
-  put path's own rate, which bounds what any demotion can reach).
+  put path's own rate, which bounds what any demotion can reach); --stream-jobs N puts
+  by N writers at once, each a client (and zero-copy session) of its own.
 
 `--in-process-memory N` measures instead the index alone: a `Store` (with the configured
 policy) not started, N NVMe-only entries added to its residency as recovery adds them
@@ -65,6 +66,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 import urllib.request
@@ -273,6 +275,33 @@ def _batches(keys: Sequence[bytes], block_bytes: int) -> Iterator[Sequence[bytes
 def put_all(client: kvtier.Client, ns: str, keys: Sequence[bytes], block_bytes: int) -> None:
     for batch in _batches(keys, block_bytes):
         client.put_many(ns, [(k, value_parts(k, block_bytes)) for k in batch])
+
+
+def put_all_jobs(target: str, ns: str, keys: Sequence[bytes], block_bytes: int, jobs: int) -> None:
+    """`put_all` by `jobs` writers at once (fio's numjobs): each a client of its own (its
+    own zero-copy session) in a thread of its own, putting every jobs-th batch."""
+    batches = list(_batches(keys, block_bytes))
+    clients = [kvtier.Client(target, timeout_s=120) for _ in range(jobs)]
+    failures: list[BaseException] = []
+
+    def job(index: int) -> None:
+        try:
+            for batch in batches[index::jobs]:
+                clients[index].put_many(ns, [(k, value_parts(k, block_bytes)) for k in batch])
+        except BaseException as err:  # re-raised in the caller's thread
+            failures.append(err)
+
+    threads = [threading.Thread(target=job, args=(i,)) for i in range(jobs)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        for client in clients:
+            client.close()
+    if failures:
+        raise failures[0]
 
 
 def wait_served(client: kvtier.Client, keys: list[bytes], timeout_s: float = 600.0) -> None:
@@ -511,7 +540,10 @@ def stream_once(
         with kvtier.Client(daemon.target, timeout_s=120) as client:
             before = client.stats()
             began = time.perf_counter()
-            put_all(client, NS, keys, size)
+            if args.stream_jobs > 1:
+                put_all_jobs(daemon.target, NS, keys, size, args.stream_jobs)
+            else:
+                put_all(client, NS, keys, size)
             put_s = time.perf_counter() - began
             after = client.stats()
         daemon.stop()
@@ -743,6 +775,12 @@ def main() -> int:
         "--stream-only", action="store_true", help="only the streaming phase (no fill/restart)"
     )
     parser.add_argument("--rounds", type=int, default=1, help="streaming rounds (interleaved)")
+    parser.add_argument(
+        "--stream-jobs",
+        type=int,
+        default=1,
+        help="writers streaming at once, each a client (session) of its own (fio's numjobs)",
+    )
     parser.add_argument(
         "--ceiling",
         action="store_true",
