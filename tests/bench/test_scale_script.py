@@ -80,3 +80,18 @@ def test_a_small_stream_ab_reports_both_sides_and_fio(tmp_path: Path) -> None:
                 expected = row[f"{side}_mb_per_s"] / row["fio_mb_per_s"]
                 assert abs(row[f"{side}_ratio"] - expected) < 0.01
     assert list(data.iterdir()) == []
+
+
+def test_a_stream_by_two_writers_puts_every_block(tmp_path: Path) -> None:
+    """--stream-jobs 2: two clients, each every other batch; every block reaches the
+    daemon (all but what DRAM holds on NVMe), none twice (the tier counts blocks)."""
+    data = tmp_path / "data"
+    args = ["--stream-only", "--stream-bytes", "40MiB", "--layout", "segments"]
+    r = _run(tmp_path, *args, "--stream-jobs", "2", "--directory", str(data))
+    for row in r["stream"]:
+        size = row["block_bytes"]
+        put = row["kvtier_blocks_put"]
+        assert put == (40 << 20) // size
+        assert put - (16 << 20) // size <= row["kvtier_blocks_on_nvme"] <= put
+        assert row["kvtier_mb_per_s"] > 0
+    assert list(data.iterdir()) == []
