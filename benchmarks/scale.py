@@ -272,9 +272,13 @@ def _batches(keys: Sequence[bytes], block_bytes: int) -> Iterator[Sequence[bytes
         yield keys[i : i + step]
 
 
+def put_batch(client: kvtier.Client, ns: str, batch: Sequence[bytes], block_bytes: int) -> None:
+    client.put_many(ns, [(k, value_parts(k, block_bytes)) for k in batch])
+
+
 def put_all(client: kvtier.Client, ns: str, keys: Sequence[bytes], block_bytes: int) -> None:
     for batch in _batches(keys, block_bytes):
-        client.put_many(ns, [(k, value_parts(k, block_bytes)) for k in batch])
+        put_batch(client, ns, batch, block_bytes)
 
 
 def put_all_jobs(target: str, ns: str, keys: Sequence[bytes], block_bytes: int, jobs: int) -> None:
@@ -287,7 +291,7 @@ def put_all_jobs(target: str, ns: str, keys: Sequence[bytes], block_bytes: int, 
     def job(index: int) -> None:
         try:
             for batch in batches[index::jobs]:
-                clients[index].put_many(ns, [(k, value_parts(k, block_bytes)) for k in batch])
+                put_batch(clients[index], ns, batch, block_bytes)
         except BaseException as err:  # re-raised in the caller's thread
             failures.append(err)
 

@@ -9,7 +9,15 @@ from collections.abc import Callable
 
 from kvtier.index.policy import PROBATION, PROTECTED, TAIL, ChainArcPolicy
 from kvtier.index.slot_policy import SlotPolicy
-from kvtier.index.slots import NO_SLOT, DigestTable, extend, headroom, link_last, unlink
+from kvtier.index.slots import (
+    NO_SLOT,
+    DigestTable,
+    extend,
+    first_slot,
+    headroom,
+    link_last,
+    unlink,
+)
 
 __all__ = ["PackedChainArc"]
 
@@ -192,14 +200,8 @@ class PackedChainArc(SlotPolicy):
 
     def last_resort(self, evictable: Callable[[int], bool]) -> int | None:
         """ChainArcPolicy.last_resort: the least recently used evictable slot, leaf or not."""
-        nxt = self._rnext
-        node = nxt[0]
-        while node:
-            slot = node - 1
-            if evictable(slot):
-                return self._evicted(slot, self._list[slot] - 1)
-            node = nxt[node]
-        return None
+        slot = first_slot(self._rnext, evictable)
+        return None if slot is None else self._evicted(slot, self._list[slot] - 1)
 
     def _evicted(self, chosen: int, kind: int) -> int:
         if kind != PROTECTED:

@@ -77,6 +77,7 @@ from kvtier.index.slots import (
     DigestTable,
     column,
     extend,
+    first_slot,
     grow_column,
     headroom,
     link_last,
@@ -163,16 +164,12 @@ class PackedLru(SlotPolicy):
             self._len -= 1
 
     def victim(self, evictable: Callable[[int], bool]) -> int | None:
-        nxt = self._next
-        node = nxt[0]
-        while node:
-            if evictable(node - 1):
-                unlink(self._prev, self._next, node)
-                nxt[node] = -1
-                self._len -= 1
-                return node - 1
-            node = nxt[node]
-        return None
+        slot = first_slot(self._next, evictable)
+        if slot is not None:
+            unlink(self._prev, self._next, slot + 1)
+            self._next[slot + 1] = -1
+            self._len -= 1
+        return slot
 
     def __contains__(self, slot: object) -> bool:
         return isinstance(slot, int) and slot >= 0 and self._present(slot + 1)
@@ -737,14 +734,10 @@ class PackedValue(SlotPolicy):
 
     def last_resort(self, evictable: Callable[[int], bool]) -> int | None:
         """ValuePolicy.last_resort: the least recently used evictable slot, parent or not."""
-        nxt = self._rnext
-        node = nxt[0]
-        while node:
-            if evictable(node - 1):
-                self.remove(node - 1)
-                return node - 1
-            node = nxt[node]
-        return None
+        slot = first_slot(self._rnext, evictable)
+        if slot is not None:
+            self.remove(slot)
+        return slot
 
     def _least_recent_leaf(self, evictable: Callable[[int], bool]) -> int | None:
         first, nxt = self._first, self._rnext

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import mmap
 from array import array
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -67,6 +67,17 @@ def link_last(prev: Ints, nxt: Ints, sentinel: int, node: int) -> None:
     prev[node], nxt[node] = last, sentinel
     nxt[last] = node
     prev[sentinel] = node
+
+
+def first_slot(nxt: Ints, accept: Callable[[int], bool]) -> int | None:
+    """The first slot `accept` takes, from the front of the list sentinel 0 heads (node
+    `slot + 1`: the least recent end of a recency list), or None."""
+    node = nxt[0]
+    while node:
+        if accept(node - 1):
+            return node - 1
+        node = nxt[node]
+    return None
 
 
 def unlink(prev: Ints, nxt: Ints, node: int) -> None:
