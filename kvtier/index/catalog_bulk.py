@@ -34,7 +34,7 @@ class RecordColumns:
 
     ns_names: list[str]
     ns: np.ndarray  # uint32, into ns_names
-    blob: bytes
+    blob: bytes | mmap.mmap  # a slice of either is the key's bytes
     key_off: np.ndarray  # int64, into blob
     key_len: np.ndarray  # int64
     size_bytes: np.ndarray  # uint64: the payload

@@ -32,6 +32,7 @@ from kvtier.tiers.segment_format import (
     read_footer,
     read_footer_columns,
 )
+from kvtier.tiers.segment_recovery import _blob_of
 from kvtier.tiers.segments import SegmentTier
 from tests.tiers.test_segments import crash
 
@@ -283,3 +284,16 @@ def _columnar_equals_per_record(ops: list[tuple[str, int, int]]) -> None:
         finally:
             if tier._tombstone_fd is not None:
                 tier.close()
+
+
+@given(st.lists(st.binary(max_size=300), max_size=12))
+def test_the_key_blob_is_the_chunks_back_to_back_and_slices_to_bytes(
+    chunks: list[bytes],
+) -> None:
+    blob = _blob_of([np.frombuffer(c, dtype=np.uint8) for c in chunks])
+    joined = b"".join(chunks)
+    assert len(blob) == len(joined)
+    assert blob[:] == joined
+    if joined:
+        piece = blob[1 : len(joined) // 2 + 1]
+        assert isinstance(piece, bytes) and piece == joined[1 : len(joined) // 2 + 1]
