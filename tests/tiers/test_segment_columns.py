@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.buffers import aligned_buffer
-from kvtier.tiers import segment_format
+from kvtier.tiers import segment_format, segment_recovery
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.record import RecordHeader, header_size_for
 from kvtier.tiers.segment_format import (
@@ -198,6 +198,32 @@ def test_columnar_recovery_equals_the_per_record_one(
         _columnar_equals_per_record(ops)
     finally:
         segment_format.ROWS_A_CALL = saved
+
+
+class _WeakDigests:
+    """xxhash as `segment_recovery` sees it, its seeded digests folded into `buckets`
+    values: distinct blocks then share a digest often, which the columnar path must
+    notice (it hands the choice to the per-record path) or tell apart from stale
+    records of one block."""
+
+    def __init__(self, buckets: int) -> None:
+        self._buckets = buckets
+
+    def xxh3_64_intdigest(self, data: bytes | memoryview, seed: int = 0) -> int:
+        return int(xxhash.xxh3_64_intdigest(data, seed)) % self._buckets
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, buckets=st.integers(1, 6))
+def test_columnar_recovery_with_colliding_digests_equals_the_per_record_one(
+    ops: list[tuple[str, int, int]], buckets: int
+) -> None:
+    saved = segment_recovery.xxhash
+    segment_recovery.xxhash = _WeakDigests(buckets)  # type: ignore[assignment]
+    try:
+        _columnar_equals_per_record(ops)
+    finally:
+        segment_recovery.xxhash = saved
 
 
 @settings(max_examples=100, deadline=None)
