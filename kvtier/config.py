@@ -68,6 +68,15 @@ class ServerConfig(_Section):
     stop_timeout_s: float = Field(
         20.0, gt=0, description="SIGTERM: longest wait for in-flight calls and the NVMe flush"
     )
+    poll_after_reply_s: float = Field(
+        200e-6,
+        ge=0,
+        le=0.01,
+        description="after answering on a zero-copy session, the event loop polls instead of "
+        "sleeping this long (a sleeping loop's wake-up costs tens of µs on a VM); at most "
+        "this much of one CPU a reply, never while the load average says the host is busy; "
+        "0: always sleep",
+    )
     io_stall_s: float = Field(
         30.0,
         gt=0,

@@ -16,53 +16,24 @@ So `TwoWays` keeps, per key (an op, a size class), a moving average of what each
 and takes the one that took less, one call in `EXPLORE_EVERY` the other, to keep that
 figure current. The dearer way (polling, streaming: each spends CPU waiting) is taken
 only when it is clearly faster (by `MARGIN`); at a tie the cheap one. And never while
-the host has no CPU to spare (the 1-minute load average at least the CPUs it may use plus a
-half, looked at once a second): what a way costs other work there (the daemon's other
-calls, the host's other processes) is not in its own figure, and with two CPU-bound
-processes beside it polling chosen by the figures alone still made some calls' mean 1.2-
-1.6x the sleeping client's.
+the host has no CPU to spare (`kvtier.hostload`: the 1-minute load average at least the
+CPUs it may use plus a half, looked at once a second): what a way costs other work there
+(the daemon's other calls, the host's other processes) is not in its own figure, and with
+two CPU-bound processes beside it polling chosen by the figures alone still made some
+calls' mean 1.2-1.6x the sleeping client's.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Hashable
+
+from kvtier.hostload import host_busy
 
 SPIN_S = 300e-6  # the longest a reply is polled for before the client sleeps
 EXPLORE_EVERY = 16
 MARGIN = 0.95
 _WEIGHT = 1 / 8  # of each new time in its way's moving average
 _CLIP = 20.0  # a time over this many averages counts as this many (a stall, not the way)
-
-
-LOAD_CHECK_S = 1.0
-
-
-class _Host:
-    """Whether the host is busy (see above), as of the last look."""
-
-    looked_s = float("-inf")
-    busy = False
-
-
-def host_busy() -> bool:
-    now = time.monotonic()
-    if now - _Host.looked_s >= LOAD_CHECK_S:
-        _Host.looked_s = now
-        try:
-            _Host.busy = os.getloadavg()[0] >= _cpus() + 0.5
-        except OSError:  # no load average here: judge by the figures alone
-            _Host.busy = False
-    return _Host.busy
-
-
-def _cpus() -> int:
-    """The CPUs this process may run on (a container's or a pinned process's share)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 class TwoWays:

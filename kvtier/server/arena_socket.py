@@ -53,6 +53,7 @@ from kvtier._session import (
 )
 from kvtier.config import LimitsConfig
 from kvtier.errors import InvalidArgument, ResourceExhausted, Unimplemented, to_status
+from kvtier.server.awake import LoopAwake
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +179,8 @@ class ArenaSocket:
         self.counters = SideSocketCounters()
         self._accept_log = _Throttle()
         self._refusal_log = _Throttle()
+        # After a reply the loop polls for `server.poll_after_reply_s` (set by the daemon).
+        self.awake = LoopAwake()
 
     async def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -348,7 +351,12 @@ class ArenaSocket:
         closed: asyncio.Future[None] = loop.create_future()
         transport, _ = await loop.connect_accepted_socket(
             lambda: _SessionProtocol(
-                session.session_id, self._handler, closed, session.limits, self.counters
+                session.session_id,
+                self._handler,
+                closed,
+                session.limits,
+                self.counters,
+                self.awake,
             ),
             sock=conn,
         )
@@ -466,8 +474,10 @@ class _SessionProtocol(asyncio.Protocol):
         closed: asyncio.Future[None],
         limits: SessionLimits,
         counters: SideSocketCounters,
+        awake: LoopAwake | None = None,
     ) -> None:
         self._session_id = session_id
+        self._awake = awake
         self._handler = handler
         self._closed = closed
         self._limits = limits
@@ -596,6 +606,8 @@ class _SessionProtocol(asyncio.Protocol):
     def _answer(self, op: int, code: int, reply: bytes) -> None:
         if op not in NO_REPLY_OPS and self._transport is not None:
             self._transport.write(frame(code, reply))
+            if self._awake is not None:
+                self._awake.kick()  # the client's next request comes soon after this
         self._update_reading()
 
     async def _work(self, suspended: _Suspended | None = None) -> None:

@@ -146,6 +146,7 @@ class Daemon:
         self._store: Store | None = None
         self._service: KVTierService | None = None
         self._tls: ReloadableCredentials | None = None
+        self._arena: ArenaSocket | None = None
 
     async def run(self) -> int:
         lag = looplag.start()  # first, so that the stalls of start-up work are measured too
@@ -205,7 +206,9 @@ class Daemon:
                 lambda tenant: (store.arena(tenant).fd, store.arena(tenant).capacity_bytes),
                 session_ended,
             )
+            arena.awake.window_s = cfg.server.poll_after_reply_s
             await arena.start()
+            self._arena = arena
         service = KVTierService(
             store, cfg, lambda: self.draining, arena, mtls=tls is not None and tls.mtls, cuda=cuda
         )
@@ -403,6 +406,8 @@ class Daemon:
             self._store.reconfigure(result.config)
         if self._service is not None:
             self._service.reconfigure(result.config)
+        if self._arena is not None:
+            self._arena.awake.window_s = result.config.server.poll_after_reply_s
         if self._tls is not None:
             try:  # read again even at the same paths: a renewed certificate replaces the file
                 self._tls.update(load_server_tls(result.config.server))

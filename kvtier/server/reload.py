@@ -1,13 +1,13 @@
 """What a SIGHUP may change in a running daemon, and what needs a restart.
 
 Settings read per call (log level, limits and per-tenant rate limits, bearer tokens and
-certificate mappings, the planner's default model, stop and stall timeouts) change at
-once. The TLS certificate, key and client CA files are read again on every reload (so a
-certificate renewed in place takes effect) as long as TLS stays on and mTLS stays on or
-off. Sizes of what was allocated at start (DRAM arenas, the NVMe tier), where and how the
-daemon listens and its tiers' I/O set-up need a restart; a reload keeps their running
-values and names them in the log, so an operator who edited one knows it has not taken
-effect.
+certificate mappings, the planner's default model, stop and stall timeouts, the loop's
+poll after a reply) change at once. The TLS certificate, key and client CA files are read
+again on every reload (so a certificate renewed in place takes effect) as long as TLS
+stays on and mTLS stays on or off. Sizes of what was allocated at start (DRAM arenas, the
+NVMe tier), where and how the daemon listens and its tiers' I/O set-up need a restart; a
+reload keeps their running values and names them in the log, so an operator who edited
+one knows it has not taken effect.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ RELOADABLE = (
     "planner.default_model",
     "server.stop_timeout_s",
     "server.io_stall_s",
+    "server.poll_after_reply_s",
     "policy.admission",
     "policy.min_p_reuse",
 )

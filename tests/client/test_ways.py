@@ -167,20 +167,20 @@ def test_no_dear_way_while_the_host_is_busy(monkeypatch: pytest.MonkeyPatch) -> 
     streaming is taken, whatever the figures say; once the load falls, they are again."""
     import os
 
-    from kvtier.client import ways as ways_module
+    from kvtier import hostload
 
     load = [64.0]
     monkeypatch.setattr(os, "getloadavg", lambda: (load[0], load[0], load[0]))
-    monkeypatch.setattr(ways_module._Host, "looked_s", float("-inf"))
-    monkeypatch.setattr(ways_module._Host, "busy", False)  # restored after the test
-    monkeypatch.setattr(ways_module, "_cpus", lambda: 8)
+    monkeypatch.setattr(hostload._Host, "looked_s", float("-inf"))
+    monkeypatch.setattr(hostload._Host, "busy", False)  # restored after the test
+    monkeypatch.setattr(hostload, "_cpus", lambda: 8)
     wait = ReplyWait()
     assert not any(_ways(wait, Op.PLAN, 40, poll_s=50e-6, sleep_s=500e-6))
     load[0] = 2.0
-    monkeypatch.setattr(ways_module._Host, "looked_s", float("-inf"))
+    monkeypatch.setattr(hostload._Host, "looked_s", float("-inf"))
     assert _ways(wait, Op.PLAN, 40, poll_s=50e-6, sleep_s=500e-6).count(True) >= 36
     load[0] = 8.6  # the CPU count and a half: busy
-    monkeypatch.setattr(ways_module._Host, "looked_s", float("-inf"))
+    monkeypatch.setattr(hostload._Host, "looked_s", float("-inf"))
     assert not TwoWays().dear("streamed")
 
 

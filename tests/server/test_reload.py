@@ -102,3 +102,9 @@ def test_certificate_files_reload_only_while_tls_stays_as_it_is() -> None:
     # So does turning TLS on for a listener that had none.
     result = plan_reload(_config(server={"tls_insecure": True}), _config(server=tls), {"default"})
     assert result.reloaded == [] and "server.tls_insecure" in result.needs_restart
+
+
+def test_the_loops_poll_after_a_reply_reloads() -> None:
+    result = plan_reload(_config(), _config(server={"poll_after_reply_s": 0}), {"default"})
+    assert result.reloaded == ["server.poll_after_reply_s"]
+    assert result.config.server.poll_after_reply_s == 0
