@@ -20,8 +20,10 @@ from kvtier.errors import InvalidArgument
 # And only where it is faster: it needs a CPU for each copy at once (on the 2-vCPU VM
 # measured here, 1.6x faster idle, even with two CPU-bound processes beside it, 3.9x
 # slower loaded 12-fold), so each size class of put streams or not by what each way took
-# on this host (ways.py).
-STREAM_MIN_BYTES = 1 << 20
+# on this host (ways.py). From 256 KiB: with the daemon's loop kept awake after a reply
+# (server/awake.py) a streamed 256 KiB put took 124-126 µs p50 here against 148 µs
+# whole; at 4-128 KiB neither way was ahead beyond the noise.
+STREAM_MIN_BYTES = 256 << 10
 STREAMS: bool | None = None if platform.machine() in {"x86_64", "AMD64"} else False
 
 
