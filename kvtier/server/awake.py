@@ -8,8 +8,9 @@ of a reply. So after each reply the loop does not sleep for `window_s`: a callba
 schedules itself again makes every loop turn poll its selector without blocking, so the
 next request, on any session or on gRPC, or an I/O completion is seen at once, and
 everything else the loop serves runs as it would. Measured on the 2-vCPU VM (BENCHMARKS.md,
-2026-12-05, night): a 4 KiB put 0.6x the p50, a 256 KiB put 0.75x, a 256-block plan
-0.7-0.8x, at a bounded cost: at most `window_s` of one CPU after each reply.
+"The daemon's loop kept awake after a reply"): a 4 KiB put 0.6x the p50, a 256 KiB put
+0.75x, a 256-block plan 0.7-0.8x, at a bounded cost: at most `window_s` of one CPU after
+each reply.
 
 Never while the host has no CPU to spare (`kvtier.hostload`): there the window's CPU is
 taken from the clients and the host's other work. `window_s` 0: the loop always sleeps.
