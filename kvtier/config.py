@@ -71,11 +71,9 @@ class ServerConfig(_Section):
     poll_after_reply_s: float = Field(
         200e-6,
         ge=0,
-        le=0.01,
-        description="after answering on a zero-copy session, the event loop polls instead of "
-        "sleeping this long (a sleeping loop's wake-up costs tens of µs on a VM); at most "
-        "this much of one CPU a reply, never while the load average says the host is busy; "
-        "0: always sleep",
+        le=0.001,
+        description="after a zero-copy reply the loop polls this long, not asleep (off on a "
+        "busy host; 0: never)",
     )
     io_stall_s: float = Field(
         30.0,

@@ -51,7 +51,7 @@ from kvtier._session import (
     request_cap,
     request_caps,
 )
-from kvtier.config import LimitsConfig
+from kvtier.config import Config, LimitsConfig
 from kvtier.errors import InvalidArgument, ResourceExhausted, Unimplemented, to_status
 from kvtier.server.awake import LoopAwake
 
@@ -99,6 +99,7 @@ class SideSocketCounters:
     sessions_paused: int = 0  # sessions not being read now: their buffer is full
     read_pauses: int = 0  # times a session's reading was paused
     oversize_requests: int = 0  # requests over their op's cap (answered, bytes dropped)
+    poll_s: float = 0.0  # windows the loop polled after replies (server/awake.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +200,10 @@ class ArenaSocket:
             self.max_handshaking = max(1, min(MAX_HANDSHAKING, soft_fds // HANDSHAKING_FD_SHARE))
         task = self._spawn(self._accept_forever())
         task.add_done_callback(self._accept_ended)
+
+    def reconfigure(self, config: Config) -> None:
+        """What a reload may change here: the loop's poll after a reply."""
+        self.awake.window_s = config.server.poll_after_reply_s
 
     def set_handler(self, handler: SessionHandler) -> None:
         """Who answers framed requests: (session id, op, payload) -> (status code, reply)."""
@@ -606,8 +611,10 @@ class _SessionProtocol(asyncio.Protocol):
     def _answer(self, op: int, code: int, reply: bytes) -> None:
         if op not in NO_REPLY_OPS and self._transport is not None:
             self._transport.write(frame(code, reply))
-            if self._awake is not None:
-                self._awake.kick()  # the client's next request comes soon after this
+            if self._awake is not None and code == 0:
+                # The client's next request comes soon after this (a refusal is not
+                # polled after: a client must not keep a CPU busy by being refused).
+                self._counters.poll_s += self._awake.kick()
         self._update_reading()
 
     async def _work(self, suspended: _Suspended | None = None) -> None:

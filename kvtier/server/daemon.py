@@ -206,7 +206,7 @@ class Daemon:
                 lambda tenant: (store.arena(tenant).fd, store.arena(tenant).capacity_bytes),
                 session_ended,
             )
-            arena.awake.window_s = cfg.server.poll_after_reply_s
+            arena.reconfigure(cfg)
             await arena.start()
             self._arena = arena
         service = KVTierService(
@@ -407,7 +407,7 @@ class Daemon:
         if self._service is not None:
             self._service.reconfigure(result.config)
         if self._arena is not None:
-            self._arena.awake.window_s = result.config.server.poll_after_reply_s
+            self._arena.reconfigure(result.config)
         if self._tls is not None:
             try:  # read again even at the same paths: a renewed certificate replaces the file
                 self._tls.update(load_server_tls(result.config.server))

@@ -248,6 +248,12 @@ def _side_socket(c: SideSocketCounters) -> Iterator[Metric]:
         value=c.read_pauses,
     )
     yield CounterMetricFamily(
+        "kvtier_session_socket_poll_seconds",
+        "Seconds the event loop polled after session replies instead of sleeping "
+        "(server.poll_after_reply_s): at most this much CPU",
+        value=c.poll_s,
+    )
+    yield CounterMetricFamily(
         "kvtier_session_socket_oversize_requests",
         "Session requests over their op's size cap (refused, or the session ended)",
         value=c.oversize_requests,
