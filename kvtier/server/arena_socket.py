@@ -479,7 +479,7 @@ class _SessionProtocol(asyncio.Protocol):
         closed: asyncio.Future[None],
         limits: SessionLimits,
         counters: SideSocketCounters,
-        awake: LoopAwake | None = None,
+        awake: LoopAwake,
     ) -> None:
         self._session_id = session_id
         self._awake = awake
@@ -611,7 +611,7 @@ class _SessionProtocol(asyncio.Protocol):
     def _answer(self, op: int, code: int, reply: bytes) -> None:
         if op not in NO_REPLY_OPS and self._transport is not None:
             self._transport.write(frame(code, reply))
-            if self._awake is not None and code == 0:
+            if code == 0:
                 # The client's next request comes soon after this (a refusal is not
                 # polled after: a client must not keep a CPU busy by being refused).
                 self._counters.poll_s += self._awake.kick()

@@ -49,12 +49,12 @@ class LoopAwake:
         self._until_s = until_s
         if not self._ticking:
             self._ticking = True
-            loop.call_soon(self._tick)
+            loop.call_soon(self._tick, loop)
         return added_s
 
-    def _tick(self) -> None:
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
         # A ready callback makes the loop's next select non-blocking: one poll a turn.
-        if time.perf_counter() < self._until_s and self._loop is not None:
-            self._loop.call_soon(self._tick)
+        if time.perf_counter() < self._until_s:
+            loop.call_soon(self._tick, loop)
         else:
             self._ticking = False
