@@ -68,6 +68,7 @@ class DaemonProcess:
         self.args = args
         self.env = env
         self.prefix = prefix or []  # e.g. prlimit or unshare, to run it under a fault
+        self.clients: list[kvtier.Client] = []
         self.proc: subprocess.Popen[bytes] | None = None
         self.target = ""
         self.log_path = workdir / "daemon.log"
@@ -137,7 +138,16 @@ class DaemonProcess:
         return line.decode() + "\n"
 
     def client(self, **kwargs: object) -> kvtier.Client:
-        return kvtier.Client(self.target, **kwargs)  # type: ignore[arg-type]
+        client = kvtier.Client(self.target, **kwargs)  # type: ignore[arg-type]
+        self.clients.append(client)
+        return client
+
+    def close_clients(self) -> None:
+        """Close every client `client()` made: a test that failed half-way must not leave
+        a socket for the garbage collector to warn about in a later test."""
+        for client in self.clients:
+            client.close()
+        self.clients.clear()
 
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""
@@ -205,4 +215,5 @@ def start_daemon(workdir: Path) -> Iterator[object]:
 
     yield start
     for daemon in started:
+        daemon.close_clients()
         daemon.kill()

@@ -299,10 +299,14 @@ def test_fd_exhaustion_does_not_end_zero_copy(
             else:
                 flood.append(s)
 
+    racer: threading.Thread | None = None
     try:
         fill(grpc_path, 400)
-        fill(arena_path, len(flood) + 100)  # fewer than its backlog: the racer gets a place
+        # gRPC accepts its backlog on its own thread: the side socket's flood must arrive
+        # once every fd is taken, or its accepts succeed (and it sheds the oldest) instead
+        # of failing.
         wait_for(lambda: open_fds(daemon) >= 250, "the daemon never ran out of fds", 20)
+        fill(arena_path, len(flood) + 100)  # fewer than its backlog: the racer gets a place
         # The side socket's accept failed: logged by it (or, unfixed, by asyncio as the
         # exception that ended its accept loop).
         wait_for(
@@ -322,8 +326,9 @@ def test_fd_exhaustion_does_not_end_zero_copy(
     finally:
         for s in flood:
             s.close()
-    racer.join(30)
-    racing.close()
+        if racer is not None:
+            racer.join(30)
+        racing.close()  # also when the attack failed: its socket must not outlive the test
     assert raced and raced[0][0], f"an attach racing the exhaustion never got in: {raced}"
     wait_for(lambda: open_fds(daemon) <= baseline_fds + 2, "fds not given back", 20)
     attached, took_s = fresh_attach(daemon, victim)
