@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -162,25 +163,28 @@ def test_the_cheap_way_is_taken_at_a_tie_and_keys_are_apart() -> None:
     assert sum(ways.dear(23) for _ in range(64)) == 64 - 64 // EXPLORE_EVERY
 
 
-def test_no_dear_way_while_the_host_is_busy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With no CPU to spare (load average over the CPU count), neither polling nor
-    streaming is taken, whatever the figures say; once the load falls, they are again."""
-    import os
-
+def test_no_dear_way_while_the_host_is_busy(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With no CPU to spare (CPU pressure over the gate's), neither polling nor streaming
+    is taken, whatever the figures say; once the pressure falls, they are again."""
     from kvtier import hostload
 
-    load = [64.0]
-    monkeypatch.setattr(os, "getloadavg", lambda: (load[0], load[0], load[0]))
-    monkeypatch.setattr(hostload._Host, "looked_s", float("-inf"))
-    monkeypatch.setattr(hostload._Host, "busy", False)  # restored after the test
-    monkeypatch.setattr(hostload, "_cpus", lambda: 8)
+    psi = tmp_path / "pressure" / "cpu"
+    psi.parent.mkdir()
+
+    def pressure(pct: float) -> None:
+        psi.write_text(f"some avg10={pct:.2f} avg60=0.00 avg300=0.00 total=0\n")
+
+    pressure(hostload.PRESSURE_BUSY_PCT + 30)
+    host = hostload.HostLoad(cgroup=hostload.Cgroup(), proc=tmp_path)
+    host.check_s = 0.0  # every call looks
+    monkeypatch.setattr(hostload, "_host", host)  # restored after the test
     wait = ReplyWait()
     assert not any(_ways(wait, Op.PLAN, 40, poll_s=50e-6, sleep_s=500e-6))
-    load[0] = 2.0
-    monkeypatch.setattr(hostload._Host, "looked_s", float("-inf"))
+    pressure(1.0)
     assert _ways(wait, Op.PLAN, 40, poll_s=50e-6, sleep_s=500e-6).count(True) >= 36
-    load[0] = 8.6  # the CPU count and a half: busy
-    monkeypatch.setattr(hostload._Host, "looked_s", float("-inf"))
+    pressure(hostload.PRESSURE_BUSY_PCT)  # at the gate: busy
     assert not TwoWays().dear("streamed")
 
 
