@@ -17,10 +17,10 @@ and takes the one that took less, one call in `EXPLORE_EVERY` the other, to keep
 figure current. The dearer way (polling, streaming: each spends CPU waiting) is taken
 only when it is clearly faster (by `MARGIN`); at a tie the cheap one. And never while
 the host has no CPU to spare (`kvtier.hostload`: CPU pressure of 10 % or more, or the
-quota throttled, else the load average; looked at once a second): what a way costs other work there
-(the daemon's other calls, the host's other processes) is not in its own figure, and with
-two CPU-bound processes beside it polling chosen by the figures alone still made some
-calls' mean 1.2-1.6x the sleeping client's.
+quota throttled, else the load average; looked at once a second): what a way costs other
+work there (the daemon's other calls, the host's other processes) is not in its own
+figure, and with two CPU-bound processes beside it polling chosen by the figures alone
+still made some calls' mean 1.2-1.6x the sleeping client's.
 """
 
 from __future__ import annotations
