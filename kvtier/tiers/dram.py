@@ -27,6 +27,12 @@ ALIGN_BYTES = 4096
 # exist (the daemon's own) keep writing. Python 3.11's fcntl does not name it.
 F_SEAL_FUTURE_WRITE = 0x0010
 ARENA_SEALS = F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# Linux 5.14+: fault a range in as if it were written. MAP_POPULATE faults a shared
+# mapping in for reading: each page present but clean, so its first write made the CPU
+# set the page-table entry's dirty bit (user time, no fault): a 256 KiB put's copy into
+# an extent not yet written took 65 µs against 26-31 µs, until the puts had gone once
+# round the whole arena.
+MADV_POPULATE_WRITE = 23
 
 
 class DramTier:
@@ -37,9 +43,9 @@ class DramTier:
         self._fd = os.memfd_create("kvtier-dram", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self._fd, self.capacity_bytes)
         started_s = time.perf_counter()
-        # Faulting pages in at start keeps page faults (a third of put time) off the hot path.
-        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
-        self._map = mmap.mmap(self._fd, self.capacity_bytes, flags=flags)
+        self._map = mmap.mmap(self._fd, self.capacity_bytes, flags=mmap.MAP_SHARED)
+        if prefault:  # page faults off the hot path: they were a third of a put's time
+            populate_for_writing(self.address, self.capacity_bytes)
         self.startup_s = time.perf_counter() - started_s
         # Sealed after the daemon's one writable mapping exists: every other mapping, in
         # any process, is read-only (PROT_WRITE on a shared mapping, mprotect, pwrite,
@@ -96,3 +102,15 @@ class DramTier:
         self._view.release()
         self._map.close()
         os.close(self._fd)
+
+
+def populate_for_writing(address: int, size_bytes: int) -> None:
+    """Fault [address, address + size) in, each page mapped dirty (the GIL released
+    meanwhile): by MADV_POPULATE_WRITE, else, on a kernel without it, by writing zeros
+    over it (the range must be fresh)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    done = libc.madvise(
+        ctypes.c_void_p(address), ctypes.c_size_t(size_bytes), ctypes.c_int(MADV_POPULATE_WRITE)
+    )
+    if done != 0:
+        ctypes.memset(address, 0, size_bytes)
