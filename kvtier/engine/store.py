@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 
 from kvtier import failpoints
 from kvtier.config import Config
+from kvtier.engine.afterwards import Afterwards
 from kvtier.engine.blocks import BlockReader, PutWriter, intact, record_header, record_location
 from kvtier.engine.calibrate import CALIBRATION_RECORDS, calibrate
 from kvtier.engine.costs import CostModel
@@ -126,6 +127,8 @@ class Store:
         )
         self.leases = LeaseTable(cfg.limits.max_leases_per_session, cfg.limits.lease_ttl_s)
         self.zero_copy = ZeroCopy(self, self.leases)
+        # A put's cataloguing, deferred past its reply where the transport allows.
+        self.afterwards = Afterwards()
         self._expiry_task: asyncio.Task[None] | None = None
         self._promotions: dict[Entry, asyncio.Future[bool]] = {}
         planner = cfg.planner
@@ -345,7 +348,14 @@ class Store:
             self.demoter.notice(tenant)
         return PutWriter(block_id, size_bytes, overwrite, extent, arena.view(extent))
 
-    async def put_commit(self, writer: PutWriter, client_xxh3_64: int) -> PutResult:
+    async def put_commit(
+        self, writer: PutWriter, client_xxh3_64: int, defer: bool = False
+    ) -> PutResult:
+        """Verify and store the written block. `defer`: catalogue it after the reply is
+        sent, where the transport has armed `afterwards` (kvtier/engine/afterwards.py);
+        the outcome is decided before either way."""
+        if writer.block_id in self.afterwards:
+            self.afterwards.run()  # a put of this key deferred past its reply is older
         if writer.received_bytes != writer.size_bytes:
             raise InvalidArgument(
                 f"put stream ended after {writer.received_bytes} of the {writer.size_bytes} "
@@ -387,19 +397,36 @@ class Store:
             assert self.nvme is not None
             await self.nvme.tombstone(writer.block_id, pending)
             buried = pending
-        residency = self.residency
-        slot = residency.add_new(
-            writer.block_id, writer.size_bytes, digest, self.take_generation(), writer.extent
-        )
+        generation = self.take_generation()
         writer.done = True  # the extent is the block's now
         writer.release()
+        block_id, size_bytes, extent = writer.block_id, writer.size_bytes, writer.extent
+        if defer and self.afterwards.armed:
+            self.afterwards.later(
+                block_id, lambda: self._add_put(block_id, size_bytes, digest, generation, extent)
+            )
+        else:
+            self._add_put(block_id, size_bytes, digest, generation, extent)
+        return PutResult(writer.size_bytes, digest, TierName.DRAM, already_present=False)
+
+    def _add_put(
+        self, block_id: BlockId, size_bytes: int, xxh3_64: int, generation: int, extent: Extent
+    ) -> None:
+        """Catalogue a committed put's block (its extent already written and checked)."""
+        residency = self.residency
+        if residency.contains(block_id):
+            # Only if deferred work was left past a request that catalogued the key by
+            # another way than a put or a delete (both run it first), which a transport
+            # that arms `afterwards` rules out: the copy there stays.
+            self.space.free(block_id, extent)
+            return
+        slot = residency.add_new(block_id, size_bytes, xxh3_64, generation, extent)
         if self.policies.admission.on_insert and self.nvme is not None:
             self.demoter.write_through(residency.catalog.handle(slot))
         if self.remote is not None and self.config.remote.admission == "write_through":
             self.tasks.spawn(self.shared.put(residency.catalog.handle(slot)))
         self.counters.puts += 1
         self.space.signal()  # a new block is a victim a waiting put may take
-        return PutResult(writer.size_bytes, digest, TierName.DRAM, already_present=False)
 
     def put_abort(self, writer: PutWriter) -> None:
         if writer.done:
@@ -467,6 +494,8 @@ class Store:
     async def delete(self, block_id: BlockId) -> bool:
         """Whether the block was stored; a block whose records are not indexed yet (the
         index is still filling) is a miss here too, but deleted all the same."""
+        if block_id in self.afterwards:
+            self.afterwards.run()  # a put of this key deferred past its reply is older
         if self.recovery is not None and self.recovery.pending(block_id):
             await self.recovery.bury(block_id)
         entry = self.residency.get(block_id)

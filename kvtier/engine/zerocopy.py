@@ -138,7 +138,8 @@ class ZeroCopy:
                         writer.copy_in(source)
                 else:
                     writer.written_in_place()
-                result = await self._store.put_commit(writer, checksums[i] if checksums else 0)
+                checksum = checksums[i] if checksums else 0
+                result = await self._store.put_commit(writer, checksum, defer=True)
                 outcomes.append(CommitOutcome(stored=not result.already_present))
             except KVTierError as err:
                 outcomes.append(CommitOutcome(stored=False, error=err))
@@ -185,7 +186,9 @@ class ZeroCopy:
                 # Taken again after the wait: the session may have ended meanwhile.
                 with self._staged_source(session_id, offset, size_bytes) as source:
                     writer.copy_in(source)
-                result = await self._store.put_commit(writer, checksum)
+                # Catalogued after the reply where the transport allows it (until this
+                # first waits: kvtier/engine/afterwards.py).
+                result = await self._store.put_commit(writer, checksum, defer=True)
                 outcomes.append(CommitOutcome(stored=not result.already_present))
             except KVTierError as err:
                 outcomes.append(CommitOutcome(stored=False, error=err))
@@ -236,7 +239,7 @@ class ZeroCopy:
                         writer.copy_in_piece(piece)
                     done = upto
                 (checksum,) = area.words(header + 16 + 8 * i, 1)
-                result = await self._store.put_commit(writer, checksum)
+                result = await self._store.put_commit(writer, checksum, defer=True)
                 outcomes.append(CommitOutcome(stored=not result.already_present))
             except KVTierError as err:
                 outcomes.append(CommitOutcome(stored=False, error=err))

@@ -52,6 +52,7 @@ from kvtier._session import (
     request_caps,
 )
 from kvtier.config import Config, LimitsConfig
+from kvtier.engine.afterwards import Afterwards
 from kvtier.errors import InvalidArgument, ResourceExhausted, Unimplemented, to_status
 from kvtier.server.awake import LoopAwake
 
@@ -167,6 +168,7 @@ class ArenaSocket:
         self._on_session_end = on_session_end
         self._clock_s = clock_s
         self._handler: SessionHandler = _no_handler
+        self._afterwards = Afterwards()
         self._write_area_for: Callable[[int], int] | None = None
         self._directory_for: Callable[[str], int | None] | None = None
         self._by_nonce: dict[bytes, Session] = {}  # attached, not yet connected; oldest first
@@ -205,9 +207,12 @@ class ArenaSocket:
         """What a reload may change here: the loop's poll after a reply."""
         self.awake.window_s = config.server.poll_after_reply_s
 
-    def set_handler(self, handler: SessionHandler) -> None:
-        """Who answers framed requests: (session id, op, payload) -> (status code, reply)."""
+    def set_handler(self, handler: SessionHandler, afterwards: Afterwards | None = None) -> None:
+        """Who answers framed requests: (session id, op, payload) -> (status code, reply);
+        `afterwards`: where the handler defers work past its reply (armed while it runs
+        in the read callback, run once it returns or waits)."""
         self._handler = handler
+        self._afterwards = afterwards if afterwards is not None else Afterwards()
 
     def set_write_areas(self, write_area_for: Callable[[int], int]) -> None:
         """Who makes a session's write area: session id -> the memfd to pass its client."""
@@ -358,6 +363,7 @@ class ArenaSocket:
             lambda: _SessionProtocol(
                 session.session_id,
                 self._handler,
+                self._afterwards,
                 closed,
                 session.limits,
                 self.counters,
@@ -476,6 +482,7 @@ class _SessionProtocol(asyncio.Protocol):
         self,
         session_id: int,
         handler: SessionHandler,
+        afterwards: Afterwards,
         closed: asyncio.Future[None],
         limits: SessionLimits,
         counters: SideSocketCounters,
@@ -484,6 +491,7 @@ class _SessionProtocol(asyncio.Protocol):
         self._session_id = session_id
         self._awake = awake
         self._handler = handler
+        self._afterwards = afterwards
         self._closed = closed
         self._limits = limits
         self._counters = counters
@@ -591,7 +599,10 @@ class _SessionProtocol(asyncio.Protocol):
         """Run queued requests here, in the read callback, while their handlers finish
         without waiting (most do: a put with room, a lookup, a plan) and the transport
         takes replies: no task and no loop turn per request. The first handler that
-        waits is returned, suspended, for the worker task to finish."""
+        waits is returned, suspended, for the worker task to finish. Work a handler
+        deferred past its reply (`Afterwards`) runs right after the reply is written, or
+        when the handler first waits: before the loop runs anything else."""
+        afterwards = self._afterwards
         while self._pending and self._can_write.is_set():
             request = self._pending.popleft()
             self._queued_bytes -= request.cost_bytes
@@ -599,13 +610,18 @@ class _SessionProtocol(asyncio.Protocol):
                 code, reply = request.refusal
             else:
                 call = self._handler(self._session_id, request.op, request.payload)
+                afterwards.armed = True
                 try:
                     awaited = call.send(None)
                 except StopIteration as done:
                     code, reply = done.value
                 else:
+                    afterwards.run()
                     return _Suspended(request.op, call, awaited)
+                finally:
+                    afterwards.armed = False
             self._answer(request.op, code, reply)
+            afterwards.run()
         return None
 
     def _answer(self, op: int, code: int, reply: bytes) -> None:

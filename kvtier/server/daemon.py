@@ -214,7 +214,7 @@ class Daemon:
         )
         self._service = service
         if arena is not None:
-            arena.set_handler(service.session_call)
+            arena.set_handler(service.session_call, store.afterwards)
         add_to_server(service, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -28,6 +28,7 @@ from kvtier._session import (
     request_caps,
 )
 from kvtier.config import LimitsConfig
+from kvtier.engine.afterwards import Afterwards
 from kvtier.errors import ResourceExhausted
 from kvtier.server import arena_socket
 from kvtier.server.arena_socket import ATTACH_TTL_S, ArenaSocket, Session, SessionLimits
@@ -397,6 +398,88 @@ def answered(payload: bytes) -> bytes:
     if payload.startswith(b"~f"):
         payload = payload[2:3] + payload
     return payload[:8].ljust(8, b".")
+
+
+async def test_work_deferred_past_a_reply_runs_once_it_is_sent_before_anything_else(
+    side: Side,
+) -> None:
+    """A handler run in the read callback may defer work past its reply (a put's
+    cataloguing): the reply is on the client's socket when the work runs, and the work
+    is done before the next request's handler; work due when a handler first waits is
+    done then, and once it has waited nothing is deferred (its reply comes from a task,
+    with other callbacks run between)."""
+    afterwards = Afterwards()
+    seen: list[tuple[str, bytes, object]] = []
+    peek: socket.socket | None = None  # the client's socket, not waiting on a read
+
+    def readable_bytes() -> int:
+        assert peek is not None
+        try:
+            return len(peek.recv(1 << 16, socket.MSG_PEEK))
+        except BlockingIOError:
+            return 0
+
+    async def handler(session_id: int, op: int, payload: bytes) -> tuple[int, bytes]:
+        seen.append(("handler", payload, afterwards.armed))
+
+        def work() -> None:
+            seen.append(("work", payload, readable_bytes()))
+
+        if payload.startswith(b"~d"):  # defers, then waits
+            afterwards.later(("ns", payload), work)
+            await asyncio.sleep(0)
+            seen.append(("resumed", payload, afterwards.armed))
+            return 0, payload
+        if payload.startswith(b"~t"):  # waits, then would defer
+            await asyncio.sleep(0)
+            seen.append(("resumed", payload, afterwards.armed))
+        if afterwards.armed:
+            afterwards.later(("ns", payload), work)
+        else:
+            work()
+        return 0, payload
+
+    side.arena.set_handler(handler, afterwards)
+    conn = await attached(side)
+    peek = conn.dup()
+    side.sockets.append(peek)
+    peek.setblocking(False)
+    conn.sendall(frame(Op.PLAN, b"a") + frame(Op.PLAN, b"b"))
+    await wait_until(lambda: len(seen) == 4, "the requests were not all handled")
+    for p in (b"a", b"b"):
+        assert await asyncio.to_thread(reply, conn) == (0, p)
+    one_reply = HEADER.size + 1
+    assert seen == [
+        ("handler", b"a", True),
+        ("work", b"a", one_reply),  # a's reply sent before a's work
+        ("handler", b"b", True),
+        ("work", b"b", 2 * one_reply),
+    ]
+    seen.clear()
+    conn.sendall(frame(Op.PLAN, b"~t") + frame(Op.PLAN, b"c"))
+    await wait_until(lambda: len(seen) == 5, "the requests were not all handled")
+    for p in (b"~t", b"c"):
+        assert await asyncio.to_thread(reply, conn) == (0, p)
+    assert seen == [
+        ("handler", b"~t", True),
+        ("resumed", b"~t", False),
+        ("work", b"~t", 0),  # done at once, before its reply
+        ("handler", b"c", False),  # the worker task runs what follows: not armed
+        ("work", b"c", HEADER.size + 2),  # done at once: only ~t's reply is out
+    ]
+    seen.clear()
+    conn.sendall(frame(Op.PLAN, b"~d") + frame(Op.PLAN, b"e"))
+    await wait_until(lambda: len(seen) == 5, "the requests were not all handled")
+    for p in (b"~d", b"e"):
+        assert await asyncio.to_thread(reply, conn) == (0, p)
+    assert seen == [
+        ("handler", b"~d", True),
+        ("work", b"~d", 0),  # run as the handler first waited, before the loop went on
+        ("resumed", b"~d", False),
+        ("handler", b"e", False),
+        ("work", b"e", HEADER.size + 2),
+    ]
+    assert not afterwards
 
 
 async def test_pipelined_requests_that_wait_or_not_are_answered_in_order(side: Side) -> None:
