@@ -87,12 +87,13 @@ async def test_random_operations_match_a_model(tmp_path: Path, seed: int) -> Non
     await again.close()
 
 
-async def put_deferred(store: Store, key: bytes, data: bytes) -> None:
-    """A put whose cataloguing may wait past its reply, as the session socket arms it."""
+async def put_deferred(store: Store, key: bytes, data: bytes, armed: bool = True) -> None:
+    """A put whose cataloguing may wait past its reply, where the transport arms it (as
+    the session socket does)."""
     writer = await store.put_begin((NS, key), len(data), True)
     try:
         writer.write(data)
-        store.afterwards.armed = True
+        store.afterwards.armed = armed
         try:
             await store.put_commit(writer, 0, defer=True)
         finally:
@@ -140,9 +141,7 @@ async def test_a_deferred_put_is_catalogued_at_once_unless_the_transport_armed_i
 ) -> None:
     store = Store(make_config(tmp_path, 4 << 20, 64 << 20))
     await store.start()
-    writer = await store.put_begin((NS, b"k"), 5, False)
-    writer.write(b"bytes")
-    await store.put_commit(writer, 0, defer=True)  # nothing armed: no reply follows
+    await put_deferred(store, b"k", b"bytes", armed=False)  # no reply follows at once
     assert not store.afterwards
     assert await get(store, b"k") == b"bytes"
     await store.close()

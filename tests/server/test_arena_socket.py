@@ -444,10 +444,16 @@ async def test_work_deferred_past_a_reply_runs_once_it_is_sent_before_anything_e
     peek = conn.dup()
     side.sockets.append(peek)
     peek.setblocking(False)
-    conn.sendall(frame(Op.PLAN, b"a") + frame(Op.PLAN, b"b"))
-    await wait_until(lambda: len(seen) == 4, "the requests were not all handled")
-    for p in (b"a", b"b"):
-        assert await asyncio.to_thread(reply, conn) == (0, p)
+
+    async def exchange(first: bytes, second: bytes, steps: int) -> None:
+        """Both requests sent at once; their replies read once `steps` are seen."""
+        seen.clear()
+        conn.sendall(frame(Op.PLAN, first) + frame(Op.PLAN, second))
+        await wait_until(lambda: len(seen) == steps, "the requests were not all handled")
+        for p in (first, second):
+            assert await asyncio.to_thread(reply, conn) == (0, p)
+
+    await exchange(b"a", b"b", 4)
     one_reply = HEADER.size + 1
     assert seen == [
         ("handler", b"a", True),
@@ -455,11 +461,7 @@ async def test_work_deferred_past_a_reply_runs_once_it_is_sent_before_anything_e
         ("handler", b"b", True),
         ("work", b"b", 2 * one_reply),
     ]
-    seen.clear()
-    conn.sendall(frame(Op.PLAN, b"~t") + frame(Op.PLAN, b"c"))
-    await wait_until(lambda: len(seen) == 5, "the requests were not all handled")
-    for p in (b"~t", b"c"):
-        assert await asyncio.to_thread(reply, conn) == (0, p)
+    await exchange(b"~t", b"c", 5)
     assert seen == [
         ("handler", b"~t", True),
         ("resumed", b"~t", False),
@@ -467,11 +469,7 @@ async def test_work_deferred_past_a_reply_runs_once_it_is_sent_before_anything_e
         ("handler", b"c", False),  # the worker task runs what follows: not armed
         ("work", b"c", HEADER.size + 2),  # done at once: only ~t's reply is out
     ]
-    seen.clear()
-    conn.sendall(frame(Op.PLAN, b"~d") + frame(Op.PLAN, b"e"))
-    await wait_until(lambda: len(seen) == 5, "the requests were not all handled")
-    for p in (b"~d", b"e"):
-        assert await asyncio.to_thread(reply, conn) == (0, p)
+    await exchange(b"~d", b"e", 5)
     assert seen == [
         ("handler", b"~d", True),
         ("work", b"~d", 0),  # run as the handler first waited, before the loop went on
