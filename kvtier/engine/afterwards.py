@@ -2,17 +2,17 @@
 
 A zero-copy put's reply says only whether its bytes were accepted, which is known once
 they are copied, hashed and checked; cataloguing the block (the catalog, the policy's
-orders, the directory) took ~50 µs more on the loop before the reply left. The session
-socket runs that work after it writes the reply, in the same callback: the client's
-next copy and the daemon's bookkeeping then overlap on two CPUs.
+orders) took ~50 µs more on the loop before the reply left. The session socket runs that
+work after it writes the reply, in the same callback: the client's next copy and the
+daemon's bookkeeping then overlap on two CPUs.
 
 Safe because nothing else runs on the loop between the reply and the work: every other
-request, on any session or gRPC, sees the block catalogued. A client's direct read that
-races the reply misses in the directory and asks the daemon, whose loop is doing this
-work. So work is deferred only while the transport is `armed`: it sets that while it
-runs a handler inline, in the read callback, and calls `run()` as soon as the handler
-returns (after writing its reply) or first waits (before anything else can run).
-Anywhere else `later` is not called: the work is done at once.
+request, on any session or gRPC, sees the block catalogued. (What a client reads without
+asking the loop, the directory, is published before the reply.) So work is deferred only
+while the transport is `armed`: it sets that while it runs a handler inline, in the read
+callback, and calls `run()` as soon as the handler returns (after writing its reply) or
+first waits (before anything else can run). Anywhere else `later` is not called: the
+work is done at once.
 """
 
 from __future__ import annotations

@@ -402,6 +402,9 @@ class Store:
         writer.release()
         block_id, size_bytes, extent = writer.block_id, writer.size_bytes, writer.extent
         if defer and self.afterwards.armed:
+            # Readable by direct reads before the reply, as if catalogued: the client's
+            # own get right after its put must not miss (the catalog publishes it again).
+            self.directories.dram_changed(block_id, extent, size_bytes, digest, generation)
             self.afterwards.later(
                 block_id, lambda: self._add_put(block_id, size_bytes, digest, generation, extent)
             )
@@ -417,7 +420,8 @@ class Store:
         if residency.contains(block_id):
             # Only if deferred work was left past a request that catalogued the key by
             # another way than a put or a delete (both run it first), which a transport
-            # that arms `afterwards` rules out: the copy there stays.
+            # that arms `afterwards` rules out: the copy there stays (freeing this
+            # extent withdraws its early publication from the directory).
             self.space.free(block_id, extent)
             return
         slot = residency.add_new(block_id, size_bytes, xxh3_64, generation, extent)

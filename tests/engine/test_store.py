@@ -111,15 +111,19 @@ async def test_puts_catalogued_after_their_replies_land_in_order(tmp_path: Path,
     await store.start()
     rng = random.Random(seed)
     model: dict[bytes, bytes] = {}
+    directory = store.directories.of("default")
+    assert directory is not None
     for step in range(200):
         key = f"k{rng.randrange(8)}".encode()
         if rng.random() < 0.6:
             data = block_bytes(step, rng.choice([1, 4096, 70_000]))
             new = key not in model
+            published = len(directory)
             await put_deferred(store, key, data)
             model[key] = data
             if new:
                 assert store.stat((NS, key)) is None  # not yet: after the reply
+                assert len(directory) == published + 1  # but direct reads find it now
             if rng.random() < 0.5:
                 continue  # left due: a later put or delete of the key runs it first
         else:
@@ -131,6 +135,7 @@ async def test_puts_catalogued_after_their_replies_land_in_order(tmp_path: Path,
     store.afterwards.run()
     for k in [f"k{i}".encode() for i in range(8)]:
         assert await get(store, k) == model.get(k)
+    assert len(directory) == len(model)
     used = sum(a.used_bytes for a in store.arenas.values())
     assert used == sum(-(-len(d) // 4096) * 4096 or 4096 for d in model.values())
     await store.close()
