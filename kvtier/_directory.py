@@ -19,6 +19,7 @@ __all__ = [
     "DIGEST_LO",
     "ENTRY_BYTES",
     "ENTRY_WORDS",
+    "GENERATION",
     "OFFSET",
     "PROBE_SLOTS",
     "SEQ",
@@ -30,7 +31,7 @@ __all__ = [
 
 ENTRY_WORDS = 8
 # Each word's index in an entry (the layout above).
-SEQ, DIGEST_LO, DIGEST_HI, OFFSET, SIZE, XXH3 = range(6)
+SEQ, DIGEST_LO, DIGEST_HI, OFFSET, SIZE, XXH3, GENERATION = range(7)
 ENTRY_BYTES = 8 * ENTRY_WORDS  # one cache line: entries never share one
 PROBE_SLOTS = 8
 _MASK_64 = (1 << 64) - 1

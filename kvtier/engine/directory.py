@@ -41,6 +41,7 @@ from kvtier._directory import (
     DIGEST_LO,
     ENTRY_BYTES,
     ENTRY_WORDS,
+    GENERATION,
     OFFSET,
     PROBE_SLOTS,
     SEQ,
@@ -103,10 +104,15 @@ class Directory:
         """Make a DRAM block readable at `offset` (replacing what its key had); False
         when its probe window is full of other blocks (not published). `namespace`: the
         block's namespace encoded, when the caller has it."""
+        slot = self._slot_of.get(block_id)
+        if slot is not None:
+            base = slot * ENTRY_WORDS
+            words = self._words
+            if words[base + OFFSET] == offset and words[base + GENERATION] == generation:
+                return True  # published already: a put's before its reply, then the catalog's
         if namespace is None:
             namespace = namespace_of(block_id[0]).encode()
         low, high = key_digest(namespace, block_id[1])
-        slot = self._slot_of.get(block_id)
         if slot is None:
             slot = self._free_slot(low, high)
             if slot is None:

@@ -403,14 +403,15 @@ class Store:
         block_id, size_bytes, extent = writer.block_id, writer.size_bytes, writer.extent
         if defer and self.afterwards.armed:
             # Readable by direct reads before the reply, as if catalogued: the client's
-            # own get right after its put must not miss (the catalog publishes it again).
+            # own get right after its put must not miss (the catalog's publish then
+            # finds it published).
             self.directories.dram_changed(block_id, extent, size_bytes, digest, generation)
             self.afterwards.later(
                 block_id, lambda: self._add_put(block_id, size_bytes, digest, generation, extent)
             )
         else:
             self._add_put(block_id, size_bytes, digest, generation, extent)
-        return PutResult(writer.size_bytes, digest, TierName.DRAM, already_present=False)
+        return PutResult(size_bytes, digest, TierName.DRAM, already_present=False)
 
     def _add_put(
         self, block_id: BlockId, size_bytes: int, xxh3_64: int, generation: int, extent: Extent

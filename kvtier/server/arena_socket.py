@@ -212,7 +212,8 @@ class ArenaSocket:
         `afterwards`: where the handler defers work past its reply (armed while it runs
         in the read callback, run once it returns or waits)."""
         self._handler = handler
-        self._afterwards = afterwards if afterwards is not None else Afterwards()
+        if afterwards is not None:
+            self._afterwards = afterwards
 
     def set_write_areas(self, write_area_for: Callable[[int], int]) -> None:
         """Who makes a session's write area: session id -> the memfd to pass its client."""
