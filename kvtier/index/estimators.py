@@ -345,18 +345,18 @@ class PathEstimator:
                 return self.seed
             ratio = (sum_s / sum_w) / seeded_s
             return TierCost(self.seed.bandwidth_bytes_per_s / ratio, self.seed.latency_s * ratio)
-        if weights[1] > 0:
-            alpha, per_byte = weights
-            return TierCost(bandwidth_bytes_per_s=1 / per_byte, latency_s=max(alpha, 0.0))
-        # Noise that makes bigger transfers look no slower (a loaded machine): the data
-        # still says what a byte costs on average — seconds
-        # proportional to bytes, fitted through the origin. Falling back to the seed here
-        # would throw away what was measured (and the outlier gate would then reject
-        # measurements for being far from that seed).
-        sum_xy, sum_xx = self._fit.xty[1], self._fit.xtx[1][1]
-        if sum_xy <= 0 or sum_xx <= 0:
+        # Non-negative, as every weight here is a cost. Noise or a path whose speed changed
+        # (a drive throttled since a start-up calibration at other sizes) can make bigger
+        # transfers look no slower, or a negative alpha: the best fit with both >= 0 is
+        # then one term alone, whichever misses the data less. Fitting through the origin
+        # regardless let a few large calibration transfers price a run of small, slow,
+        # latency-bound reads 5x low (CI: a 32-block plan at 0.085 s for a 0.44 s run).
+        fitted = self._fit.solve_nonnegative()
+        if fitted is None:
             return self.seed
-        return TierCost(bandwidth_bytes_per_s=sum_xx / sum_xy, latency_s=0.0)
+        alpha, per_byte = fitted
+        # No per-byte cost in the data: priced at 1 PB/s, not 1/0 (as `RunCost.per_unit`).
+        return TierCost(bandwidth_bytes_per_s=1 / max(per_byte, 1e-15), latency_s=alpha)
 
 
 class PrefillEstimator:

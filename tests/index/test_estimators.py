@@ -69,6 +69,34 @@ def test_a_throttled_path_is_learned_from_its_new_reads_not_averaged_with_the_ol
     assert est.estimate().fetch_s(block) == pytest.approx(0.25, rel=0.1)
 
 
+@pytest.mark.parametrize(
+    "calibration_ms",
+    [
+        # A start-up calibration cut short (fewer points than warm the gate), one of
+        # whose reads stalled behind something else on the disk: as CI measured it.
+        [(256 << 10, 0.23), (1 << 20, 187.0), (4 << 20, 44.0), (256 << 10, 1.2), (1 << 20, 1.3)],
+        [(256 << 10, 0.2), (1 << 20, 0.6)],
+        [(4 << 20, 2.2), (1 << 20, 0.6), (256 << 10, 0.2), (4 << 20, 650.0)],
+    ],
+)
+def test_a_short_calibration_then_a_throttled_drive_prices_the_reads_as_they_ran(
+    calibration_ms: list[tuple[int, float]],
+) -> None:
+    # Then every read of the engine's one size is latency-bound (50 ms, some stalled up to
+    # 150): a line through those and the few calibration points must not extrapolate far
+    # from what they took (through the origin, it priced them at 11 ms for 60).
+    for seed in range(10):
+        est = PathEstimator(seed=TierCost(1.9 * 2**30, 200e-6))
+        for size, ms in calibration_ms:
+            est.observe(size, ms / 1e3)
+        rng = random.Random(seed)
+        taken_s = [0.05 + rng.uniform(0, 0.01) * rng.choice([1, 1, 1, 10]) for _ in range(32)]
+        for seconds in taken_s:
+            est.observe(256 << 10, seconds)
+        mean_s = sum(taken_s) / len(taken_s)
+        assert mean_s / 1.25 < est.estimate().fetch_s(256 << 10) < mean_s * 1.25, seed
+
+
 def test_prefill_estimator_recovers_a_c_step() -> None:
     truth = PrefillCost(40e-6, 1.1e-9, 0.004)
     est = PrefillEstimator(seed=PrefillCost(1e-5, 1e-10))
