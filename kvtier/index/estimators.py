@@ -16,10 +16,11 @@ answer.
     path:    seconds = alpha + bytes / bandwidth
     prefill: seconds = a*(e - s) + c*(e^2 - s^2)/2 + step       for tokens [s, e)
 
-Every weight is a cost, so none may be negative: the prefill fit is non-negative least
-squares (exact, over the subsets of its three terms), which keeps a per-token cost that
-noise would otherwise push below zero from being clamped after the fact (clamping one term
-of an unconstrained fit leaves the others fitted to a model that is no longer the one used).
+Every weight is a cost, so none may be negative: the path and prefill fits are
+non-negative least squares (exact, over the subsets of their terms), which keeps a cost
+that noise would otherwise push below zero from being clamped after the fact (clamping one
+term of an unconstrained fit leaves the others fitted to a model that is no longer the one
+used).
 """
 
 from __future__ import annotations
