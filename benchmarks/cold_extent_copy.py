@@ -23,21 +23,18 @@ import statistics
 import time
 from collections.abc import Callable
 
-import xxhash
-
-from kvtier.engine.blocks import COPY_PIECE_BYTES
+from kvtier.engine.blocks import PutWriter
 from kvtier.sizes import parse_size
+from kvtier.types import Extent
 
 
 def copy_hashed(dest: memoryview, source: memoryview) -> int:
-    """`PutWriter.copy_in`'s loop: each piece copied, then hashed from the copy."""
-    hasher = xxhash.xxh3_64()
+    """`PutWriter.copy_in` itself, into `dest`: each piece copied, then hashed from the
+    copy."""
     size = source.nbytes
-    for start in range(0, size, COPY_PIECE_BYTES):
-        end = min(start + COPY_PIECE_BYTES, size)
-        dest[start:end] = source[start:end]
-        hasher.update(dest[start:end])
-    return hasher.intdigest()
+    writer = PutWriter(("ns", b"k"), size, False, Extent(0, size), dest)
+    writer.copy_in(source)
+    return writer.digest()
 
 
 def plain_copy(dest: memoryview, source: memoryview) -> int:

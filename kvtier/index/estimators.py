@@ -36,6 +36,12 @@ from kvtier.index.planner import PrefillCost, TierCost
 Verdict = Literal["admit", "reject", "changed", "jumped", "hold", "drifted"]
 
 
+def _bandwidth(per_byte_s: float) -> float:
+    """Bytes a second of a fitted per-byte cost; a fit with none (every call one size, or
+    bigger ones no slower) is priced at 1 PB/s, not 1/0."""
+    return 1 / max(per_byte_s, 1e-15)
+
+
 class _WeightedLeastSquares:
     """y ~ w . x, with the normal equations kept as decayed sums (no history stored)."""
 
@@ -356,8 +362,7 @@ class PathEstimator:
         if fitted is None:
             return self.seed
         alpha, per_byte = fitted
-        # No per-byte cost in the data: priced at 1 PB/s, not 1/0 (as `RunCost.per_unit`).
-        return TierCost(bandwidth_bytes_per_s=1 / max(per_byte, 1e-15), latency_s=alpha)
+        return TierCost(bandwidth_bytes_per_s=_bandwidth(per_byte), latency_s=alpha)
 
 
 class PrefillEstimator:
@@ -428,8 +433,7 @@ class RunCost:
 
     def per_unit(self, unit_bytes: float) -> TierCost:
         """One unit's share as a per-block cost (the planner's `TierCost`)."""
-        # A fit with no per-byte cost (every run one size) is priced at 1 PB/s, not 1/0.
-        return TierCost(1 / max(self.per_byte_s, 1e-15), self.per_unit_s)
+        return TierCost(_bandwidth(self.per_byte_s), self.per_unit_s)
 
 
 class RunEstimator:
