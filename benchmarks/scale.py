@@ -34,7 +34,10 @@ of 256 chained SHA-256 keys (as an engine's prefix keys), each value derived fro
   an A/B) streaming in each round between this one's and fio; --ceiling adds, in each
   round, the same stream into a DRAM arena that holds all of it (every byte counted: the
   put path's own rate, which bounds what any demotion can reach); --stream-jobs N puts
-  by N writers at once, each a client (and zero-copy session) of its own.
+  by N writers at once, each a client (and zero-copy session) of its own. Each stream
+  also reports where a block's time went, in µs a block (/proc/<pid>/task/*/schedstat):
+  wall, the daemon's event-loop thread on a CPU and waiting for one, its other threads'
+  CPU (I/O, gRPC) and this client's: what bounds the stream (one CPU, two, the GIL).
 
 `--in-process-memory N` measures instead the index alone: a `Store` (with the configured
 policy) not started, N NVMe-only entries added to its residency as recovery adds them
@@ -118,6 +121,36 @@ def rss_anon_bytes(pid: int) -> int:
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no RssAnon in /proc/<pid>/status (not Linux?)")
+
+
+def thread_cpu_ns(pid: int) -> dict[int, tuple[int, int]]:
+    """Each live thread of `pid`: (ns on a CPU, ns runnable but waiting for one), from
+    /proc/<pid>/task/<tid>/schedstat (its first two fields)."""
+    out: dict[int, tuple[int, int]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            run_ns, wait_ns = task.joinpath("schedstat").read_text().split()[:2]
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            continue  # ended meanwhile (or no schedstats in this kernel)
+        out[int(task.name)] = (int(run_ns), int(wait_ns))
+    return out
+
+
+def cpu_per_block(
+    pid: int, before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]], blocks: int
+) -> dict[str, float]:
+    """µs a block, between two `thread_cpu_ns` of `pid`: its main thread's CPU (the
+    daemon's event loop) and wait for a CPU, and every other thread's CPU together (a
+    thread that ended meanwhile is not counted)."""
+    main_run = after.get(pid, (0, 0))[0] - before.get(pid, (0, 0))[0]
+    main_wait = after.get(pid, (0, 0))[1] - before.get(pid, (0, 0))[1]
+    others = sum(run - before.get(tid, (0, 0))[0] for tid, (run, _) in after.items() if tid != pid)
+    per = 1e3 * max(blocks, 1)
+    return {
+        "main_cpu_us": round(main_run / per, 1),
+        "main_runq_us": round(main_wait / per, 1),
+        "other_threads_cpu_us": round(others / per, 1),
+    }
 
 
 def _free_port() -> int:
@@ -543,12 +576,14 @@ def stream_once(
         daemon.wait_first_rpc(keys[0])
         with kvtier.Client(daemon.target, timeout_s=120) as client:
             before = client.stats()
+            threads_before = thread_cpu_ns(daemon.pid), thread_cpu_ns(os.getpid())
             began = time.perf_counter()
             if args.stream_jobs > 1:
                 put_all_jobs(daemon.target, NS, keys, size, args.stream_jobs)
             else:
                 put_all(client, NS, keys, size)
             put_s = time.perf_counter() - began
+            threads_after = thread_cpu_ns(daemon.pid), thread_cpu_ns(os.getpid())
             after = client.stats()
         daemon.stop()
     finally:
@@ -556,12 +591,21 @@ def stream_once(
         shutil.rmtree(nvme_dir, ignore_errors=True)
     reached = after.tiers["nvme"].blocks - before.tiers["nvme"].blocks
     counted = len(keys) if ceiling else reached
+    daemon_cpu = cpu_per_block(daemon.pid, threads_before[0], threads_after[0], len(keys))
+    client_cpu = cpu_per_block(os.getpid(), threads_before[1], threads_after[1], len(keys))
     return {
         "blocks_put": len(keys),
         "blocks_on_nvme": reached,
         "mb_per_s": round(counted * size / put_s / 1e6, 1),
         "stall_max_ms": round(after.event_loop_stall_recent_max_s * 1e3, 1),
         "direct_io": after.nvme_direct_io,
+        # Where a block's time goes (µs a block): wall, the daemon's loop thread on a CPU
+        # and waiting for one, its other threads (I/O, gRPC), and this client's threads.
+        "wall_us": round(put_s * 1e6 / max(len(keys), 1), 1),
+        "loop_cpu_us": daemon_cpu["main_cpu_us"],
+        "loop_runq_us": daemon_cpu["main_runq_us"],
+        "daemon_threads_cpu_us": daemon_cpu["other_threads_cpu_us"],
+        "client_cpu_us": round(client_cpu["main_cpu_us"] + client_cpu["other_threads_cpu_us"], 1),
     }
 
 
@@ -677,6 +721,18 @@ def stream_report(stream_rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
                     f"stall max {max(r[f'{side}_stall_max_ms'] for r in rounds)} ms",
                 )
             )
+            if f"{side}_loop_cpu_us" in rounds[0]:
+                names = ("wall_us", "loop_cpu_us", "loop_runq_us", "daemon_threads_cpu_us")
+                us = {n: statistics.median(r[f"{side}_{n}"] for r in rounds) for n in names}
+                client = statistics.median(r[f"{side}_client_cpu_us"] for r in rounds)
+                out.append(
+                    (
+                        f"stream {human_size(size)}, {side}: µs a block",
+                        f"wall {us['wall_us']}; daemon loop on a CPU {us['loop_cpu_us']} "
+                        f"(+{us['loop_runq_us']} waiting for one), its other threads "
+                        f"{us['daemon_threads_cpu_us']}; client {client} (medians)",
+                    )
+                )
         fios = [r["fio_mb_per_s"] for r in rounds if "fio_mb_per_s" in r]
         if fios:
             out.append(

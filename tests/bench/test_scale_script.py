@@ -76,6 +76,15 @@ def test_a_small_stream_ab_reports_both_sides_and_fio(tmp_path: Path) -> None:
             size = row["block_bytes"]
             assert put - (16 << 20) // size <= row[f"{side}_blocks_on_nvme"] <= put
             assert row[f"{side}_mb_per_s"] > 0 and row[f"{side}_stall_max_ms"] >= 0
+            # Where a block's time went (schedstat): the loop thread cannot have run
+            # longer than the put took, the I/O threads wrote what reached NVMe, and the
+            # wall time a block gives back the rate.
+            wall_us = row[f"{side}_wall_us"]
+            assert 0 < row[f"{side}_loop_cpu_us"] <= wall_us * 1.05 + 5
+            assert row[f"{side}_loop_runq_us"] >= 0 and row[f"{side}_client_cpu_us"] > 0
+            assert row[f"{side}_daemon_threads_cpu_us"] > 0
+            rate = row[f"{side}_blocks_on_nvme"] * size / (wall_us * put)
+            assert abs(rate - row[f"{side}_mb_per_s"]) <= 0.02 * rate + 0.2
             if "fio_mb_per_s" in row:
                 expected = row[f"{side}_mb_per_s"] / row["fio_mb_per_s"]
                 assert abs(row[f"{side}_ratio"] - expected) < 0.01
