@@ -716,15 +716,18 @@ def stream_report(stream_rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
             out.append(
                 (
                     f"stream {human_size(size)} to NVMe, {side}",
-                    f"{statistics.median(mbs)} MB/s ({min(mbs)}-{max(mbs)}, {len(mbs)} rounds; "
+                    f"{round(statistics.median(mbs), 1)} MB/s ({min(mbs)}-{max(mbs)}, "
+                    f"{len(mbs)} rounds; "
                     f"{min(on_nvme)}/{rounds[0][f'{side}_blocks_put']}+ on NVMe){fio}; "
                     f"stall max {max(r[f'{side}_stall_max_ms'] for r in rounds)} ms",
                 )
             )
             if f"{side}_loop_cpu_us" in rounds[0]:
                 names = ("wall_us", "loop_cpu_us", "loop_runq_us", "daemon_threads_cpu_us")
-                us = {n: statistics.median(r[f"{side}_{n}"] for r in rounds) for n in names}
-                client = statistics.median(r[f"{side}_client_cpu_us"] for r in rounds)
+                us = {
+                    n: round(statistics.median(r[f"{side}_{n}"] for r in rounds), 1) for n in names
+                }
+                client = round(statistics.median(r[f"{side}_client_cpu_us"] for r in rounds), 1)
                 out.append(
                     (
                         f"stream {human_size(size)}, {side}: µs a block",

@@ -3,11 +3,17 @@ any sequence of flows (victims never in use, copies handed back once, quotas, by
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtier.engine.residency import READ_ERRORS_BEFORE_DROP, Residency, new_residency
+from kvtier.engine.residency import (
+    BULK_INSERT_MIN,
+    READ_ERRORS_BEFORE_DROP,
+    Residency,
+    new_residency,
+)
 from kvtier.engine.results import Counters
 from kvtier.index.catalog import Entry
 from kvtier.index.policy import ValueModel
@@ -296,3 +302,38 @@ def test_a_batch_completion_does_what_one_completion_per_block_does() -> None:
     assert batched == one_by_one
     assert one_by_one[2], "the removed victim's copies were released"
     assert one_by_one[5] == 1, "the victim that was not written was dropped"
+
+
+@pytest.mark.parametrize("policy", ["kvtier", "lru", "s3fifo"])
+def test_a_long_batch_enters_the_nvme_order_as_one_by_one(policy: str) -> None:
+    """A demotion batch long enough for `written_many` to insert its unplaced blocks on
+    arrays (runs of BULK_INSERT_MIN and more, split by blocks a chain placed) leaves the
+    NVMe order as `written` block by block does: NVMe then evicts the same blocks in the
+    same order."""
+    count = 3 * BULK_INSERT_MIN + 5
+
+    def run(batched: bool) -> list[bytes]:
+        residency, _ = make(policy, nvme_capacity_bytes=1 << 40)
+        entries = [put(residency, NS_A, b"k%03d" % i, i * PAGE) for i in range(count)]
+        # A chain places some (positions and parents) mid-batch; uses vary the priorities.
+        residency.lookup(NS_A, [b"k%03d" % i for i in range(20, 26)])
+        for i in range(0, count, 7):
+            residency.used(entries[i])
+        victims = residency.dram_victims("a", count * PAGE, most=count)
+        assert len(victims) == count
+        residency.remove(victims[5])  # overwritten meanwhile: not catalogued on NVMe
+        sizes = [0 if i == 9 else (2 + i % 3) * PAGE for i in range(count)]  # one unwritten
+        locations = list(range(count))
+        if batched:
+            residency.written_many(victims, sizes, locations)
+        else:
+            for victim, size, location in zip(victims, sizes, locations, strict=True):
+                if size:
+                    residency.written(victim, size, location)
+        residency.finish_dram_evictions(victims)
+        _, dropped = residency.make_nvme_room(1 << 40)  # evict every record, in order
+        return [e.block_id[1] for e in dropped]
+
+    one_by_one = run(False)
+    assert len(one_by_one) == count - 2  # every written, live block was on NVMe
+    assert run(True) == one_by_one
