@@ -576,14 +576,16 @@ def stream_once(
         daemon.wait_first_rpc(keys[0])
         with kvtier.Client(daemon.target, timeout_s=120) as client:
             before = client.stats()
-            threads_before = thread_cpu_ns(daemon.pid), thread_cpu_ns(os.getpid())
+            daemon_before, client_began_s = thread_cpu_ns(daemon.pid), time.process_time()
             began = time.perf_counter()
             if args.stream_jobs > 1:
                 put_all_jobs(daemon.target, NS, keys, size, args.stream_jobs)
             else:
                 put_all(client, NS, keys, size)
             put_s = time.perf_counter() - began
-            threads_after = thread_cpu_ns(daemon.pid), thread_cpu_ns(os.getpid())
+            daemon_after = thread_cpu_ns(daemon.pid)
+            # The process's: --stream-jobs' writer threads have ended by now.
+            client_cpu_s = time.process_time() - client_began_s
             after = client.stats()
         daemon.stop()
     finally:
@@ -591,8 +593,7 @@ def stream_once(
         shutil.rmtree(nvme_dir, ignore_errors=True)
     reached = after.tiers["nvme"].blocks - before.tiers["nvme"].blocks
     counted = len(keys) if ceiling else reached
-    daemon_cpu = cpu_per_block(daemon.pid, threads_before[0], threads_after[0], len(keys))
-    client_cpu = cpu_per_block(os.getpid(), threads_before[1], threads_after[1], len(keys))
+    daemon_cpu = cpu_per_block(daemon.pid, daemon_before, daemon_after, len(keys))
     return {
         "blocks_put": len(keys),
         "blocks_on_nvme": reached,
@@ -605,7 +606,7 @@ def stream_once(
         "loop_cpu_us": daemon_cpu["main_cpu_us"],
         "loop_runq_us": daemon_cpu["main_runq_us"],
         "daemon_threads_cpu_us": daemon_cpu["other_threads_cpu_us"],
-        "client_cpu_us": round(client_cpu["main_cpu_us"] + client_cpu["other_threads_cpu_us"], 1),
+        "client_cpu_us": round(client_cpu_s * 1e6 / max(len(keys), 1), 1),
     }
 
 
