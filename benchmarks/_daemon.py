@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # The chain plan_ab.py and plan_churn.py plan, as their worker processes' source (the
 # worker sets `transport` first; its own code follows, indented under the `with`): a real
@@ -32,6 +33,17 @@ with (
     for j in range(20):
         client.report_prefill(ns, 0, 1000 + 100 * j, 0.05 + 0.01 * j)
 """
+
+
+def in_process_store(scratch: Path, dram_bytes: int, nvme_bytes: int) -> dict[str, Any]:
+    """The settings of an in-process `Store` for a benchmark (`Config.model_validate` them
+    with the `kvtier` under test): its socket and a segment-layout NVMe tier in `scratch`,
+    a prefaulted DRAM arena of `dram_bytes`."""
+    return {
+        "server": {"listen": f"unix://{scratch}/s.sock"},
+        "dram": {"capacity_bytes": dram_bytes, "prefault": True},
+        "nvme": {"path": str(scratch / "nvme"), "capacity_bytes": nvme_bytes, "layout": "segments"},
+    }
 
 
 def start(

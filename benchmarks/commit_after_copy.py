@@ -19,9 +19,14 @@ import asyncio
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _daemon import in_process_store
 
 from kvtier.sizes import parse_size
 
@@ -34,17 +39,7 @@ async def commit_p50_s(block_bytes: int, blocks: int, flush_bytes: int) -> float
 
     tmp = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="kvtier-commit-"))
     try:
-        config = Config.model_validate(
-            {
-                "server": {"listen": f"unix://{tmp}/s.sock"},
-                "dram": {"capacity_bytes": (blocks + 64) * block_bytes, "prefault": True},
-                "nvme": {
-                    "path": str(tmp / "nvme"),
-                    "capacity_bytes": 1 << 30,
-                    "layout": "segments",
-                },
-            }
-        )
+        config = Config.model_validate(in_process_store(tmp, (blocks + 64) * block_bytes, 1 << 30))
         store = Store(config)
         await store.start()
         source = memoryview(bytearray(os.urandom(block_bytes)))

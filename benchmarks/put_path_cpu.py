@@ -41,22 +41,14 @@ NS = "default|put-path-cpu"
 
 async def one_run(blocks: int, block_bytes: int, dram_bytes: int, batch: int) -> dict[str, float]:
     """The measurement itself, in this process (with whatever `kvtier` it imports)."""
+    from _daemon import in_process_store
+
     from kvtier.config import Config
     from kvtier.engine.store import Store
 
     tmp = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="kvtier-putcpu-"))
     try:
-        config = Config.model_validate(
-            {
-                "server": {"listen": f"unix://{tmp}/s.sock"},
-                "dram": {"capacity_bytes": dram_bytes, "prefault": True},
-                "nvme": {
-                    "path": str(tmp / "nvme"),
-                    "capacity_bytes": 4 << 30,
-                    "layout": "segments",
-                },
-            }
-        )
+        config = Config.model_validate(in_process_store(tmp, dram_bytes, 4 << 30))
         store = Store(config)
         await store.start()
         zero_copy = store.zero_copy

@@ -136,20 +136,20 @@ def thread_cpu_ns(pid: int) -> dict[int, tuple[int, int]]:
     return out
 
 
-def cpu_per_block(
+def loop_cpu_per_block(
     pid: int, before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]], blocks: int
 ) -> dict[str, float]:
-    """µs a block, between two `thread_cpu_ns` of `pid`: its main thread's CPU (the
-    daemon's event loop) and wait for a CPU, and every other thread's CPU together (a
-    thread that ended meanwhile is not counted)."""
+    """µs a block, between two `thread_cpu_ns` of the daemon `pid`: its main thread's (the
+    event loop's) time on a CPU and waiting for one, and every other thread's CPU
+    together (a thread that ended meanwhile is not counted)."""
     main_run = after.get(pid, (0, 0))[0] - before.get(pid, (0, 0))[0]
     main_wait = after.get(pid, (0, 0))[1] - before.get(pid, (0, 0))[1]
     others = sum(run - before.get(tid, (0, 0))[0] for tid, (run, _) in after.items() if tid != pid)
     per = 1e3 * max(blocks, 1)
     return {
-        "main_cpu_us": round(main_run / per, 1),
-        "main_runq_us": round(main_wait / per, 1),
-        "other_threads_cpu_us": round(others / per, 1),
+        "loop_cpu_us": round(main_run / per, 1),
+        "loop_runq_us": round(main_wait / per, 1),
+        "daemon_threads_cpu_us": round(others / per, 1),
     }
 
 
@@ -593,7 +593,6 @@ def stream_once(
         shutil.rmtree(nvme_dir, ignore_errors=True)
     reached = after.tiers["nvme"].blocks - before.tiers["nvme"].blocks
     counted = len(keys) if ceiling else reached
-    daemon_cpu = cpu_per_block(daemon.pid, daemon_before, daemon_after, len(keys))
     return {
         "blocks_put": len(keys),
         "blocks_on_nvme": reached,
@@ -603,9 +602,7 @@ def stream_once(
         # Where a block's time goes (µs a block): wall, the daemon's loop thread on a CPU
         # and waiting for one, its other threads (I/O, gRPC), and this client's threads.
         "wall_us": round(put_s * 1e6 / max(len(keys), 1), 1),
-        "loop_cpu_us": daemon_cpu["main_cpu_us"],
-        "loop_runq_us": daemon_cpu["main_runq_us"],
-        "daemon_threads_cpu_us": daemon_cpu["other_threads_cpu_us"],
+        **loop_cpu_per_block(daemon.pid, daemon_before, daemon_after, len(keys)),
         "client_cpu_us": round(client_cpu_s * 1e6 / max(len(keys), 1), 1),
     }
 
