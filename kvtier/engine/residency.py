@@ -264,11 +264,21 @@ class Residency:
     def add_new(
         self, block_id: BlockId, size_bytes: int, xxh3_64: int, generation: int, extent: Extent
     ) -> int:
-        """`add` of a put's new block (in DRAM), without an `Entry`: its slot."""
+        """`add` of a put's new block (in DRAM), without an `Entry`: its slot, or
+        NO_SLOT (nothing added) if the key is catalogued already."""
         catalog = self.catalog
         slot = catalog.add_block(block_id, size_bytes, xxh3_64, generation, extent)
-        self._accessed(slot)
-        self._insert(self.dram_order[catalog.tenant_of_slot(slot)], slot)
+        if slot == NO_SLOT:
+            return slot
+        # `_accessed` and `_insert`, inlined (the put path's hottest call, per block).
+        if slot < len(self._pos):
+            from_end, position = self._from_end[slot], max(self._pos[slot], 0)
+            parent = self._parent_of(slot)
+        else:
+            from_end, position, parent = -1, 0, NO_SLOT
+        self.policies.accessed(catalog.digest_of(slot), from_end)
+        order = self.dram_order[catalog.tenant_of_slot(slot)]
+        order.insert(slot, size_bytes, position, parent)
         return slot
 
     def add_recovered(
@@ -494,9 +504,8 @@ class Residency:
         if len(slots) >= BULK_INSERT_MIN:
             at = np.array(slots, dtype=np.int64)
             order.insert_many(at, catalog.sizes_of(at), catalog.digests_of(at))
-        else:
-            for slot in slots:
-                order.insert(slot, catalog.size_of(slot))
+        elif slots:
+            order.insert_run(slots, [catalog.size_of(slot) for slot in slots])
         slots.clear()
 
     def reserve_nvme(self, entry: Entry, need_bytes: int) -> tuple[bool, list[Entry]]:

@@ -418,14 +418,15 @@ class Store:
     ) -> None:
         """Catalogue a committed put's block (its extent already written and checked)."""
         residency = self.residency
-        if residency.contains(block_id):
-            # Only if deferred work was left past a request that catalogued the key by
-            # another way than a put or a delete (both run it first), which a transport
-            # that arms `afterwards` rules out: the copy there stays (freeing this
-            # extent withdraws its early publication from the directory).
+        slot = residency.add_new(block_id, size_bytes, xxh3_64, generation, extent)
+        if slot == NO_SLOT:
+            # Catalogued already: only if deferred work was left past a request that
+            # catalogued the key by another way than a put or a delete (both run it
+            # first), which a transport that arms `afterwards` rules out: the copy there
+            # stays (freeing this extent withdraws its early publication from the
+            # directory).
             self.space.free(block_id, extent)
             return
-        slot = residency.add_new(block_id, size_bytes, xxh3_64, generation, extent)
         if self.policies.admission.on_insert and self.nvme is not None:
             self.demoter.write_through(residency.catalog.handle(slot))
         if self.remote is not None and self.config.remote.admission == "write_through":

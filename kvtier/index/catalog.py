@@ -507,13 +507,38 @@ class Catalog:
     ) -> int:
         """`add` of a new block with a DRAM copy and nothing else (a put), without an
         `Entry` (the caller makes a handle, `handle(slot)`, only if it needs one): its
-        slot. The key's digest is taken once for the check and the insert."""
-        ns = self._ns_id(block_id[0])
+        slot, or NO_SLOT (nothing added) if the key is catalogued already. The key's
+        digest is taken once for the check and the insert."""
+        ns_id, key = block_id
+        ns = self._ns_ids.get(ns_id)
+        if ns is None:
+            ns = self._ns_id(ns_id)
         digest = self._digest_fn(block_id)
-        if self._find(ns, block_id[1], digest) != NO_SLOT:
-            raise KeyError("block already catalogued; remove the old entry first")
-        slot = self._put(block_id, size_bytes, xxh3_64, generation, extent, 0, 0, digest)
-        self._changed_slot(slot, block_id=block_id)
+        if self._find(ns, key, digest) != NO_SLOT:
+            return NO_SLOT
+        # `_put` for this one case, inlined: a put's block has no record, no location and
+        # a DRAM copy, so its set of tiers is DRAM alone (the hooks need no lookups).
+        slot = self._new_slot()
+        self._digest[slot] = digest
+        self._ns[slot] = ns
+        self._store_key(slot, key)
+        self._size[slot] = size_bytes
+        self._xxh3[slot] = xxh3_64
+        self._gen[slot] = generation
+        self._record[slot] = 0
+        if self._loc[slot]:
+            self._loc[slot] = 0  # stale from a reused slot
+        self._pins[slot] = 0
+        self._errors[slot] = 0
+        self._flags[slot] = _LIVE
+        self._dram[slot] = extent
+        self._dram_slots.add(slot)
+        self.dram_used_bytes += extent.size_bytes
+        self._link(slot)
+        if self._on_dram is not None:
+            self._on_dram(block_id, extent, size_bytes, xxh3_64, generation)
+        if self._on_change is not None:
+            self._on_change(block_id, [_DRAM])
         return slot
 
     def add_record(
@@ -634,6 +659,19 @@ class Catalog:
 
     # ---- copies ----------------------------------------------------------------------------
     def set_nvme(self, entry: Entry, record_bytes: int, location: int = 0) -> None:
+        if entry._catalog is self:
+            # The entry's properties, by its slot (a demotion batch sets each of its
+            # records here: the setters' calls were most of this one's).
+            slot = entry._slot
+            if self._record[slot]:
+                raise ValueError("entry already has an NVMe record")
+            self._record[slot] = record_bytes
+            self._loc[slot] = location
+            if self._flags[slot] & _LIVE:
+                self._nvme_count += 1
+                self._nvme_add(slot, record_bytes)
+                self._changed_slot(slot, block_id=entry.block_id)
+            return
         if entry.nvme_record_bytes:
             raise ValueError("entry already has an NVMe record")
         entry.nvme_record_bytes = record_bytes
@@ -656,6 +694,17 @@ class Catalog:
 
     def drop_dram(self, entry: Entry) -> Extent | None:
         """Forget the DRAM copy; returns its extent for the caller to free."""
+        if entry._catalog is self:  # as `set_nvme`: by the slot, not the properties
+            slot = entry._slot
+            extent = self._dram.pop(slot, None)
+            if extent is not None and self._flags[slot] & _LIVE:
+                self._dram_slots.discard(slot)
+                self.dram_used_bytes -= extent.size_bytes
+                if not self._record[slot]:
+                    self._forget(slot)
+                self._dram_changed(slot, None, entry.block_id)
+                self._changed_slot(slot, block_id=entry.block_id)
+            return extent
         extent = entry.dram_extent
         if extent is None:
             return None

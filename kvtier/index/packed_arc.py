@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable
+from typing import Protocol
 
 from kvtier.index.policy import PROBATION, PROTECTED, TAIL, ChainArcPolicy
 from kvtier.index.slot_policy import SlotPolicy
@@ -19,7 +20,14 @@ from kvtier.index.slots import (
     unlink,
 )
 
-__all__ = ["PackedChainArc"]
+__all__ = ["PackedChainArc", "UseCounts"]
+
+
+class UseCounts(Protocol):
+    """Uses by key digest (DigestSketch)."""
+
+    def count(self, digest: int) -> int: ...
+
 
 _LISTS = 3  # PROBATION, PROTECTED, TAIL: sentinels 0..2, slot s is node s + 3
 
@@ -35,9 +43,17 @@ class PackedChainArc(SlotPolicy):
 
     STEP = ChainArcPolicy.STEP
 
-    def __init__(self, uses_of: Callable[[int], int], digest_of: Callable[[int], int]) -> None:
+    def __init__(
+        self,
+        uses_of: Callable[[int], int],
+        digest_of: Callable[[int], int],
+        sketch: UseCounts | None = None,
+    ) -> None:
+        """`sketch`: where `uses_of(slot)` is `sketch.count(digest_of(slot))`, the
+        sketch itself, so a touch reads the count by the digest it already has."""
         self._uses_of = uses_of
         self._digest_of = digest_of
+        self._sketch = sketch
         self._prev = array("i", range(_LISTS))
         self._next = array("i", range(_LISTS))
         self._list = bytearray()
@@ -84,19 +100,16 @@ class PackedChainArc(SlotPolicy):
         self._lens[kind] += 1
         link_last(self._prev, self._next, kind, node)
 
-    def _touch(self, slot: int, hit: bool) -> None:
+    def _touch(self, slot: int, hit: bool, digest: int) -> None:
         node = slot + 1
         if hit:
             unlink(self._rprev, self._rnext, node)
         link_last(self._rprev, self._rnext, 0, node)
         shadow = self._shadow
-        digest = self._digest_of(slot)
-        if (digest in shadow) != hit:  # ChainArcPolicy._touch
+        if (shadow.exchange(digest, 0) >= 0) != hit:  # ChainArcPolicy._touch
             step = self.STEP if hit else -self.STEP
             self.weight = min(max(self.weight + step, 0.0), 1.0)
-        shadow.put(digest, to_end=True)
-        while len(shadow) > max(self._len, 1):
-            shadow.pop_oldest()
+        shadow.trim(max(self._len, 1))
         self._clock += 1
         self._tick[slot] = self._clock
         position = self._pos[slot]
@@ -107,7 +120,9 @@ class PackedChainArc(SlotPolicy):
             self._deep, self._deep_position = slot, position
         elif position >= self._deep_position:
             self._deep, self._deep_position = slot, position
-        self._place(slot, PROTECTED if self._uses_of(slot) > 1 else PROBATION)
+        sketch = self._sketch
+        uses = self._uses_of(slot) if sketch is None else sketch.count(digest)
+        self._place(slot, PROTECTED if uses > 1 else PROBATION)
 
     def insert(self, slot: int, size_bytes: int, position: int = 0, parent: int = NO_SLOT) -> None:
         if max(slot, parent) >= len(self._list):
@@ -122,20 +137,25 @@ class PackedChainArc(SlotPolicy):
             self._kids[parent] += 1
         digest = self._digest_of(slot)
         ghosts = self._ghosts
-        kind = next((k for k, g in enumerate(ghosts) if g.pop(digest) >= 0), -1)
-        young = len(ghosts[PROBATION]) + len(ghosts[TAIL])
-        old = len(ghosts[PROTECTED])
-        if kind == PROBATION:
-            self.target = min(self.target + max(1.0, old / (young + 1)), float(self._len))
-        elif kind == PROTECTED:
-            self.target = max(self.target - max(1.0, young / (old + 1)), 0.0)
+        kind = -1
+        for k in range(_LISTS):
+            if ghosts[k].pop(digest) >= 0:  # the first that has it (the others kept)
+                kind = k
+                break
+        if kind in (PROBATION, PROTECTED):  # a ghost: ARC's adaptation
+            young = len(ghosts[PROBATION]) + len(ghosts[TAIL])
+            old = len(ghosts[PROTECTED])
+            if kind == PROBATION:
+                self.target = min(self.target + max(1.0, old / (young + 1)), float(self._len))
+            else:
+                self.target = max(self.target - max(1.0, young / (old + 1)), 0.0)
         if kind >= 0 and kind != PROTECTED:
             self._returns[kind][1] += 1
-        self._touch(slot, hit=False)
+        self._touch(slot, False, digest)
 
     def hit(self, slot: int) -> None:
         if slot in self:
-            self._touch(slot, hit=True)
+            self._touch(slot, True, self._digest_of(slot))
 
     def remove(self, slot: int) -> None:
         if slot not in self:
@@ -209,8 +229,7 @@ class PackedChainArc(SlotPolicy):
         self.remove(chosen)
         ghosts = self._ghosts[kind]
         ghosts.put(self._digest_of(chosen), to_end=True)
-        while len(ghosts) > max(self._len, 1):
-            ghosts.pop_oldest()
+        ghosts.trim(max(self._len, 1))
         return chosen
 
     def names_as_parent(self, slot: int) -> bool:

@@ -44,11 +44,10 @@ class PackedReuse:
     def observe(self, digest: int, uses: int, from_end: int) -> None:
         """Record a placement or use of the block with key digest `digest`."""
         last = self._last
-        previous = last.get(digest)
+        previous = last.exchange(digest, _bucket_code(uses, from_end))
         if previous >= 0:
             self._reused[previous] += 1
             self._resolved[previous] += 1
-        last.put(digest, _bucket_code(uses, from_end), to_end=True)
         if len(last) > self._remembered:
             self._resolved[last.pop(last.oldest())] += 1
 
@@ -138,8 +137,7 @@ class PackedPolicies:
 
     def accessed(self, digest: int, from_end: int) -> None:
         """A block was asked for (hit or miss): count the use, settle its last estimate."""
-        self.sketch.add(digest)
-        self.reuse.observe(digest, self.sketch.count(digest), from_end)
+        self.reuse.observe(digest, self.sketch.add(digest), from_end)
 
     def uses_of(self, slot: int) -> int:
         return self.sketch.count(self.digest_of(slot))
@@ -166,6 +164,6 @@ class PackedPolicies:
         if self.name == "s3fifo":
             return PackedS3Fifo(capacity_bytes, digest_of)
         if fallback is not None:
-            return PackedChainArc(uses_of, digest_of)  # Policies.new_tier says why
+            return PackedChainArc(uses_of, digest_of, self.sketch)  # Policies.new_tier says why
         counted_in = self.sketch if uses_of == self.uses_of else None
         return PackedValue(tier, fallback, self.model, uses_of, digest_of, sketch=counted_in)

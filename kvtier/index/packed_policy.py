@@ -319,17 +319,31 @@ class DigestSketch:
         self._reset_after = reset_after or 10 * width
         self._added = 0
 
-    def add(self, digest: int) -> None:
+    def add(self, digest: int) -> int:
+        """Count one more use of `digest`; its `count` after."""
         mask = self._mask
-        for row in self._rows:
-            i = digest & mask
-            if row[i] < 15:
-                row[i] += 1
-            digest >>= 16
+        r0, r1, r2, r3 = self._rows  # ROWS, unrolled as in `count`
+        i0, i1, i2, i3 = digest & mask, (digest >> 16) & mask, (digest >> 32) & mask, digest >> 48
+        i3 &= mask
+        c0, c1, c2, c3 = r0[i0], r1[i1], r2[i2], r3[i3]
+        if c0 < 15:
+            c0 += 1
+            r0[i0] = c0
+        if c1 < 15:
+            c1 += 1
+            r1[i1] = c1
+        if c2 < 15:
+            c2 += 1
+            r2[i2] = c2
+        if c3 < 15:
+            c3 += 1
+            r3[i3] = c3
         self._added += 1
         if self._added >= self._reset_after:
             self._added = 0
             self._rows = [row.translate(_HALVE) for row in self._rows]  # C speed: ~0.1 ms
+            return self.count(digest)
+        return min(c0, c1, c2, c3)
 
     def count_many(self, digests: np.ndarray) -> np.ndarray:
         """`count` of each digest (uint64 array in, int64 out)."""
@@ -607,6 +621,47 @@ class PackedValue(SlotPolicy):
         else:
             self._push(slot)
         self._set(slot, prio[slot])
+
+    def insert_run(self, slots: list[int], sizes: list[int]) -> None:
+        """`insert` of each (position 0, no parent), in order, as `insert` does it for a
+        block new to the tier with no cached child, inlined: the saving asked once a size
+        (the model does not change within the call) and the uses by the sketch. Any other
+        slot (a hit, a parent) takes `insert` itself, in its turn."""
+        sketch = self._sketch
+        if self._shadow is not None or sketch is None or not slots:
+            super().insert_run(slots, sizes)
+            return
+        top = max(slots)
+        if top >= self._ahead_from:
+            self._grow_ahead()
+        if top >= len(self._where):
+            self._grow(top)
+        savings: dict[int, float] = {}
+        digest_of, count = self._digest_of, sketch.count
+        fresh = True
+        for slot, size in zip(slots, sizes, strict=True):
+            if fresh:  # the columns, again after `insert` (it may grow them)
+                where, first, prio = self._where, self._first, self._prio
+                rprev, rnext = self._rprev, self._rnext
+                fresh = False
+            if where[slot] != _ABSENT or first[slot] >= 0:
+                self.insert(slot, size)
+                fresh = True
+                continue
+            self._len += 1
+            link_last(rprev, rnext, 0, slot + 1)  # _touch: most recent (no shadow)
+            self._size[slot] = size
+            self._pos[slot] = 0
+            self._parent[slot] = NO_SLOT
+            self._tick += 1
+            self._seq[slot] = self._tick
+            saving = savings.get(size)
+            if saving is None:
+                info = BlockInfo(size, 0)
+                saving = savings[size] = self._model.saving_s(self._tier, self._fallback, info)
+            uses = max(count(digest_of(slot)), 1)
+            prio[slot] = self._inflation + uses * saving / max(size, 1)  # _own_priority
+            self._push(slot)
 
     def insert_many(self, slots: np.ndarray, sizes: np.ndarray, digests: np.ndarray) -> None:
         """`insert` of each (position 0, no parent) on arrays: the priorities computed

@@ -35,6 +35,12 @@ class SlotPolicy(ABC):
         for slot, size in zip(slots.tolist(), sizes.tolist(), strict=True):
             self.insert(slot, size)
 
+    def insert_run(self, slots: list[int], sizes: list[int]) -> None:
+        """`insert_many` for a few slots (a demotion batch's), without arrays: a policy may
+        skip the per-call work that is the same for each."""
+        for slot, size in zip(slots, sizes, strict=True):
+            self.insert(slot, size)
+
     @abstractmethod
     def hit(self, slot: int) -> None: ...
 

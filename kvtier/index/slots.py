@@ -214,6 +214,10 @@ class DigestTable:
                 unlink(self._prev, self._next, node)
                 link_last(self._prev, self._next, 0, node)
             return
+        self._add(digest, value)
+
+    def _add(self, digest: int, value: int) -> None:
+        """`put` of a digest not in the table."""
         if (self._len + self._deleted + 1) * 10 > 7 * len(self._index):
             self._rehash()
         node = self._new_node()
@@ -228,6 +232,20 @@ class DigestTable:
             self._deleted -= 1
         index[i] = node
         self._len += 1
+
+    def exchange(self, digest: int, value: int) -> int:
+        """`put(digest, value, to_end=True)` returning the value it had (-1: absent): one
+        probe where `get` then `put` took two."""
+        i = self._find(digest)
+        if i < 0:
+            self._add(digest, value)
+            return -1
+        node = self._index[i]
+        old = self._value[node]
+        self._value[node] = value
+        unlink(self._prev, self._next, node)
+        link_last(self._prev, self._next, 0, node)
+        return old
 
     def pop(self, digest: int) -> int:
         """Forget `digest`; returns its value, or -1 if it was absent."""
@@ -245,6 +263,11 @@ class DigestTable:
         digest = self.oldest()
         self._drop(self._find(digest))
         return digest
+
+    def trim(self, most: int) -> None:
+        """`pop_oldest` until at most `most` digests are left."""
+        while self._len > most:
+            self._drop(self._find(self._digest[self._next[0]]))
 
     def _drop(self, i: int) -> int:
         index, mask, digests = self._index, self._mask, self._digest

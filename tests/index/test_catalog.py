@@ -37,6 +37,28 @@ class CatalogMachine(RuleBasedStateMachine):
         self.catalog.add(entry)
         return entry
 
+    @rule(target=entries, key=KEYS, size=st.integers(1, 10_000))
+    def put(self, key: bytes, size: int) -> Entry:
+        """A put's block (`add_block`: no Entry made); a key catalogued already is left
+        as it is (NO_SLOT)."""
+        before = self.catalog.get((NS, key))
+        self.generation += 1
+        extent = Extent(self.offset, 4096 * (size // 4096 + 1))
+        self.offset += extent.size_bytes
+        slot = self.catalog.add_block((NS, key), size, 7, self.generation, extent)
+        if before is not None and self.catalog.is_live(before):
+            assert slot == NO_SLOT
+            assert self.catalog.get((NS, key)) is before
+            return before
+        entry = self.catalog.handle(slot)
+        assert (entry.size_bytes, entry.generation, entry.dram_extent) == (
+            size,
+            self.generation,
+            extent,
+        )
+        assert entry.tiers == [TierName.DRAM] and not entry.nvme_record_bytes
+        return entry
+
     @rule(entry=entries)
     def demote(self, entry: Entry) -> None:
         if self.catalog.is_live(entry) and not entry.nvme_record_bytes:

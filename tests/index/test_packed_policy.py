@@ -332,7 +332,11 @@ digests = st.builds(lambda lo, hi: lo | hi << 40, st.integers(0, 15), st.integer
 @settings(max_examples=300, deadline=None)
 @given(
     calls=st.lists(
-        st.tuples(st.sampled_from(["put", "move", "pop", "oldest"]), digests, st.integers(0, 255)),
+        st.tuples(
+            st.sampled_from(["put", "move", "pop", "oldest", "exchange", "trim"]),
+            digests,
+            st.integers(0, 255),
+        ),
         max_size=300,
     )
 )
@@ -346,6 +350,14 @@ def test_digest_table_is_an_ordered_dict(calls: list[tuple[str, int, int]]) -> N
                 model.move_to_end(digest)
         elif name == "pop":
             assert table.pop(digest) == model.pop(digest, -1)
+        elif name == "exchange":
+            assert table.exchange(digest, value) == model.get(digest, -1)
+            model[digest] = value
+            model.move_to_end(digest)
+        elif name == "trim":
+            table.trim(value % 8)
+            while len(model) > value % 8:
+                model.popitem(last=False)
         elif model:
             assert table.pop_oldest() == model.popitem(last=False)[0]
         assert len(table) == len(model)

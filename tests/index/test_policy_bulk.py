@@ -1,6 +1,7 @@
-"""SlotPolicy.insert_many (recovery's bulk insert into the NVMe order) leaves every packed
-policy as inserting the same slots one by one does: the same arrays, heap and lists,
-and the same victims after, from any earlier state."""
+"""SlotPolicy.insert_many (recovery's bulk insert into the NVMe order) and insert_run (a
+demotion batch's) leave every packed policy as inserting the same slots one by one
+does: the same arrays, heap and lists, and the same victims after, from any earlier
+state."""
 
 from __future__ import annotations
 
@@ -94,20 +95,29 @@ def arrays(order: SlotPolicy, upto: int) -> dict[str, object]:
         st.tuples(st.integers(0, SLOTS + 20), SIZES), max_size=40, unique_by=lambda t: t[0]
     ),
     after=OPS,
+    way=st.sampled_from(["many", "run"]),
+    again=st.integers(0, 39),
 )
-def test_insert_many_is_insert_one_by_one(
+def test_a_bulk_insert_is_insert_one_by_one(
     name: str,
     which: int,
     before: list[tuple[Any, ...]],
     batch: list[tuple[int, int]],
     after: list[tuple[Any, ...]],
+    way: str,
+    again: int,
 ) -> None:
     bulk_policies, bulk = make(name, MODELS[which])
     one_policies, one = make(name, MODELS[which])
     assert run(bulk_policies, bulk, before) == run(one_policies, one, before)
-    slots = np.array([s for s, _ in batch], dtype=np.int64)
-    sizes = np.array([z for _, z in batch], dtype=np.uint64)
-    bulk.insert_many(slots, sizes, np.array([digest(s) for s in slots.tolist()], np.uint64))
+    if way == "run":
+        if batch and again < len(batch):
+            batch = [*batch, batch[again]]  # a slot twice in one run: a hit the second time
+        bulk.insert_run([s for s, _ in batch], [z for _, z in batch])
+    else:
+        slots = np.array([s for s, _ in batch], dtype=np.int64)
+        sizes = np.array([z for _, z in batch], dtype=np.uint64)
+        bulk.insert_many(slots, sizes, np.array([digest(s) for s in slots.tolist()], np.uint64))
     for slot, size in batch:
         one.insert(slot, size)
     upto = SLOTS + 21

@@ -28,19 +28,39 @@ from tests.index.test_packed_policy import Pair, block_id, ops, slot_maps
 SIZE = 4096
 
 
-def _arc_pair(slot_of: list[int]) -> Pair:
+class _CountByDigest:
+    """A sketch as PackedChainArc reads one given it (`count(digest)`), over the keys'
+    counts in `sketch`."""
+
+    def __init__(self, sketch: FrequencySketch, keys: dict[int, Key]) -> None:
+        self._sketch = sketch
+        self._key_of = {key_digest(key): key for key in keys.values()}
+
+    def count(self, digest: int) -> int:
+        return self._sketch.count(self._key_of[digest])
+
+
+def _arc_pair(slot_of: list[int], by_sketch: bool = False) -> Pair:
+    """`by_sketch`: the packed order reads uses by the digest it has (a sketch given, as
+    PackedPolicies.new_tier does), not through `uses_of`, which then must not be called."""
     sketch = FrequencySketch()
     keys = {slot: block_id(i) for i, slot in enumerate(slot_of)}
-    new = PackedChainArc(lambda slot: sketch.count(keys[slot]), lambda slot: key_digest(keys[slot]))
+
+    def uses_of(slot: int) -> int:
+        assert not by_sketch, "uses_of read although a sketch was given"
+        return sketch.count(keys[slot])
+
+    counts = _CountByDigest(sketch, keys) if by_sketch else None
+    new = PackedChainArc(uses_of, lambda slot: key_digest(keys[slot]), counts)
     return Pair(ChainArcPolicy(sketch), new, slot_of, sketch)
 
 
 @settings(max_examples=400, deadline=None)
-@given(calls=ops, slot_of=slot_maps)
+@given(calls=ops, slot_of=slot_maps, by_sketch=st.booleans())
 def test_packed_chain_arc_chooses_the_same_victims(
-    calls: list[tuple[Any, ...]], slot_of: list[int]
+    calls: list[tuple[Any, ...]], slot_of: list[int], by_sketch: bool
 ) -> None:
-    pair = _arc_pair(slot_of)
+    pair = _arc_pair(slot_of, by_sketch)
     for op in calls:
         pair.run(op)
         old, new = pair.old, pair.new
