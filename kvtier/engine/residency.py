@@ -397,7 +397,7 @@ class Residency:
         # With nothing protected (no queue prefetch) the first choice is the fallback's:
         # skip asking, per candidate, for a block id nobody looks at (the same victims).
         first = evictable if self.protected is _nothing_protected else self._unprotected_slot
-        has_dram, handle = catalog.has_dram, catalog.handle
+        claim = catalog.claim
         while (freed < shortfall_bytes or not victims) and len(victims) < most:
             slot = order.victim(first)
             if slot is None and first is not evictable:
@@ -407,13 +407,11 @@ class Residency:
                 slot = order.last_resort(evictable)
             if slot is None:
                 break
-            if not has_dram(slot):
+            claimed = claim(slot)  # demoting now: the next victim() must skip it
+            if claimed is None:
                 continue  # stale: the policy's view lagged the catalog
-            entry = handle(slot)
-            entry.demoting = True  # claimed now: the next victim() must skip it
+            entry, extent = claimed
             victims.append(entry)
-            extent = entry.dram_extent
-            assert extent is not None
             freed += extent.size_bytes
         return victims
 
@@ -444,12 +442,12 @@ class Residency:
         once): the extents to free, and the removed blocks' copies to release."""
         catalog, counters = self.catalog, self._counters
         is_live, drop_dram, release = catalog.is_live, catalog.drop_dram, self.release
+        unclaim = catalog.unclaim
         extents: list[Extent] = []
         released: list[tuple[Entry, Released]] = []
         evicted = dropped = 0
         for entry in entries:
-            entry.demoting = False
-            if entry.pins:  # a reader pinned it meanwhile: it keeps its DRAM copy
+            if unclaim(entry):  # a reader pinned it meanwhile: it keeps its DRAM copy
                 if is_live(entry):
                     slot = entry.slot
                     self._insert(self.dram_order[catalog.tenant_of_slot(slot)], slot)

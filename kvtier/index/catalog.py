@@ -298,6 +298,25 @@ class Catalog:
         self._handles[slot] = weakref.KeyedRef(entry, self._handle_gone, slot)
         return entry
 
+    def claim(self, slot: int) -> tuple[Entry, Extent] | None:
+        """A DRAM victim's handle, claimed (`demoting` set), and its DRAM extent; None if
+        the slot has no DRAM copy (the policy's view lagged the catalog)."""
+        extent = self._dram.get(slot)
+        if extent is None:
+            return None
+        entry = self.handle(slot)
+        self._flags[slot] |= _DEMOTING
+        return entry, extent
+
+    def unclaim(self, entry: Entry) -> int:
+        """A claimed block's move is over (`demoting` cleared); its pins."""
+        if entry._catalog is not self:
+            entry.demoting = False
+            return entry.pins
+        slot = entry._slot
+        self._flags[slot] &= ~_DEMOTING & 0xFF
+        return self._pins[slot]
+
     def block_id_of(self, slot: int) -> BlockId:
         off = self._key_off[slot]
         key = self._keys[off : off + self._key_len[slot]]  # an mmap slice is bytes

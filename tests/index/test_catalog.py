@@ -66,6 +66,18 @@ class CatalogMachine(RuleBasedStateMachine):
             self.catalog.drop_dram(entry)
 
     @rule(entry=entries)
+    def claim_and_unclaim(self, entry: Entry) -> None:
+        """A DRAM victim's claim, by slot, is the entry's `demoting`, and gives its extent."""
+        if not self.catalog.is_live(entry) or entry.demoting:
+            return
+        claimed = self.catalog.claim(entry.slot)
+        if entry.dram_extent is None:
+            assert claimed is None and not entry.demoting
+            return
+        assert claimed == (entry, entry.dram_extent) and entry.demoting
+        assert self.catalog.unclaim(entry) == entry.pins and not entry.demoting
+
+    @rule(entry=entries)
     def pin(self, entry: Entry) -> None:
         Catalog.pin(entry)
 
