@@ -40,9 +40,9 @@ from kvtier.tiers.record import RecordHeader
 from kvtier.types import BlockId, Extent, LookupResult, TierName
 
 # A demotion batch's records (up to demoter.BATCH_RECORDS) enter the NVMe order on arrays
-# from this many in a run: `PackedValue.insert_many`'s ~0.25 ms of numpy calls a run
-# broke even with one-by-one inserts (~9 µs each) at ~30 blocks here; at 64, 4.4 µs a
-# block against 8.8.
+# from this many in a run, by `insert_run` below it: `PackedValue.insert_many`'s numpy
+# calls (~0.1-0.25 ms a run, by the machine's day) broke even with `insert_run` (~2.7 µs
+# a block, a third of one-by-one inserts) at ~32 blocks; at 64, 1.6 µs a block against 2.7.
 BULK_INSERT_MIN = 32
 
 BlockEvents = Callable[[BlockId, list[TierName]], None]

@@ -28,11 +28,7 @@ arrays and nothing per block that the garbage collector walks. Per slot:
 DRAM copies are few (an arena holds thousands of blocks, the NVMe tier millions), so
 their extents are a dict by slot rather than two more arrays for every block.
 
-The index is digest -> slot by linear hashing (Litwin): buckets are chains through
-`chain`, one bucket split per insert as the table grows, so no insert ever rehashes the
-whole table (a rehash of 10 M slots would stop the event loop for seconds). A bucket is
-walked comparing the digest, then the full id (namespace and key bytes): two blocks whose
-digests collide are two slots of one bucket, never one block.
+The index, digest -> slot, is kvtier/index/catalog_index.py's (a base of `Catalog`).
 
 `Entry` is a handle (catalog, slot, block id) whose attributes read and write the arrays.
 The catalog hands out at most one live handle per slot (a weak-reference map), so `is`
@@ -56,6 +52,7 @@ import xxhash
 
 from kvtier.index import catalog_bulk
 from kvtier.index.catalog_bulk import RecordColumns
+from kvtier.index.catalog_index import KeyIndex
 from kvtier.index.chain_probes import CHAIN_MIN_KEYS, ChainProbes
 from kvtier.index.entry import DEMOTING, DOOMED, FREE, IN_REMOTE, LIVE, Entry
 from kvtier.index.slots import NO_SLOT, mapping, remap
@@ -127,7 +124,7 @@ class DramHook(Protocol):
     ) -> None: ...
 
 
-class Catalog:
+class Catalog(KeyIndex):
     """key -> residency: copies, pins and byte accounting, reported as residency events."""
 
     # The columns (_COLUMNS), set in __init__ and _grow.
@@ -363,75 +360,9 @@ class Catalog:
         """Live, unpinned and not being moved."""
         return self._flags[slot] & (_LIVE | _DEMOTING) == _LIVE and not self._pins[slot]
 
-    # ---- the index -------------------------------------------------------------------------
-    def _bucket(self, digest: int) -> int:
-        b = digest & (self._base - 1)
-        if b < self._split:
-            b = digest & (2 * self._base - 1)
-        return b
-
-    def _find(self, ns: int, key: bytes, digest: int) -> int:
-        s = self._heads[self._bucket(digest)]
-        digests, nss, chain = self._digest, self._ns, self._chain
-        while s >= 0:
-            if digests[s] == digest and nss[s] == ns and self._key_is(s, key):
-                return s
-            s = chain[s]
-        return NO_SLOT
-
-    def _key_is(self, slot: int, key: bytes) -> bool:
-        n = self._key_len[slot]
-        if n != len(key):
-            return False
-        off = self._key_off[slot]
-        return self._keys[off : off + n] == key
-
-    def slot_of(self, block_id: BlockId) -> int:
-        """The live slot of `block_id`, or NO_SLOT."""
-        ns = self._ns_ids.get(block_id[0])
-        if ns is None:
-            return NO_SLOT
-        return self._find(ns, block_id[1], self._digest_fn(block_id))
-
-    def _seed(self, ns_id: str) -> int:
-        seed = self._seeds.get(ns_id)
-        if seed is None:
-            seed = self._seeds[ns_id] = xxhash.xxh3_64_intdigest(ns_id.encode())
-        return seed
-
-    def _seeded_digest(self, block_id: BlockId) -> int:
-        return xxhash.xxh3_64_intdigest(block_id[1], self._seed(block_id[0]))
-
     def slots_of(self, ns_id: str, keys: list[bytes]) -> list[int]:
         """The slot of each key (NO_SLOT: not cached), making no handle (chain_probes.py)."""
         return self._chains.slots_of(self, ns_id, keys)
-
-    def _probe(self, ns_id: str, keys: list[bytes]) -> list[int]:
-        """The slot of each key, walking the index: `_find` inlined (0.64x its time)."""
-        ns = self._ns_ids.get(ns_id)
-        if ns is None:
-            return [NO_SLOT] * len(keys)
-        if self._fast:
-            h, seed = xxhash.xxh3_64_intdigest, self._seed(ns_id)
-            digests = [h(key, seed) for key in keys]
-        else:
-            fn = self._digest_fn
-            digests = [fn((ns_id, key)) for key in keys]
-        heads, chain, digest_of, ns_of = self._heads, self._chain, self._digest, self._ns
-        key_off, key_len, heap = self._key_off, self._key_len, self._keys
-        low, high, split = self._base - 1, 2 * self._base - 1, self._split
-        out = []
-        for key, digest in zip(keys, digests, strict=True):
-            b = digest & low
-            s = heads[digest & high if b < split else b]
-            while s >= 0:
-                if digest_of[s] == digest and ns_of[s] == ns:
-                    off = key_off[s]
-                    if heap[off : off + key_len[s]] == key:
-                        break
-                s = chain[s]
-            out.append(s)
-        return out
 
     def tiers_of(self, slots: list[int]) -> list[TierName | None]:
         """`tier_of_slot` of each slot, inlined (a Plan's 256)."""
@@ -439,64 +370,6 @@ class Catalog:
         return [
             None if s < 0 else _DRAM if s in dram else _NVME if record[s] else None for s in slots
         ]
-
-    def _link(self, slot: int) -> None:
-        b = self._bucket(self._digest[slot])
-        self._chain[slot] = self._heads[b]
-        self._heads[b] = slot
-        self._len += 1
-        if self._len > self._base + self._split:
-            self._split_one()
-
-    def _split_one(self) -> None:
-        """Grow the table by one bucket: bucket `split`'s chain is shared out between it
-        and its new image `split + base` by one more bit of the digest."""
-        heads, chain, digests = self._heads, self._chain, self._digest
-        base, split = self._base, self._split
-        s = heads[split]
-        stay, move = NO_SLOT, NO_SLOT
-        while s >= 0:
-            after = chain[s]
-            if digests[s] & base:
-                chain[s], move = move, s
-            else:
-                chain[s], stay = stay, s
-            s = after
-        heads[split] = stay
-        heads.append(move)
-        self._split += 1
-        if self._split == base:
-            self._base, self._split = 2 * base, 0
-
-    def _unlink(self, slot: int) -> None:
-        b = self._bucket(self._digest[slot])
-        heads, chain = self._heads, self._chain
-        s = heads[b]
-        if s == slot:
-            heads[b] = chain[slot]
-        else:
-            while chain[s] != slot:
-                s = chain[s]
-            chain[s] = chain[slot]
-        chain[slot] = NO_SLOT
-        self._len -= 1
-        self._unlinked += 1
-
-    def _store_key(self, slot: int, key: bytes) -> None:
-        n = len(key)
-        if n > 0xFFFF:
-            raise ValueError("keys are at most 65535 bytes")
-        if n and n == self._key_len[slot]:
-            off = self._key_off[slot]  # a reused slot: its last key's room, no heap growth
-            self._keys[off : off + n] = key
-        else:
-            off = self._keys_used
-            if off + n > len(self._keys):
-                self._keys = remap(self._keys, max(2 * len(self._keys), off + n))
-            self._keys[off : off + n] = key
-            self._keys_used = off + n
-            self._key_off[slot] = off
-            self._key_len[slot] = n
 
     # ---- adding ----------------------------------------------------------------------------
     def add(self, entry: Entry) -> None:
@@ -691,14 +564,10 @@ class Catalog:
                 self._nvme_add(slot, record_bytes)
                 self._changed_slot(slot, block_id=entry.block_id)
             return
-        if entry.nvme_record_bytes:
+        if entry.nvme_record_bytes:  # an entry of no catalog: its own fields
             raise ValueError("entry already has an NVMe record")
         entry.nvme_record_bytes = record_bytes
         entry.nvme_location = location
-        if self._mine(entry):
-            self._nvme_count += 1
-            self._nvme_add(entry._slot, record_bytes)
-            self._changed_slot(entry._slot, block_id=entry.block_id)
 
     def set_dram(self, entry: Entry, extent: Extent) -> None:
         """A copy was promoted into DRAM (the entry keeps its NVMe record too)."""
@@ -724,18 +593,9 @@ class Catalog:
                 self._dram_changed(slot, None, entry.block_id)
                 self._changed_slot(slot, block_id=entry.block_id)
             return extent
-        extent = entry.dram_extent
-        if extent is None:
-            return None
-        entry.dram_extent = None
-        if self._mine(entry):
-            slot = entry._slot
-            self._dram_slots.discard(slot)
-            self.dram_used_bytes -= extent.size_bytes
-            if not self._record[slot]:
-                self._forget(slot)
-            self._dram_changed(slot, None, entry.block_id)
-            self._changed_slot(slot, block_id=entry.block_id)
+        extent = entry.dram_extent  # an entry of no catalog: its own field
+        if extent is not None:
+            entry.dram_extent = None
         return extent
 
     def drop_nvme(self, entry: Entry) -> int:

@@ -28,10 +28,11 @@ Layout, per slot of one tier's order (bytes per block in brackets):
   parent and cached-children count as int32s, the last touch as an int64; the safety
   net's recency list (two int32s) and shadow LRU (a DigestTable); its ghosts one
   DigestTable per list a block left.
-* `DigestSketch` [fixed, 256 KiB] — the count-min sketch in four bytearrays, row r
-  indexed by the digest's r-th 16-bit quarter. `key_digest` packs the four indices
-  FrequencySketch took from xxh3-128(`repr(key)`), so the counts, collisions included,
-  are FrequencySketch's; the repr is hashed once per block (by the catalog), not per use.
+* `DigestSketch` (kvtier/index/sketch.py) [fixed, 256 KiB] — the count-min sketch in four
+  bytearrays, row r indexed by the digest's r-th 16-bit quarter. `key_digest` packs the
+  four indices FrequencySketch took from xxh3-128(`repr(key)`), so the counts, collisions
+  included, are FrequencySketch's; the repr is hashed once per block (by the catalog),
+  not per use.
 * `PackedReuse`, `PackedGhosts` [≈ 26 a remembered key] — `DigestTable`s in LRU order.
 
 What is and is not identical to policy.py (tests/index/test_packed_policy.py checks it):
@@ -71,6 +72,7 @@ from kvtier.index.policy import (
     ValueModel,
     ValuePolicy,
 )
+from kvtier.index.sketch import DigestSketch
 from kvtier.index.slot_policy import SlotPolicy
 from kvtier.index.slots import (
     NO_SLOT,
@@ -297,74 +299,6 @@ class PackedS3Fifo(SlotPolicy):
 
     def __len__(self) -> int:
         return self._small_len + self._main_len
-
-
-# ---- use counts -----------------------------------------------------------------------
-
-_HALVE = bytes(i >> 1 for i in range(256))
-
-
-class DigestSketch:
-    """FrequencySketch's count-min (4 rows, counters saturating at 15, all halved every
-    `reset_after` adds) over key digests: row r's counter is the digest's r-th 16-bit
-    quarter (masked to a power-of-two `width`), one byte each."""
-
-    ROWS = 4
-
-    def __init__(self, width: int = 1 << 16, reset_after: int | None = None) -> None:
-        if width <= 0 or width & (width - 1) or width > 1 << 16:
-            raise ValueError(f"sketch width must be a power of two up to 65536, not {width}")
-        self._mask = width - 1
-        self._rows = [bytearray(width) for _ in range(self.ROWS)]
-        self._reset_after = reset_after or 10 * width
-        self._added = 0
-
-    def add(self, digest: int) -> int:
-        """Count one more use of `digest`; its `count` after."""
-        mask = self._mask
-        r0, r1, r2, r3 = self._rows  # ROWS, unrolled as in `count`
-        i0, i1, i2, i3 = digest & mask, (digest >> 16) & mask, (digest >> 32) & mask, digest >> 48
-        i3 &= mask
-        c0, c1, c2, c3 = r0[i0], r1[i1], r2[i2], r3[i3]
-        if c0 < 15:
-            c0 += 1
-            r0[i0] = c0
-        if c1 < 15:
-            c1 += 1
-            r1[i1] = c1
-        if c2 < 15:
-            c2 += 1
-            r2[i2] = c2
-        if c3 < 15:
-            c3 += 1
-            r3[i3] = c3
-        self._added += 1
-        if self._added >= self._reset_after:
-            self._added = 0
-            self._rows = [row.translate(_HALVE) for row in self._rows]  # C speed: ~0.1 ms
-            return self.count(digest)
-        return min(c0, c1, c2, c3)
-
-    def count_many(self, digests: np.ndarray) -> np.ndarray:
-        """`count` of each digest (uint64 array in, int64 out)."""
-        mask = np.uint64(self._mask)
-        out: np.ndarray | None = None
-        for r, row in enumerate(self._rows):
-            values = np.frombuffer(row, dtype=np.uint8)
-            got = values[((digests >> np.uint64(16 * r)) & mask).astype(np.intp)]
-            out = got if out is None else np.minimum(out, got)
-        assert out is not None
-        return out.astype(np.int64)
-
-    def count(self, digest: int) -> int:
-        mask = self._mask
-        r0, r1, r2, r3 = self._rows
-        return min(
-            r0[digest & mask],
-            r1[(digest >> 16) & mask],
-            r2[(digest >> 32) & mask],
-            r3[(digest >> 48) & mask],
-        )
 
 
 # ---- eviction by value ----------------------------------------------------------------

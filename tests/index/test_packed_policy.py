@@ -418,12 +418,12 @@ def test_sketch_counts_what_frequency_sketch_counts(
     adds: list[Key], width: int, reset_after: int
 ) -> None:
     """Keyed by `key_digest`, the same keys collide: the counts are equal (saturated and
-    halved too)."""
+    halved too), and `add` returns the count after it."""
     old = FrequencySketch(width, reset_after=reset_after)
     new = DigestSketch(width, reset_after=reset_after)
     for key in adds:
         old.add(key)
-        new.add(key_digest(key))
+        assert new.add(key_digest(key)) == old.count(key)
         assert old.count(key) == new.count(key_digest(key))
     assert all(old.count(k) == new.count(key_digest(k)) for k in [*adds, "never added"])
 
