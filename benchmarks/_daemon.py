@@ -92,3 +92,26 @@ def baseline_tree(rev: str, scratch: Path) -> Iterator[Path]:
         yield tree
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=root, check=False)
+
+
+def run_in(tree: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """`argv` run in `tree` with PYTHONPATH set to it (that revision's `kvtier`); its
+    output captured, an error raised if it fails."""
+    return subprocess.run(
+        argv,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+
+
+def callgrind_instructions(tree: Path, argv: list[str]) -> int:
+    """The instructions callgrind counts over `run_in(tree, argv)` (deterministic where
+    timings on a shared machine are not)."""
+    done = run_in(tree, ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *argv])
+    for line in done.stderr.splitlines():
+        if "Collected" in line:
+            return int(line.split()[-1])
+    raise SystemExit(f"valgrind printed no instruction count:\n{done.stderr[-2000:]}")

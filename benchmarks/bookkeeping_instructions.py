@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -78,23 +76,11 @@ def one_run(blocks: int, part: str, policy: str) -> None:
 
 def collected(tree: Path, blocks: int, part: str, policy: str) -> int:
     """callgrind's instruction count of one fresh process of `tree`'s code."""
-    command = [
-        "valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
-        sys.executable, str(Path(__file__).resolve()),
-        "--child", str(blocks), "--part", part, "--policy", policy,
-    ]  # fmt: skip
-    done = subprocess.run(
-        command,
-        env={**os.environ, "PYTHONPATH": str(tree)},
-        cwd=tree,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    for line in done.stderr.splitlines():
-        if "Collected" in line:
-            return int(line.split()[-1])
-    raise SystemExit(f"valgrind printed no instruction count:\n{done.stderr[-2000:]}")
+    from _daemon import callgrind_instructions
+
+    script = str(Path(__file__).resolve())
+    argv = [sys.executable, script, "--child", str(blocks), "--part", part, "--policy", policy]
+    return callgrind_instructions(tree, argv)
 
 
 def per_block(tree: Path, part: str, policy: str) -> int:

@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -76,9 +75,9 @@ async def one_run(blocks: int, block_bytes: int, dram_bytes: int, batch: int) ->
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def run_side(tree: Path, args: argparse.Namespace, blocks: int, valgrind: bool = False) -> str:
-    """One fresh process of `tree`'s code; its JSON line (or, under valgrind, its stderr)."""
-    command = [
+def child_argv(args: argparse.Namespace, blocks: int) -> list[str]:
+    """The command of one fresh process of this script's measurement."""
+    return [
         sys.executable,
         str(Path(__file__).resolve()),
         "--child",
@@ -91,25 +90,13 @@ def run_side(tree: Path, args: argparse.Namespace, blocks: int, valgrind: bool =
         "--batch",
         str(args.batch),
     ]
-    if valgrind:
-        command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *command]
-    done = subprocess.run(
-        command,
-        env={**os.environ, "PYTHONPATH": str(tree)},
-        cwd=tree,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return done.stderr if valgrind else done.stdout
 
 
 def instructions_per_block(tree: Path, args: argparse.Namespace) -> int:
+    from _daemon import callgrind_instructions
+
     def collected(blocks: int) -> int:
-        for line in run_side(tree, args, blocks, valgrind=True).splitlines():
-            if "Collected" in line:
-                return int(line.split()[-1])
-        raise SystemExit("valgrind printed no instruction count")
+        return callgrind_instructions(tree, child_argv(args, blocks))
 
     return (collected(3072) - collected(1024)) // 2048
 
@@ -131,7 +118,7 @@ def main() -> int:
         result = asyncio.run(one_run(args.blocks, args.block_bytes, args.dram, args.batch))
         print(json.dumps(result))
         return 0
-    from _daemon import baseline_tree
+    from _daemon import baseline_tree, run_in
 
     here = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as scratch:
@@ -150,7 +137,7 @@ def main() -> int:
                 if round_ % 2:
                     order.reverse()
                 for side, tree in order:
-                    got = json.loads(run_side(tree, args, args.blocks))
+                    got = json.loads(run_in(tree, child_argv(args, args.blocks)).stdout)
                     rows[side].append(got)
                     print(f"round {round_} {side}: {got}", flush=True)
             counts = {}

@@ -270,15 +270,8 @@ class Residency:
         slot = catalog.add_block(block_id, size_bytes, xxh3_64, generation, extent)
         if slot == NO_SLOT:
             return slot
-        # `_accessed` and `_insert`, inlined (the put path's hottest call, per block).
-        if slot < len(self._pos):
-            from_end, position = self._from_end[slot], max(self._pos[slot], 0)
-            parent = self._parent_of(slot)
-        else:
-            from_end, position, parent = -1, 0, NO_SLOT
-        self.policies.accessed(catalog.digest_of(slot), from_end)
-        order = self.dram_order[catalog.tenant_of_slot(slot)]
-        order.insert(slot, size_bytes, position, parent)
+        self._accessed(slot)
+        self._insert(self.dram_order[catalog.tenant_of_slot(slot)], slot)
         return slot
 
     def add_recovered(
