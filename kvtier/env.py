@@ -14,6 +14,8 @@ ENV_TOKEN = "KVTIER_TOKEN"
 ENV_TLS_CA = "KVTIER_TLS_CA"
 ENV_TLS_CERT = "KVTIER_TLS_CERT"
 ENV_TLS_KEY = "KVTIER_TLS_KEY"
+# "0": the index's Python orders even where the C extension was built (A/B measurements).
+ENV_NATIVE = "KVTIER_NATIVE"
 
 
 def runtime_dir() -> Path:

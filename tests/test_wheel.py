@@ -30,7 +30,13 @@ VERSION = kvtier.__version__
 # What each extra is for, imported from a venv holding only the wheel and that extra.
 # An extra added to pyproject.toml without a row here fails the table test below.
 EXTRA_IMPORTS: dict[str, list[str]] = {
-    "": ["kvtier", "kvtier.client", "kvtier.server.daemon", "kvtier.tiers.nvme"],
+    "": [
+        "kvtier",
+        "kvtier.client",
+        "kvtier.server.daemon",
+        "kvtier.tiers.nvme",
+        "kvtier.index._arc_native",  # the C extension the wheel carries, built
+    ],
     "remote": ["redis", "hiredis", "numpy", "kvtier.tiers.remote"],
     "mooncake": ["mooncake.store"],
     "bench": ["redis", "matplotlib", "libaio", "kvtier.bench.nvme"],
@@ -71,7 +77,9 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _wheel(dist: Path) -> Path:
-    return dist / f"kvtier-{VERSION}-py3-none-any.whl"
+    """The one wheel: CPython's stable ABI from 3.11 (the C extension), for this platform."""
+    (wheel,) = dist.glob(f"kvtier-{VERSION}-cp311-abi3-*.whl")
+    return wheel
 
 
 def _sdist(dist: Path) -> Path:
@@ -95,6 +103,8 @@ def test_wheel_metadata_names_the_entry_point_license_and_every_extra(dist: Path
         entry_points = whl.read(f"{info}/entry_points.txt").decode()
     # Only the package: no tests, no build leftovers at the top of site-packages.
     assert {n.split("/", 1)[0] for n in names} == {"kvtier", info}
+    # The optional extension was built (a failed compile would only warn), in the stable ABI.
+    assert "kvtier/index/_arc_native.abi3.so" in names
     assert "kvtier = kvtier.cli:main" in entry_points
     assert meta["License-Expression"] == "Apache-2.0"
     assert meta["Requires-Python"] == ">=3.11"
@@ -125,6 +135,8 @@ def test_sdist_carries_what_rebuilds_and_retests_it(dist: Path) -> None:
         "tests/conftest.py",
         "tests/test_wheel.py",
         "scripts/gen_proto.py",
+        "kvtier/index/_arc_native.c",  # the extension rebuilds from the sdist
+        "kvtier/index/_native_tables.h",
         "systemd/kvtier.service",
         "deploy/kubernetes/base/kustomization.yaml",
     ):
@@ -149,7 +161,9 @@ def test_readme_builds_with_python_m_build_and_installs_the_wheel_it_names() -> 
     lines = _install_lines()
     assert "python -m build" in " ".join(lines), lines
     wheel_lines = [line for line in lines if ".whl" in line]
-    assert wheel_lines and all(f"kvtier-{VERSION}-py3-none-any.whl" in w for w in wheel_lines)
+    # The README names the wheel this project's machines (x86_64 Linux) build.
+    named = f"kvtier-{VERSION}-cp311-abi3-linux_x86_64.whl"
+    assert wheel_lines and all(named in w for w in wheel_lines)
 
 
 @dataclass

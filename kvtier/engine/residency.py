@@ -30,7 +30,6 @@ import numpy as np
 
 from kvtier.engine.results import Counters
 from kvtier.index.catalog import Catalog, DramHook, Entry, RecordColumns
-from kvtier.index.dense_order import DenseOrder
 from kvtier.index.packed_policies import PackedPolicies
 from kvtier.index.policy import AdmissionMode, BlockInfo, ValueModel
 from kvtier.index.slot_policy import SlotPolicy, last_victim
@@ -75,14 +74,8 @@ class Residency:
         self._nvme_capacity_bytes = nvme_capacity_bytes
         self._nvme_quota = nvme_quota  # 0: no quota (read per call: reloadable)
 
-        def dram_tier(capacity: int) -> Callable[[Callable[[int], int]], SlotPolicy]:
-            def make(digest_of: Callable[[int], int]) -> SlotPolicy:
-                return policies.new_tier("dram", "nvme", capacity, digest_of)
-
-            return make
-
         self.dram_order: dict[str, SlotPolicy] = {
-            tenant: DenseOrder(dram_tier(capacity), catalog.digest_of)
+            tenant: policies.new_dram_tier(capacity, catalog.digest_of)
             for tenant, capacity in arena_capacities.items()
         }
         self.nvme_order = policies.new_tier("nvme", None, nvme_capacity_bytes)

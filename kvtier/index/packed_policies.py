@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvtier.index.dense_native import dram_order
+from kvtier.index.dense_order import DenseOrder
 from kvtier.index.packed_arc import PackedChainArc
 from kvtier.index.packed_policy import DigestSketch, PackedLru, PackedS3Fifo, PackedValue
 from kvtier.index.policy import POLICIES, AdmissionMode, ValueModel
@@ -167,3 +169,18 @@ class PackedPolicies:
             return PackedChainArc(uses_of, digest_of, self.sketch)  # Policies.new_tier says why
         counted_in = self.sketch if uses_of == self.uses_of else None
         return PackedValue(tier, fallback, self.model, uses_of, digest_of, sketch=counted_in)
+
+    def new_dram_tier(self, capacity_bytes: int, digest_of: Callable[[int], int]) -> SlotPolicy:
+        """A tenant's DRAM order over some of the catalog's slots (`digest_of`: the
+        catalog's), each given a dense local slot (DenseOrder); for the chain ARC its
+        native twin where built (kvtier/index/dense_native.py)."""
+
+        def make(own: Callable[[int], int]) -> SlotPolicy:
+            return self.new_tier("dram", "nvme", capacity_bytes, own)
+
+        def python_pair() -> SlotPolicy:
+            return DenseOrder(make, digest_of)
+
+        if self.name != "kvtier":  # new_tier's other orders for a tier with a fallback
+            return python_pair()
+        return dram_order(python_pair, digest_of, self.sketch.count, PackedChainArc.STEP)

@@ -1,0 +1,51 @@
+"""A tenant's DRAM order in C where it was built (kvtier/index/_arc_native.c), else the
+Python pair it stands for: DenseOrder over PackedChainArc.
+
+The native order makes the same decisions for the same calls (tests/index/
+test_dense_native.py replays random call sequences against the Python pair); what it saves
+is the daemon loop's time, ~20-30 µs a streamed block of ~130-160 (BENCHMARKS.md). The
+extension is optional at build time: without a C compiler `pip install` goes on without
+it and `dram_order` returns the Python pair. `KVTIER_NATIVE=0` asks for the Python pair
+where the extension exists (A/B measurements; the tests run both).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from kvtier.env import ENV_NATIVE
+from kvtier.index.slot_policy import SlotPolicy
+
+__all__ = ["NATIVE", "dram_order", "native_order_type"]
+
+
+def native_order_type() -> type[SlotPolicy] | None:
+    """The native order as a SlotPolicy (so it inherits insert_many and insert_run), or
+    None where the extension was not built."""
+    try:
+        from kvtier.index._arc_native import DenseChainArc
+    except ImportError:
+        return None
+
+    class NativeDenseChainArc(DenseChainArc, SlotPolicy):
+        """DenseOrder over PackedChainArc, native (kvtier/index/_arc_native.c)."""
+
+    return NativeDenseChainArc
+
+
+NATIVE = native_order_type()
+
+
+def dram_order(
+    python_pair: Callable[[], SlotPolicy],
+    digest_of: Callable[[int], int],
+    count: Callable[[int], int],
+    step: float,
+) -> SlotPolicy:
+    """The native order over catalog slots (`digest_of(slot)`: its key digest; `count`:
+    the sketch's uses by digest; `step`: ChainArcPolicy.STEP), or `python_pair()` where
+    the extension is missing or KVTIER_NATIVE=0."""
+    if NATIVE is None or os.environ.get(ENV_NATIVE, "1") == "0":
+        return python_pair()
+    return NATIVE(digest_of, count, step)  # type: ignore[call-arg]
