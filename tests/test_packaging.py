@@ -39,10 +39,12 @@ def test_the_wheel_carries_the_generated_code_and_imports(tmp_path: Path) -> Non
     for name in ("kvtier_pb2.py", "kvtier_pb2_grpc.py", "kvtier_pb2.pyi", "__init__.py"):
         assert f"kvtier/_proto/{name}" in names
     assert "kvtier/py.typed" in names and "kvtier/cli.py" in names
-    # A pure-Python wheel imports as a zip: kvtier from it, not from the checkout.
+    # The wheel imports as a zip: kvtier from it, not from the checkout. Its C extension
+    # cannot load from a zip, so this is also kvtier without it: the Python order instead.
     code = (
         "import kvtier, kvtier.client, kvtier._proto.kvtier_pb2 as pb\n"
-        "print(kvtier.__file__)\nprint(pb.DESCRIPTOR.name)"
+        "from kvtier.index.dense_native import NATIVE\n"
+        "print(kvtier.__file__)\nprint(pb.DESCRIPTOR.name)\nprint(NATIVE)"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(wheel)
@@ -56,3 +58,5 @@ def test_the_wheel_carries_the_generated_code_and_imports(tmp_path: Path) -> Non
         timeout=60,
     ).stdout.splitlines()
     assert out[0].startswith(str(wheel)) and out[1] == "kvtier/v1/kvtier.proto"
+    assert out[2] == "None"  # the extension is in the wheel but not loadable from the zip
+    assert "kvtier/index/_arc_native.abi3.so" in names

@@ -65,6 +65,7 @@ from kvtier.errors import (
     ResourceExhausted,
 )
 from kvtier.index.catalog import NO_SLOT, Entry
+from kvtier.index.dense_native import implementation
 from kvtier.index.estimators import PathEstimator, PrefillEstimator
 from kvtier.index.packed_policies import PackedPolicies
 from kvtier.index.planner import Family, Plan
@@ -231,6 +232,11 @@ class Store:
         recovered from disk — or, with `recover_in_background`, being recovered (see
         engine/recovery.py: until then its blocks are misses; `nvme_recovered()` waits for
         it). A tier an older kvtier wrote is always recovered first (no epoch yet)."""
+        logger.info(
+            "eviction policy %s; DRAM's order %s",
+            self.config.policy.name,
+            implementation(self.residency.dram_order.values()),
+        )
         self._expiry_task = asyncio.ensure_future(self.zero_copy.expire_forever())
         self.prefetch.start()
         await asyncio.to_thread(self.space.pin)

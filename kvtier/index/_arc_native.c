@@ -289,21 +289,27 @@ static int ask(PyObject *evictable, int64_t global)
     return truth;
 }
 
-/* PackedChainArc._first_leaf: the first evictable leaf of list `kind`; NONE if none,
- * -2 with an exception set */
-static int32_t first_leaf(Order *o, int kind, PyObject *evictable)
+#define RECENCY LISTS /* first_evictable's list: the safety net's, least recent first */
+
+/* The first block of `list` (an ARC list, or RECENCY) that `evictable` takes and, with
+ * `leaves`, that no block names as parent (PackedChainArc._first_leaf, first_slot); NONE
+ * if none, -2 with an exception set. */
+static int32_t first_evictable(Order *o, int list, int leaves, PyObject *evictable)
 {
-    int32_t id = o->sent_next[kind];
-    while (id != kind) {
-        int32_t local = id - LISTS;
-        if (!NODES(o)[local].kids) {
+    int recency = list == RECENCY;
+    int32_t end = recency ? 0 : list;
+    int32_t id = recency ? o->rsent_next : o->sent_next[list];
+    while (id != end) {
+        int32_t local = recency ? id - 1 : id - LISTS;
+        if (!leaves || !NODES(o)[local].kids) {
             int truth = ask(evictable, NODES(o)[local].global);
             if (truth < 0)
                 return -2;
             if (truth)
                 return local;
         }
-        id = *arc_next(o, id); /* re-read: the callback may have grown the arrays */
+        /* re-read: the callback may have grown the arrays */
+        id = recency ? *rec_next(o, id) : *arc_next(o, id);
     }
     return NONE;
 }
@@ -482,14 +488,24 @@ static PyObject *Order_insert(Order *o, PyObject *const *args, Py_ssize_t nargs,
     Py_RETURN_NONE;
 }
 
-static PyObject *Order_hit(Order *o, PyObject *arg)
+/* the local of a slot argument into *local (NONE: it has none): 0, or -1 with an
+ * exception set */
+static int local_arg(Order *o, PyObject *arg, int32_t *local)
 {
-    REQUIRE_READY(o, NULL);
+    REQUIRE_READY(o, -1);
     int ok;
     int64_t slot = slot_arg(arg, &ok);
     if (!ok)
+        return -1;
+    *local = slot < 0 ? NONE : smap_get(&o->locals, slot);
+    return 0;
+}
+
+static PyObject *Order_hit(Order *o, PyObject *arg)
+{
+    int32_t local;
+    if (local_arg(o, arg, &local) < 0)
         return NULL;
-    int32_t local = slot < 0 ? NONE : smap_get(&o->locals, slot);
     if (local != NONE && NODES(o)[local].list) {
         if (touch(o, local, 1) < 0)
             return NULL;
@@ -499,12 +515,9 @@ static PyObject *Order_hit(Order *o, PyObject *arg)
 
 static PyObject *Order_remove(Order *o, PyObject *arg)
 {
-    REQUIRE_READY(o, NULL);
-    int ok;
-    int64_t slot = slot_arg(arg, &ok);
-    if (!ok)
+    int32_t local;
+    if (local_arg(o, arg, &local) < 0)
         return NULL;
-    int32_t local = slot < 0 ? NONE : smap_get(&o->locals, slot);
     if (local != NONE) {
         if (NODES(o)[local].list)
             arc_remove(o, local);
@@ -518,35 +531,28 @@ static PyObject *Order_victim(Order *o, PyObject *evictable)
     REQUIRE_READY(o, NULL);
     o->credit += o->weight;
     if (o->credit < 1.0) {
-        int32_t id = o->rsent_next;
-        while (id) {
-            int32_t local = id - 1;
-            if (!NODES(o)[local].kids) {
-                int truth = ask(evictable, NODES(o)[local].global);
-                if (truth < 0)
-                    return NULL;
-                if (truth)
-                    return chosen_result(o, evicted(o, local, NODES(o)[local].list - 1));
-            }
-            id = *rec_next(o, id);
-        }
+        int32_t local = first_evictable(o, RECENCY, 1, evictable);
+        if (local == -2)
+            return NULL;
+        if (local != NONE)
+            return chosen_result(o, evicted(o, local, NODES(o)[local].list - 1));
     }
     o->credit = o->credit - 1.0 > 0.0 ? o->credit - 1.0 : 0.0;
     int32_t chosen = NONE;
     int kind = TAIL;
     int tails = tails_first(o);
     if (tails) {
-        chosen = first_leaf(o, TAIL, evictable);
+        chosen = first_evictable(o, TAIL, 1, evictable);
         if (chosen == -2)
             return NULL;
     }
     if (chosen < 0) {
-        int32_t young = first_leaf(o, PROBATION, evictable);
+        int32_t young = first_evictable(o, PROBATION, 1, evictable);
         if (young == -2)
             return NULL;
         kind = PROBATION;
         if (!tails) {
-            int32_t tail = first_leaf(o, TAIL, evictable);
+            int32_t tail = first_evictable(o, TAIL, 1, evictable);
             if (tail == -2)
                 return NULL;
             if (tail >= 0 && (young < 0 || NODES(o)[tail].tick < NODES(o)[young].tick)) {
@@ -554,7 +560,7 @@ static PyObject *Order_victim(Order *o, PyObject *evictable)
                 kind = TAIL;
             }
         }
-        int32_t old = first_leaf(o, PROTECTED, evictable);
+        int32_t old = first_evictable(o, PROTECTED, 1, evictable);
         if (old == -2)
             return NULL;
         double probation = (double)(o->lens[PROBATION] + o->lens[TAIL]);
@@ -572,17 +578,12 @@ static PyObject *Order_victim(Order *o, PyObject *evictable)
 static PyObject *Order_last_resort(Order *o, PyObject *evictable)
 {
     REQUIRE_READY(o, NULL);
-    int32_t id = o->rsent_next;
-    while (id) {
-        int32_t local = id - 1;
-        int truth = ask(evictable, NODES(o)[local].global);
-        if (truth < 0)
-            return NULL;
-        if (truth)
-            return chosen_result(o, evicted(o, local, NODES(o)[local].list - 1));
-        id = *rec_next(o, id);
-    }
-    Py_RETURN_NONE;
+    int32_t local = first_evictable(o, RECENCY, 0, evictable);
+    if (local == -2)
+        return NULL;
+    if (local == NONE)
+        Py_RETURN_NONE;
+    return chosen_result(o, evicted(o, local, NODES(o)[local].list - 1));
 }
 
 static int32_t local_in(Order *o, PyObject *arg)

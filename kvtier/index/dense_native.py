@@ -12,12 +12,12 @@ where the extension exists (A/B measurements; the tests run both).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kvtier.env import ENV_NATIVE
 from kvtier.index.slot_policy import SlotPolicy
 
-__all__ = ["NATIVE", "dram_order", "native_order_type"]
+__all__ = ["NATIVE", "dram_order", "implementation", "native_order_type"]
 
 
 def native_order_type() -> type[SlotPolicy] | None:
@@ -49,3 +49,17 @@ def dram_order(
     if NATIVE is None or os.environ.get(ENV_NATIVE, "1") == "0":
         return python_pair()
     return NATIVE(digest_of, count, step)  # type: ignore[call-arg]
+
+
+def implementation(orders: Iterable[SlotPolicy]) -> str:
+    """Where DRAM's orders run, for the daemon's start-up log: in C, or in Python and why."""
+    orders = list(orders)
+    if orders and NATIVE is not None and all(isinstance(o, NATIVE) for o in orders):
+        return "in C (kvtier/index/_arc_native.c)"
+    if NATIVE is None:
+        why = "the C extension was not built"
+    elif os.environ.get(ENV_NATIVE, "1") == "0":
+        why = f"{ENV_NATIVE}=0"
+    else:
+        why = "this policy has no C order"
+    return f"in Python ({why})"
