@@ -261,15 +261,8 @@ static int32_t evicted(Order *o, int32_t chosen, int kind)
         o->returns[kind][0]++;
     arc_remove(o, chosen);
     DigestSet *ghosts = &o->ghosts[kind];
-    uint64_t digest = NODES(o)[chosen].digest;
-    Py_ssize_t at = dset_find(ghosts, digest);
-    if (at >= 0) {
-        int32_t node = DI(ghosts)[at];
-        dn_unlink(DN(ghosts), node);
-        dn_link_last(DN(ghosts), node);
-    } else if (dset_add(ghosts, digest) < 0) {
+    if (dset_exchange(ghosts, NODES(o)[chosen].digest) < 0) /* last in its ghosts */
         return NONE;
-    }
     dset_trim(ghosts, at_least_one(o->len));
     return chosen;
 }
@@ -351,6 +344,21 @@ static int64_t slot_arg(PyObject *obj, int *ok)
     return v;
 }
 
+/* digest_of(slot) into *digest: 0, or -1 with an exception set */
+static int digest_of_slot(Order *o, int64_t slot, uint64_t *digest)
+{
+    PyObject *slot_obj = PyLong_FromLongLong(slot);
+    if (slot_obj == NULL)
+        return -1;
+    PyObject *digest_obj = call1(o->digest_of, slot_obj);
+    Py_DECREF(slot_obj);
+    if (digest_obj == NULL)
+        return -1;
+    *digest = PyLong_AsUnsignedLongLongMask(digest_obj);
+    Py_DECREF(digest_obj);
+    return *digest == (uint64_t)-1 && PyErr_Occurred() ? -1 : 0;
+}
+
 static PyObject *Order_insert(Order *o, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     REQUIRE_READY(o, NULL);
@@ -409,49 +417,34 @@ static PyObject *Order_insert(Order *o, PyObject *const *args, Py_ssize_t nargs,
         PyErr_SetString(PyExc_OverflowError, "position out of range");
         return NULL;
     }
-    int32_t local = local_of(o, slot);
+    if (parent < 0 && parent != NONE) {
+        PyErr_SetString(PyExc_ValueError, "parent must be >= 0 or NO_SLOT");
+        return NULL;
+    }
+    /* A block entering the order: its key's digest first, so that a failing callback
+     * leaves nothing changed. */
+    int32_t known = smap_get(&o->locals, slot);
+    int entering = known == NONE || !NODES(o)[known].list;
+    uint64_t digest = 0;
+    if (entering && digest_of_slot(o, slot, &digest) < 0)
+        return NULL;
+    int32_t local = known != NONE ? known : local_of(o, slot);
     if (local == NONE)
         return NULL;
     int32_t up = NONE;
     if (parent != NONE && parent != slot) {
-        if (parent < 0) {
-            PyErr_SetString(PyExc_ValueError, "parent must be >= 0 or NO_SLOT");
-            left(o, local);
-            return NULL;
-        }
         up = local_of(o, parent);
-        if (up == NONE) {
-            left(o, local);
+        if (up == NONE) { /* out of memory */
+            maybe_free(o, local);
             return NULL;
         }
     }
     Node *n = &NODES(o)[local];
-    if (n->list) {
+    if (!entering) {
         /* in the order: a hit (DenseOrder leaves the parent as it was) */
         if (touch(o, local, 1) < 0)
             return NULL;
     } else {
-        /* the key's digest, before anything changes (a failure leaves no trace) */
-        PyObject *slot_obj = PyLong_FromLongLong(slot);
-        if (slot_obj == NULL)
-            return NULL;
-        PyObject *digest_obj = call1(o->digest_of, slot_obj);
-        Py_DECREF(slot_obj);
-        if (digest_obj == NULL) {
-            if (up != NONE)
-                maybe_free(o, up);
-            maybe_free(o, local);
-            return NULL;
-        }
-        uint64_t digest = PyLong_AsUnsignedLongLongMask(digest_obj);
-        Py_DECREF(digest_obj);
-        if (digest == (uint64_t)-1 && PyErr_Occurred()) {
-            if (up != NONE)
-                maybe_free(o, up);
-            maybe_free(o, local);
-            return NULL;
-        }
-        n = &NODES(o)[local];
         n->digest = digest;
         n->parent = up;
         o->len++;

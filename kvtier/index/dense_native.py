@@ -37,6 +37,10 @@ def native_order_type() -> type[SlotPolicy] | None:
 NATIVE = native_order_type()
 
 
+def _python_asked_for() -> bool:
+    return os.environ.get(ENV_NATIVE, "1") == "0"
+
+
 def dram_order(
     python_pair: Callable[[], SlotPolicy],
     digest_of: Callable[[int], int],
@@ -46,7 +50,7 @@ def dram_order(
     """The native order over catalog slots (`digest_of(slot)`: its key digest; `count`:
     the sketch's uses by digest; `step`: ChainArcPolicy.STEP), or `python_pair()` where
     the extension is missing or KVTIER_NATIVE=0."""
-    if NATIVE is None or os.environ.get(ENV_NATIVE, "1") == "0":
+    if NATIVE is None or _python_asked_for():
         return python_pair()
     return NATIVE(digest_of, count, step)  # type: ignore[call-arg]
 
@@ -58,7 +62,7 @@ def implementation(orders: Iterable[SlotPolicy]) -> str:
         return "in C (kvtier/index/_arc_native.c)"
     if NATIVE is None:
         why = "the C extension was not built"
-    elif os.environ.get(ENV_NATIVE, "1") == "0":
+    elif _python_asked_for():
         why = f"{ENV_NATIVE}=0"
     else:
         why = "this policy has no C order"
