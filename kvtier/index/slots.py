@@ -29,7 +29,13 @@ from collections.abc import Callable, Hashable
 from typing import Any, TypeAlias
 
 import numpy as np
+import numpy.ma  # (see below)
 import xxhash
+
+# numpy 2's `np.unique` imports numpy.ma on its first call: 10-45 ms holding the GIL, in
+# the event loop's first demotion batch (PackedValue.insert_many) or under recovery's
+# thread (catalog_bulk), a stall over issue 22's 20 ms once per daemon. Every packed
+# structure imports this module, so it is loaded here, at start, before anything serves.
 
 NO_SLOT = -1
 _EMPTY = 0  # index entry: never used (node 0 is the order's sentinel, never a key)
