@@ -40,7 +40,6 @@ from kvtier.engine.residency import Residency
 from kvtier.engine.results import Counters
 from kvtier.index.catalog import Entry
 from kvtier.sizes import human_size
-from kvtier.tiers.nvme import fan_of
 from kvtier.tiers.record import RecordHeader
 from kvtier.tiers.segment_recovery import FanColumns
 from kvtier.tiers.segments import SegmentTier
@@ -117,7 +116,7 @@ class NvmeRecovery:
     # ---- for the store's flows ---------------------------------------------------------
     def pending(self, block_id: BlockId) -> bool:
         """Whether records of `block_id` may still be on disk, not yet in the catalog."""
-        return bool(self._pending_fans) and fan_of(*block_id) in self._pending_fans
+        return bool(self._pending_fans) and self._driver.tier.fan(*block_id) in self._pending_fans
 
     async def bury(self, block_id: BlockId) -> None:
         """Before a put or delete of a `pending` block is acknowledged: every record of it
@@ -130,7 +129,7 @@ class NvmeRecovery:
                 self._driver.tombstone(block_id, self._first_generation - 1)
             )
             self._touched[block_id] = task
-            self._touched_by_fan.setdefault(fan_of(*block_id), set()).add(block_id)
+            self._touched_by_fan.setdefault(self._driver.tier.fan(*block_id), set()).add(block_id)
         await asyncio.shield(task)
 
     async def wait(self) -> None:

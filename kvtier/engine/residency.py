@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.engine.results import Counters
-from kvtier.index.catalog import Catalog, DramHook, Entry, RecordColumns
+from kvtier.index.catalog import BlockEventRun, Catalog, DramHook, Entry, RecordColumns
 from kvtier.index.packed_policies import PackedPolicies
 from kvtier.index.policy import AdmissionMode, BlockInfo, ValueModel
 from kvtier.index.slot_policy import SlotPolicy, last_victim
@@ -719,10 +719,12 @@ def new_residency(
     on_change: BlockEvents | None = None,
     min_p_reuse: float = 0.1,
     on_dram: DramHook | None = None,
+    on_changes: BlockEventRun | None = None,
 ) -> Residency:
     """A residency over a new packed catalog, its policies keyed by that catalog's slots
-    (`on_change`: each block's change of tiers; `on_dram`: a DRAM copy come or gone)."""
-    catalog = Catalog(on_change, on_dram=on_dram)
+    (`on_change`: each block's change of tiers, `on_changes` a run of them with one set;
+    `on_dram`: a DRAM copy come or gone)."""
+    catalog = Catalog(on_change, on_dram=on_dram, on_changes=on_changes)
     policies = PackedPolicies(
         name,
         admission,

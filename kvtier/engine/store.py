@@ -164,6 +164,7 @@ class Store:
             self.events.record,
             policy.min_p_reuse,
             self.directories.dram_changed,
+            self.events.record_many,
         )
         self._tier_reports: list[Callable[[], TierUsage]] = []  # tiers kept elsewhere (HBM)
         # Queue prefetch (the Prefetch RPC): its hints protect DRAM blocks and learn of uses.

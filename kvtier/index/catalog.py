@@ -51,7 +51,7 @@ import numpy as np
 import xxhash
 
 from kvtier.index import catalog_bulk
-from kvtier.index.catalog_bulk import RecordColumns
+from kvtier.index.catalog_bulk import BlockEventRun, RecordColumns
 from kvtier.index.catalog_index import KeyIndex
 from kvtier.index.chain_probes import CHAIN_MIN_KEYS, ChainProbes
 from kvtier.index.entry import DEMOTING, DOOMED, FREE, IN_REMOTE, LIVE, Entry
@@ -61,6 +61,7 @@ from kvtier.types import BlockId, Extent, LookupResult, TierName
 
 __all__ = [
     "NO_SLOT",
+    "BlockEventRun",
     "BlockId",
     "Catalog",
     "DramHook",
@@ -145,10 +146,13 @@ class Catalog(KeyIndex):
         on_change: Callable[[BlockId, list[TierName]], None] | None = None,
         digest: Callable[[BlockId], int] | None = None,
         on_dram: DramHook | None = None,
+        on_changes: BlockEventRun | None = None,
     ) -> None:
         # Told each time a block's set of tiers changes (added, copied, dropped, removed:
-        # then []), for the residency events routers index.
+        # then []), for the residency events routers index; `on_changes`, where given,
+        # told at once of a run of blocks with one new set (recovery's bulk adds).
         self._on_change = on_change
+        self._on_changes = on_changes
         # Told only when a live block's DRAM copy appears or goes (the tenants'
         # directories): a third of the changes, with the copy's fields, so the hook
         # needs no lookup of the block (a record written or dropped is not its business).

@@ -11,7 +11,7 @@ from __future__ import annotations
 import mmap
 from array import array
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,7 +22,16 @@ from kvtier.index.entry import LIVE
 from kvtier.index.slots import NO_SLOT, remap
 from kvtier.types import BlockId, TierName
 
-__all__ = ["CatalogInternals", "RecordColumns", "add_records"]
+__all__ = ["BlockEventRun", "CatalogInternals", "RecordColumns", "add_records"]
+
+
+class BlockEventRun(Protocol):
+    """`Catalog(on_changes=...)`: blocks (ns_ids[i], keys[i]), in order, each now held in
+    `tiers` (what `on_change` would be told of each)."""
+
+    def __call__(
+        self, ns_ids: Sequence[str], keys: Sequence[bytes], tiers: list[TierName]
+    ) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +97,7 @@ class CatalogInternals(Protocol):
     _fast: bool
     _digest_fn: Callable[[BlockId], int]
     _on_change: Callable[[BlockId, list[TierName]], None] | None
+    _on_changes: BlockEventRun | None
     _nvme_count: int
     _ns_tenants: list[str]
     _errors: mmap.mmap
@@ -174,7 +184,15 @@ def add_records(cat: CatalogInternals, cols: RecordColumns) -> np.ndarray:
             cat.nvme_used_bytes += added_bytes
             cat.nvme_used_by_tenant[cat._ns_tenants[int(ns_map[u])]] += added_bytes
     _link_many(cat, slots)
-    if cat._on_change is not None:
+    if cat._on_changes is not None and cat._on_change is not None and bool(record.all()):
+        # Each new block is on NVMe only, so each event is the same set: told at once.
+        names = cols.ns_names
+        cat._on_changes(
+            [names[u] for u in local_ns.tolist()],
+            [cols.key(row) for row in rows.tolist()],
+            [TierName.NVME],
+        )
+    elif cat._on_change is not None:
         for slot in slots.tolist():
             cat._changed_slot(slot)
     return out

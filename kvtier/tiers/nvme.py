@@ -244,6 +244,11 @@ class NvmeTier:
         """This run's generations start here (None: not claimed yet, see `prepare`)."""
         return self.epoch.first_generation
 
+    def fan(self, ns_id: str, key: bytes) -> str:
+        """The fan ("00".."ff") whose scan hands out the records of block (ns_id, key): its
+        directory here (`fan_of`); the recovery engine asks this for a block's."""
+        return fan_of(ns_id, key)
+
     def recover(self, on_fan: Callable[[FanScan], None] | None = None) -> RecoveryReport:
         """Check every record file's header (after `prepare`), leaving this run's records
         alone. With `on_fan`, each fan is handed to it once scanned (the report lists no

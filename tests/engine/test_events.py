@@ -120,3 +120,46 @@ def test_the_packed_history_is_the_last_events_in_order(
     else:
         watcher = log.watch(everything, log.epoch, after)
         assert watcher.queued(100) == [e for e in model if e.seq > after]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    keep=st.integers(1, 12),
+    runs=st.lists(
+        st.tuples(
+            st.lists(
+                st.tuples(st.sampled_from(["default|a", "t|b", "t|c"]), st.binary(max_size=3))
+            ),
+            st.integers(0, 3),
+            st.booleans(),
+        ),
+        max_size=6,
+    ),
+    watching=st.booleans(),
+)
+def test_a_run_of_events_is_those_events_one_by_one(
+    keep: int, runs: list[tuple[list[tuple[str, bytes]], int, bool]], watching: bool
+) -> None:
+    """`record_many` (recovery's bulk adds) leaves the log as `record` of each would:
+    the same seqs, the same ring whatever the wrap-around or a run longer than the ring,
+    and a watcher offered each event."""
+    sets = [[], [DRAM], [NVME], [DRAM, NVME]]
+    bulk, one = EventLog(keep=keep), EventLog(keep=keep)
+    watchers = [log.watch(everything, "", 0) for log in (bulk, one)] if watching else []
+    for blocks, tiers, many in runs:
+        for ns, key in blocks:
+            one.record((ns, key), sets[tiers])
+        if many:
+            bulk.record_many([ns for ns, _ in blocks], [key for _, key in blocks], sets[tiers])
+        else:
+            for ns, key in blocks:
+                bulk.record((ns, key), sets[tiers])
+        assert bulk.seq == one.seq
+        assert list(bulk.history()) == list(one.history())
+    if watchers:
+        assert watchers[0].queued(1000) == watchers[1].queued(1000)
+
+
+def test_a_run_needs_a_namespace_for_each_key() -> None:
+    with pytest.raises(ValueError, match="one namespace a key"):
+        EventLog().record_many(["default|a"], [b"k", b"l"], [NVME])

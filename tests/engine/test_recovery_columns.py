@@ -27,8 +27,14 @@ MODEL = ValueModel(
 )
 
 
+class FakeTier:
+    """A tier's fans as the record files' (the fan scans below are built with them)."""
+
+    fan = staticmethod(fan_of)
+
+
 class FakeDriver:
-    tier: Any = None
+    tier: Any = FakeTier()
     capacity_bytes = 1 << 40
 
     def __init__(self) -> None:

@@ -88,7 +88,7 @@ def state(cat: Catalog, events: EventLog) -> object:
                 cat.era_of(s),
                 cat.digest_of(s),
             )
-    recent = [(e.block_id, e.tiers) for e in events.history()]
+    recent = [(e.seq, e.block_id, e.tiers) for e in events.history()]
     return (
         live,
         len(cat),
@@ -117,9 +117,12 @@ def build(
     before: list[tuple[int, bytes, int, int, int]],
     drop: list[int],
     hold: list[int],
+    keep: int = 1 << 16,
+    runs: bool = False,
 ) -> tuple[Catalog, EventLog, list[object]]:
-    events = EventLog(keep=1 << 16)
-    cat = Catalog(events.record, digest)
+    """`runs`: the catalog tells the log of a bulk add's events at once (as the store's)."""
+    events = EventLog(keep=keep)
+    cat = Catalog(events.record, digest, on_changes=events.record_many if runs else None)
     held = {s for s in hold}
     cat.holds = lambda slot: slot in held
     handles: list[object] = []
@@ -146,6 +149,7 @@ def build(
     batch=st.lists(RECORD, max_size=60, unique_by=lambda r: (r[0], r[1])),
     collide=st.booleans(),
     digests=st.booleans(),
+    keep=st.sampled_from([1, 7, 64, 1 << 16]),
 )
 def test_add_records_is_add_record_one_by_one(
     before: list[tuple[int, bytes, int, int, int]],
@@ -154,10 +158,11 @@ def test_add_records_is_add_record_one_by_one(
     batch: list[tuple[int, bytes, int, int, int]],
     collide: bool,
     digests: bool,
+    keep: int,
 ) -> None:
     digest = tiny if collide else None
-    bulk, bulk_events, keep_a = build(digest, before, drop, hold)
-    one, one_events, keep_b = build(digest, before, drop, hold)
+    bulk, bulk_events, keep_a = build(digest, before, drop, hold, keep, runs=True)
+    one, one_events, keep_b = build(digest, before, drop, hold, keep)
     cols = columns(batch, digests)
     got = bulk.add_records(cols)
     want = []
