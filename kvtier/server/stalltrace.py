@@ -44,6 +44,7 @@ from kvtier.server.looplag import LoopLag
 ENV_VAR = "KVTIER_STALL_TRACE"
 # Also this often (seconds), a census of what full collections walk (`census`).
 ENV_CENSUS = "KVTIER_STALL_TRACE_CENSUS_S"
+_CONTAINERS = (list, dict, set, frozenset, tuple, deque)
 LATE_OVER_S = 0.010  # the probe this much later than its interval: a stall being traced
 SAMPLE_EVERY_S = 0.002
 STACK_DEPTH = 14
@@ -235,11 +236,17 @@ class StallTracer:
         every full collection walks). Walking it holds the GIL about as long as a full
         collection does: the stall it makes is marked `census` in the next record."""
         began_s = time.monotonic()
-        kinds = Counter(type(o).__qualname__ for o in gc.get_objects(generation=2))
+        held = gc.get_objects(generation=2)
+        kinds = Counter(type(o).__qualname__ for o in held)
+        # A collection visits every item of a container: one big list or dict can cost
+        # more than thousands of small objects.
+        sized = [(len(o), type(o).__qualname__) for o in held if type(o) in _CONTAINERS]
+        del held
         took_s = time.monotonic() - began_s
         self._census_until_s = time.monotonic()
         line = {
             "census": {k: n for k, n in kinds.most_common(25)},
+            "largest": [f"{kind} of {n}" for n, kind in sorted(sized, reverse=True)[:8]],
             "objects": sum(kinds.values()),
             "frozen": gc.get_freeze_count(),
             "took_ms": round(took_s * 1e3, 2),

@@ -105,12 +105,14 @@ async def test_a_census_names_what_full_collections_walk(tmp_path: Path) -> None
 
     gc.collect()
     kept = [Kept() for _ in range(5000)]
+    wide = [[i] for i in range(345_679)]  # one container a collection visits item by item
     gc.collect()  # into the oldest generation
     tracer.census()
     (line,) = (r for r in _records(path) if "census" in r and isinstance(r["census"], dict))
     assert line["census"][Kept.__qualname__] >= 5000
     assert line["objects"] >= 5000
-    del kept
+    assert line["largest"][0] == "list of 345679"
+    del kept, wide
 
 
 def test_sampling_keeps_no_frame_alive(tmp_path: Path) -> None:
