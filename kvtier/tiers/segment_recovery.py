@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 # records (with one decoder, the loop waits a switch interval at most). Reading the
 # segment headers and scanning unsealed segments stay on every loader thread.
 _DECODING = threading.Lock()
-_FAN_SHIFT = np.uint64(56)  # a block's fan: its catalog digest's top byte (`fan`)
+_FAN_SHIFT = 56  # a block's fan: its catalog digest's top byte (`fan`)
 
 
 @dataclass(slots=True)
@@ -192,7 +192,7 @@ class SegmentRecovery(SegmentCore):
     def fan(self, ns_id: str, key: bytes) -> str:
         """Here a fan is a partition of the blocks for the hand-out, not a directory: the
         top byte of the key's catalog digest, which recovery has for every record."""
-        return f"{seeded_digest(ns_id, key) >> 56:02x}"
+        return f"{seeded_digest(ns_id, key) >> _FAN_SHIFT:02x}"
 
     def recover(self, on_fan: Callable[[FanScan], None] | None = None) -> RecoveryReport:
         """Load every earlier segment (footer if sealed, else its records; on threads),
@@ -332,7 +332,7 @@ class SegmentRecovery(SegmentCore):
                     report.max_generation = max(report.max_generation, top)
                 # A fan number per record (`fan`), from the digests at hand: no Python
                 # per record (a blake2b each was ~3 µs of the GIL at 1 M, beside the loop).
-                fan_parts.append((digests >> _FAN_SHIFT).astype(np.uint8))
+                fan_parts.append((digests >> np.uint64(_FAN_SHIFT)).astype(np.uint8))
         self._recovered.set()
         self._reclaim_wake.set()
         part_ids = np.repeat(np.arange(len(parts)), [len(r) for r in rows_of])
