@@ -14,7 +14,8 @@ ENV_TOKEN = "KVTIER_TOKEN"
 ENV_TLS_CA = "KVTIER_TLS_CA"
 ENV_TLS_CERT = "KVTIER_TLS_CERT"
 ENV_TLS_KEY = "KVTIER_TLS_KEY"
-# "0": the index's Python orders even where the C extension was built (A/B measurements).
+# "0": the Python twins of the native pieces (the index's DRAM orders, the arena's extent
+# allocator) even where the C extensions were built (A/B measurements).
 ENV_NATIVE = "KVTIER_NATIVE"
 
 

@@ -39,12 +39,15 @@ def test_the_wheel_carries_the_generated_code_and_imports(tmp_path: Path) -> Non
     for name in ("kvtier_pb2.py", "kvtier_pb2_grpc.py", "kvtier_pb2.pyi", "__init__.py"):
         assert f"kvtier/_proto/{name}" in names
     assert "kvtier/py.typed" in names and "kvtier/cli.py" in names
-    # The wheel imports as a zip: kvtier from it, not from the checkout. Its C extension
-    # cannot load from a zip, so this is also kvtier without it: the Python order instead.
+    # The wheel imports as a zip: kvtier from it, not from the checkout. Its C extensions
+    # cannot load from a zip, so this is also kvtier without them: the Python order and
+    # allocator instead.
     code = (
         "import kvtier, kvtier.client, kvtier._proto.kvtier_pb2 as pb\n"
         "from kvtier.index.dense_native import NATIVE\n"
-        "print(kvtier.__file__)\nprint(pb.DESCRIPTOR.name)\nprint(NATIVE)"
+        "from kvtier.tiers.allocator import NATIVE_ALLOCATOR, extent_allocator\n"
+        "print(kvtier.__file__)\nprint(pb.DESCRIPTOR.name)\nprint(NATIVE)\n"
+        "print(NATIVE_ALLOCATOR)\nprint(extent_allocator(1 << 20).allocate(1))"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(wheel)
@@ -59,4 +62,6 @@ def test_the_wheel_carries_the_generated_code_and_imports(tmp_path: Path) -> Non
     ).stdout.splitlines()
     assert out[0].startswith(str(wheel)) and out[1] == "kvtier/v1/kvtier.proto"
     assert out[2] == "None"  # the extension is in the wheel but not loadable from the zip
+    assert out[3] == "None" and out[4] == "Extent(offset=0, size_bytes=4096)"
     assert "kvtier/index/_arc_native.abi3.so" in names
+    assert "kvtier/tiers/_alloc_native.abi3.so" in names

@@ -35,7 +35,8 @@ EXTRA_IMPORTS: dict[str, list[str]] = {
         "kvtier.client",
         "kvtier.server.daemon",
         "kvtier.tiers.nvme",
-        "kvtier.index._arc_native",  # the C extension the wheel carries, built
+        "kvtier.index._arc_native",  # the C extensions the wheel carries, built
+        "kvtier.tiers._alloc_native",
     ],
     "remote": ["redis", "hiredis", "numpy", "kvtier.tiers.remote"],
     "mooncake": ["mooncake.store"],
@@ -103,8 +104,11 @@ def test_wheel_metadata_names_the_entry_point_license_and_every_extra(dist: Path
         entry_points = whl.read(f"{info}/entry_points.txt").decode()
     # Only the package: no tests, no build leftovers at the top of site-packages.
     assert {n.split("/", 1)[0] for n in names} == {"kvtier", info}
-    # The optional extension was built (a failed compile would only warn), in the stable ABI.
+    # The optional extensions were built (a failed compile would only warn), in the stable
+    # ABI, with their stubs.
     assert "kvtier/index/_arc_native.abi3.so" in names
+    assert "kvtier/tiers/_alloc_native.abi3.so" in names
+    assert "kvtier/tiers/_alloc_native.pyi" in names
     assert "kvtier = kvtier.cli:main" in entry_points
     assert meta["License-Expression"] == "Apache-2.0"
     assert meta["Requires-Python"] == ">=3.11"
@@ -135,8 +139,9 @@ def test_sdist_carries_what_rebuilds_and_retests_it(dist: Path) -> None:
         "tests/conftest.py",
         "tests/test_wheel.py",
         "scripts/gen_proto.py",
-        "kvtier/index/_arc_native.c",  # the extension rebuilds from the sdist
+        "kvtier/index/_arc_native.c",  # the extensions rebuild from the sdist
         "kvtier/index/_native_tables.h",
+        "kvtier/tiers/_alloc_native.c",
         "systemd/kvtier.service",
         "deploy/kubernetes/base/kustomization.yaml",
     ):

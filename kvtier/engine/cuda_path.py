@@ -51,7 +51,7 @@ from kvtier.index.planner import TierCost
 from kvtier.index.policy import BlockInfo, Key, TierPolicy
 from kvtier.index.slots import NO_SLOT, key_digest
 from kvtier.movers.cuda import Mover, Transfer
-from kvtier.tiers.allocator import Extent, ExtentAllocator
+from kvtier.tiers.allocator import Extent, extent_allocator
 
 if TYPE_CHECKING:
     from kvtier.engine.store import Store
@@ -175,7 +175,7 @@ class HbmCache:
     def __init__(self, memory: Any, capacity_bytes: int, order: TierPolicy) -> None:
         self.memory = memory
         self.capacity_bytes = capacity_bytes
-        self._allocator = ExtentAllocator(capacity_bytes, HBM_ALIGN_BYTES)
+        self._allocator = extent_allocator(capacity_bytes, HBM_ALIGN_BYTES)
         self._copies: dict[BlockId, HbmCopy] = {}
         self._order = order
         self.hits = 0

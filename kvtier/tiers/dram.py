@@ -20,7 +20,7 @@ import mmap
 import os
 import time
 
-from kvtier.tiers.allocator import Extent, ExtentAllocator
+from kvtier.tiers.allocator import Extent, extent_allocator
 
 ALIGN_BYTES = 4096
 # Linux 5.1+: no new writable mapping and no write(2) from anyone; mappings that already
@@ -53,7 +53,7 @@ class DramTier:
         # EPERM/EACCES), and the seals themselves cannot be removed (F_SEAL_SEAL).
         fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, ARENA_SEALS)
         self._view = memoryview(self._map)
-        self._allocator = ExtentAllocator(self.capacity_bytes, ALIGN_BYTES)
+        self._allocator = extent_allocator(self.capacity_bytes, ALIGN_BYTES)
 
     @property
     def address(self) -> int:
