@@ -40,14 +40,16 @@ def test_the_wheel_carries_the_generated_code_and_imports(tmp_path: Path) -> Non
         assert f"kvtier/_proto/{name}" in names
     assert "kvtier/py.typed" in names and "kvtier/cli.py" in names
     # The wheel imports as a zip: kvtier from it, not from the checkout. Its C extensions
-    # cannot load from a zip, so this is also kvtier without them: the Python order and
-    # allocator instead.
+    # cannot load from a zip, so this is also kvtier without them: the Python order,
+    # allocator and directory instead.
     code = (
         "import kvtier, kvtier.client, kvtier._proto.kvtier_pb2 as pb\n"
         "from kvtier.index.dense_native import NATIVE\n"
         "from kvtier.tiers.allocator import NATIVE_ALLOCATOR, extent_allocator\n"
+        "from kvtier.engine.directory import NATIVE_DIRECTORY, new_directory\n"
         "print(kvtier.__file__)\nprint(pb.DESCRIPTOR.name)\nprint(NATIVE)\n"
-        "print(NATIVE_ALLOCATOR)\nprint(extent_allocator(1 << 20).allocate(1))"
+        "print(NATIVE_ALLOCATOR)\nprint(extent_allocator(1 << 20).allocate(1))\n"
+        "print(NATIVE_DIRECTORY)\nprint(type(new_directory(1024)).__name__)"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(wheel)
@@ -63,5 +65,7 @@ def test_the_wheel_carries_the_generated_code_and_imports(tmp_path: Path) -> Non
     assert out[0].startswith(str(wheel)) and out[1] == "kvtier/v1/kvtier.proto"
     assert out[2] == "None"  # the extension is in the wheel but not loadable from the zip
     assert out[3] == "None" and out[4] == "Extent(offset=0, size_bytes=4096)"
+    assert out[5] == "None" and out[6] == "Directory"
     assert "kvtier/index/_arc_native.abi3.so" in names
     assert "kvtier/tiers/_alloc_native.abi3.so" in names
+    assert "kvtier/engine/_directory_native.abi3.so" in names

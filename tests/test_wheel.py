@@ -37,6 +37,7 @@ EXTRA_IMPORTS: dict[str, list[str]] = {
         "kvtier.tiers.nvme",
         "kvtier.index._arc_native",  # the C extensions the wheel carries, built
         "kvtier.tiers._alloc_native",
+        "kvtier.engine._directory_native",
     ],
     "remote": ["redis", "hiredis", "numpy", "kvtier.tiers.remote"],
     "mooncake": ["mooncake.store"],
@@ -109,6 +110,8 @@ def test_wheel_metadata_names_the_entry_point_license_and_every_extra(dist: Path
     assert "kvtier/index/_arc_native.abi3.so" in names
     assert "kvtier/tiers/_alloc_native.abi3.so" in names
     assert "kvtier/tiers/_alloc_native.pyi" in names
+    assert "kvtier/engine/_directory_native.abi3.so" in names
+    assert "kvtier/engine/_directory_native.pyi" in names
     assert "kvtier = kvtier.cli:main" in entry_points
     assert meta["License-Expression"] == "Apache-2.0"
     assert meta["Requires-Python"] == ">=3.11"
@@ -142,6 +145,8 @@ def test_sdist_carries_what_rebuilds_and_retests_it(dist: Path) -> None:
         "kvtier/index/_arc_native.c",  # the extensions rebuild from the sdist
         "kvtier/index/_native_tables.h",
         "kvtier/tiers/_alloc_native.c",
+        "kvtier/engine/_directory_native.c",
+        "kvtier/_native_u64map.h",
         "systemd/kvtier.service",
         "deploy/kubernetes/base/kustomization.yaml",
     ):

@@ -23,8 +23,12 @@ after it is allocated again, so bytes a reader copied from a rewritten extent al
 come with a changed `seq`. That needs the stores to become visible in program order
 (x86-64's TSO); clients elsewhere do not read directories (`kvtier.client.zerocopy`).
 
-Lifecycle: `Directory(entries)` -> `publish`/`unpublish` from the catalog's changes, and
-`unpublish_extent` from the arena's frees -> `close()`.
+Lifecycle: `new_directory(entries)` -> `publish`/`unpublish` from the catalog's changes,
+and `unpublish_extent` from the arena's frees -> `close()`. `new_directory` gives
+NativeDirectory where kvtier/engine/_directory_native.c was built: the same table after
+the same calls (tests/engine/test_directory_native.py compares them byte for byte), its
+per-block work in C and its block ids out of the garbage collector's walks; Directory,
+this module's Python, where it was not or KVTIER_NATIVE=0.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ import fcntl
 import mmap
 import os
 import struct
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from kvtier._directory import (
     DIGEST_HI,
@@ -45,8 +49,11 @@ from kvtier._directory import (
     OFFSET,
     PROBE_SLOTS,
     SEQ,
+    SIZE,
+    XXH3,
     key_digest,
 )
+from kvtier.env import ENV_NATIVE
 from kvtier.keys import namespace_of, tenant_of
 from kvtier.tiers.dram import ALIGN_BYTES, ARENA_SEALS
 from kvtier.types import BlockId, Extent
@@ -69,8 +76,39 @@ def entries_for(arena_bytes: int) -> int:
     return min(MAX_ENTRIES, 1 << (wanted - 1).bit_length())
 
 
-class Directory:
-    """One tenant's directory: written only here, on the event loop's thread."""
+class DirectoryTable(Protocol):
+    """What the store asks of a tenant's directory: Directory, or NativeDirectory (the
+    same table, its per-block work in C)."""
+
+    entries: int
+
+    @property
+    def fd(self) -> int: ...
+
+    @property
+    def unpublished_full(self) -> int: ...
+
+    def publish(
+        self,
+        block_id: BlockId,
+        offset: int,
+        size_bytes: int,
+        xxh3_64: int,
+        generation: int,
+        namespace: bytes | None = None,
+    ) -> bool: ...
+
+    def unpublish(self, block_id: BlockId) -> None: ...
+
+    def unpublish_extent(self, extent: Extent) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class _Table:
+    """A directory's sealed memfd and this process's one writable mapping of it."""
 
     def __init__(self, entries: int) -> None:
         if entries <= 0 or entries & (entries - 1):
@@ -81,16 +119,27 @@ class Directory:
         self._map = mmap.mmap(self._fd, entries * ENTRY_BYTES, flags=mmap.MAP_SHARED)
         # Sealed once this writable mapping exists: any other mapping is read-only.
         fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, ARENA_SEALS)
-        self._words = memoryview(self._map).cast("Q")  # an item store is one 8-byte store
-        self._owner: list[BlockId | None] = [None] * entries
-        self._slot_of: dict[BlockId, int] = {}
-        self._at_offset: dict[int, int] = {}  # extent offset -> slot
-        self.unpublished_full = 0  # blocks not published: their probe window was full
 
     @property
     def fd(self) -> int:
         """The sealed memfd handed to this tenant's sessions (mapped read-only there)."""
         return self._fd
+
+    def _close_table(self) -> None:
+        self._map.close()
+        os.close(self._fd)
+
+
+class Directory(_Table):
+    """One tenant's directory: written only here, on the event loop's thread."""
+
+    def __init__(self, entries: int) -> None:
+        super().__init__(entries)
+        self._words = memoryview(self._map).cast("Q")  # an item store is one 8-byte store
+        self._owner: list[BlockId | None] = [None] * entries
+        self._slot_of: dict[BlockId, int] = {}
+        self._at_offset: dict[int, int] = {}  # extent offset -> slot
+        self.unpublished_full = 0  # blocks not published: their probe window was full
 
     def publish(
         self,
@@ -184,8 +233,49 @@ class Directory:
 
     def close(self) -> None:
         self._words.release()
-        self._map.close()
-        os.close(self._fd)
+        self._close_table()
+
+
+def _namespace_bytes(ns_id: str) -> bytes:
+    return namespace_of(ns_id).encode()
+
+
+def _native_type() -> Callable[[int], DirectoryTable] | None:
+    """NativeDirectory, or None where kvtier/engine/_directory_native.c was not built (or
+    was built for another entry layout than kvtier/_directory.py's)."""
+    try:
+        from kvtier.engine._directory_native import LAYOUT, DirectoryCore
+    except ImportError:
+        return None
+    words = (SEQ, DIGEST_LO, DIGEST_HI, OFFSET, SIZE, XXH3, GENERATION)
+    if (*words, ENTRY_WORDS, PROBE_SLOTS) != LAYOUT:  # built for another layout
+        return None
+
+    class NativeDirectory(DirectoryCore, _Table):
+        """Directory with its per-block work in C: the same table after the same calls."""
+
+        def __init__(self, entries: int) -> None:
+            _Table.__init__(self, entries)
+            DirectoryCore.__init__(
+                self, self._map, entries, key_digest, _namespace_bytes, ALIGN_BYTES
+            )
+
+        def close(self) -> None:
+            self.release()  # lets go of the mapping: it can be closed
+            self._close_table()
+
+    return NativeDirectory
+
+
+NATIVE_DIRECTORY = _native_type()
+
+
+def new_directory(entries: int) -> DirectoryTable:
+    """A tenant's directory: NativeDirectory where it was built (and KVTIER_NATIVE is not
+    "0"), else Directory."""
+    if NATIVE_DIRECTORY is None or os.environ.get(ENV_NATIVE, "1") == "0":
+        return Directory(entries)
+    return NATIVE_DIRECTORY(entries)
 
 
 class Directories:
@@ -196,7 +286,7 @@ class Directories:
     extent)."""
 
     def __init__(self, arenas: Mapping[str, Arena], enabled: bool, max_key_bytes: int) -> None:
-        self._by_tenant: dict[str, Directory] = {}
+        self._by_tenant: dict[str, DirectoryTable] = {}
         # namespace id -> (its tenant, its namespace encoded): the key digest's input
         self._ns: dict[str, tuple[str, bytes]] = {}
         # A direct read asks the daemon nothing, so no request check sees its key: a
@@ -205,7 +295,7 @@ class Directories:
         if not enabled:
             return
         for tenant, arena in arenas.items():
-            directory = self._by_tenant[tenant] = Directory(entries_for(arena.capacity_bytes))
+            directory = self._by_tenant[tenant] = new_directory(entries_for(arena.capacity_bytes))
             arena.before_free = directory.unpublish_extent
 
     def fd(self, tenant: str) -> int | None:
@@ -213,7 +303,7 @@ class Directories:
         directory = self._by_tenant.get(tenant)
         return directory.fd if directory is not None else None
 
-    def of(self, tenant: str) -> Directory | None:
+    def of(self, tenant: str) -> DirectoryTable | None:
         return self._by_tenant.get(tenant)
 
     def dram_changed(

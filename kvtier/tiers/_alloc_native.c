@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../_native_u64map.h" /* U64Map */
+
 /* ---- the free extents by (size, offset) -------------------------------------------------- */
 
 typedef struct {
@@ -158,115 +160,6 @@ static void sset_free(SizeSet *s)
     PyMem_Free(s->chunks);
     s->chunks = NULL;
     s->nchunks = s->cap = 0;
-}
-
-/* ---- u64 -> u64 hash tables: linear probing, at most half full, backward-shift delete ---- */
-
-typedef struct {
-    uint64_t *keys; /* key + 1; 0: empty */
-    uint64_t *vals;
-    size_t mask;
-    size_t len;
-} U64Map;
-
-static inline size_t home_of(uint64_t key, size_t mask)
-{
-    uint64_t x = key;
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdULL;
-    x ^= x >> 33;
-    return (size_t)x & mask;
-}
-
-static int map_init(U64Map *m, size_t slots)
-{
-    m->keys = PyMem_Calloc(slots, sizeof(uint64_t));
-    m->vals = PyMem_Calloc(slots, sizeof(uint64_t));
-    if (m->keys == NULL || m->vals == NULL) {
-        PyMem_Free(m->keys);
-        PyMem_Free(m->vals);
-        m->keys = m->vals = NULL;
-        PyErr_NoMemory();
-        return -1;
-    }
-    m->mask = slots - 1;
-    m->len = 0;
-    return 0;
-}
-
-static void map_free(U64Map *m)
-{
-    PyMem_Free(m->keys);
-    PyMem_Free(m->vals);
-    m->keys = m->vals = NULL;
-}
-
-/* the position of `key`, or of the empty entry where it would go */
-static inline size_t map_pos(const U64Map *m, uint64_t key)
-{
-    size_t i = home_of(key, m->mask);
-    while (m->keys[i] != 0 && m->keys[i] != key + 1)
-        i = (i + 1) & m->mask;
-    return i;
-}
-
-static inline int map_get(const U64Map *m, uint64_t key, uint64_t *val)
-{
-    size_t i = map_pos(m, key);
-    if (m->keys[i] == 0)
-        return 0;
-    *val = m->vals[i];
-    return 1;
-}
-
-static int map_put(U64Map *m, uint64_t key, uint64_t val)
-{
-    if (2 * (m->len + 1) > m->mask + 1) { /* keep it at most half full: rehash into twice */
-        U64Map grown;
-        if (map_init(&grown, 2 * (m->mask + 1)) < 0)
-            return -1;
-        for (size_t i = 0; i <= m->mask; i++)
-            if (m->keys[i] != 0) {
-                size_t j = map_pos(&grown, m->keys[i] - 1);
-                grown.keys[j] = m->keys[i];
-                grown.vals[j] = m->vals[i];
-            }
-        grown.len = m->len;
-        map_free(m);
-        *m = grown;
-    }
-    size_t i = map_pos(m, key);
-    if (m->keys[i] == 0) {
-        m->keys[i] = key + 1;
-        m->len++;
-    }
-    m->vals[i] = val;
-    return 0;
-}
-
-static void map_del(U64Map *m, uint64_t key)
-{
-    size_t i = map_pos(m, key);
-    if (m->keys[i] == 0)
-        return;
-    /* backward shift: pull later entries of the run into the hole where their probe
-     * sequence passes it, so lookups never meet a hole before their key */
-    size_t j = i;
-    for (;;) {
-        j = (j + 1) & m->mask;
-        if (m->keys[j] == 0)
-            break;
-        size_t home = home_of(m->keys[j] - 1, m->mask);
-        /* entry j may move to i unless its home lies cyclically in (i, j] */
-        int stays = (i <= j) ? (home > i && home <= j) : (home > i || home <= j);
-        if (!stays) {
-            m->keys[i] = m->keys[j];
-            m->vals[i] = m->vals[j];
-            i = j;
-        }
-    }
-    m->keys[i] = 0;
-    m->len--;
 }
 
 /* ---- the allocator ------------------------------------------------------------------------ */
