@@ -70,14 +70,18 @@ async def test_a_busy_callback_is_recorded_with_its_stack_and_as_the_loops_cpu(
     path = tmp_path / "stalls.jsonl"
     with tracing(path):
         await asyncio.sleep(0.05)  # calm ticks first: the stall's window starts there
+        spun_s = time.thread_time()
         _spin_for(0.12)
+        spun_s = time.thread_time() - spun_s
         await _until(lambda: any(r["gap_ms"] >= 100 for r in _records(path)))
         stall = max(_records(path), key=lambda r: r["gap_ms"])
         assert stall["gap_ms"] >= 120
         frames = [f for s in stall["stacks"] for f in s["frames"]]
         assert any(f.endswith(" _spin_for") for f in frames), frames
-        # The loop thread ran for most of it (a loaded machine may deschedule it a while).
-        assert stall["loop_cpu_ms"] + stall["loop_runqueue_wait_ms"] >= 0.8 * stall["gap_ms"]
+        # The stall counts the CPU the loop thread had in it: at least what the spin itself
+        # had by its own clock. Not a share of the gap: a VM's vCPU can be taken away for
+        # part of it (CI saw 45 ms of CPU and 0.7 ms of run-queue wait in a 127 ms gap).
+        assert stall["loop_cpu_ms"] >= 0.9 * spun_s * 1e3
         if stall["loop_cpu_ms"] >= 0.5 * stall["gap_ms"]:
             assert stall["kind"] == "loop"
 
@@ -184,7 +188,11 @@ def test_the_daemon_traces_a_stall_to_where_it_was_made(
     (stall,) = [r for r in _records(path) if slept(r)]
     assert stall["pid"] == daemon.proc.pid
     assert stall["gap_ms"] >= 150
-    assert stall["kind"] == "blocked"
-    assert stall["loop_cpu_ms"] < 0.5 * stall["gap_ms"]
+    # The loop slept: neither its CPU nor a wait for one explains the stall. Then it is
+    # "blocked", unless the daemon's other threads ran a quarter of it meanwhile (start-up's,
+    # on a busy machine: seen once), which the record must then show.
+    assert stall["loop_cpu_ms"] + stall["loop_runqueue_wait_ms"] < 0.25 * stall["gap_ms"]
+    others_ms = sum(t["cpu_ms"] for t in stall["other_threads"])
+    assert stall["kind"] == ("other-threads" if others_ms >= 0.25 * stall["gap_ms"] else "blocked")
     frames = [f for s in stall["stacks"] for f in s["frames"]]
     assert any(f.endswith(" put_commit") for f in frames), frames
