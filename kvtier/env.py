@@ -15,8 +15,13 @@ ENV_TLS_CA = "KVTIER_TLS_CA"
 ENV_TLS_CERT = "KVTIER_TLS_CERT"
 ENV_TLS_KEY = "KVTIER_TLS_KEY"
 # "0": the Python twins of the native pieces (the index's DRAM orders, the arena's extent
-# allocator) even where the C extensions were built (A/B measurements).
+# allocator, a tenant's directory) even where the C extensions were built (A/B measurements).
 ENV_NATIVE = "KVTIER_NATIVE"
+
+
+def python_twins_asked_for() -> bool:
+    """True where `KVTIER_NATIVE=0` asks for the Python twins of the native pieces."""
+    return os.environ.get(ENV_NATIVE, "1") == "0"
 
 
 def runtime_dir() -> Path:

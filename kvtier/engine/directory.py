@@ -53,7 +53,7 @@ from kvtier._directory import (
     XXH3,
     key_digest,
 )
-from kvtier.env import ENV_NATIVE
+from kvtier.env import python_twins_asked_for
 from kvtier.keys import namespace_of, tenant_of
 from kvtier.tiers.dram import ALIGN_BYTES, ARENA_SEALS
 from kvtier.types import BlockId, Extent
@@ -273,7 +273,7 @@ NATIVE_DIRECTORY = _native_type()
 def new_directory(entries: int) -> DirectoryTable:
     """A tenant's directory: NativeDirectory where it was built (and KVTIER_NATIVE is not
     "0"), else Directory."""
-    if NATIVE_DIRECTORY is None or os.environ.get(ENV_NATIVE, "1") == "0":
+    if NATIVE_DIRECTORY is None or python_twins_asked_for():
         return Directory(entries)
     return NATIVE_DIRECTORY(entries)
 

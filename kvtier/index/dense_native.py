@@ -11,10 +11,9 @@ where the extension exists (A/B measurements; the tests run both).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 
-from kvtier.env import ENV_NATIVE
+from kvtier.env import ENV_NATIVE, python_twins_asked_for
 from kvtier.index.slot_policy import SlotPolicy
 
 __all__ = ["NATIVE", "dram_order", "implementation", "native_order_type"]
@@ -37,10 +36,6 @@ def native_order_type() -> type[SlotPolicy] | None:
 NATIVE = native_order_type()
 
 
-def _python_asked_for() -> bool:
-    return os.environ.get(ENV_NATIVE, "1") == "0"
-
-
 def dram_order(
     python_pair: Callable[[], SlotPolicy],
     digest_of: Callable[[int], int],
@@ -50,7 +45,7 @@ def dram_order(
     """The native order over catalog slots (`digest_of(slot)`: its key digest; `count`:
     the sketch's uses by digest; `step`: ChainArcPolicy.STEP), or `python_pair()` where
     the extension is missing or KVTIER_NATIVE=0."""
-    if NATIVE is None or _python_asked_for():
+    if NATIVE is None or python_twins_asked_for():
         return python_pair()
     return NATIVE(digest_of, count, step)  # type: ignore[call-arg]
 
@@ -62,7 +57,7 @@ def implementation(orders: Iterable[SlotPolicy]) -> str:
         return "in C (kvtier/index/_arc_native.c)"
     if NATIVE is None:
         why = "the C extension was not built"
-    elif _python_asked_for():
+    elif python_twins_asked_for():
         why = f"{ENV_NATIVE}=0"
     else:
         why = "this policy has no C order"

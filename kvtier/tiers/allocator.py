@@ -15,13 +15,12 @@ build time, and KVTIER_NATIVE=0 asks for this one where it exists (A/B measureme
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Protocol
 
 from sortedcontainers import SortedDict, SortedList
 
-from kvtier.env import ENV_NATIVE
+from kvtier.env import python_twins_asked_for
 from kvtier.types import Extent
 
 __all__ = [
@@ -128,6 +127,6 @@ NATIVE_ALLOCATOR = _native_type()
 def extent_allocator(capacity_bytes: int, alignment_bytes: int = 4096) -> Allocator:
     """An allocator of [0, capacity_bytes): the native one where it was built (and
     KVTIER_NATIVE is not "0"), else ExtentAllocator."""
-    if NATIVE_ALLOCATOR is None or os.environ.get(ENV_NATIVE, "1") == "0":
+    if NATIVE_ALLOCATOR is None or python_twins_asked_for():
         return ExtentAllocator(capacity_bytes, alignment_bytes)
     return NATIVE_ALLOCATOR(capacity_bytes, alignment_bytes)
