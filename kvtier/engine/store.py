@@ -158,7 +158,11 @@ class Store:
             ),
             policy.ghost_blocks,
             {tenant: arena.capacity_bytes for tenant, arena in self.space.arenas.items()},
-            cfg.nvme.capacity_bytes,
+            # What the tier can hold: the segment layout keeps part of the configured
+            # capacity back for reclaim's copies, and the store must start evicting before
+            # the segments reach the disk limit, not after (else every write waits for a
+            # reclaim that finds nothing dead, and fails).
+            self.nvme.capacity_bytes if self.nvme is not None else cfg.nvme.capacity_bytes,
             self._nvme_quota,
             self.counters,
             self.events.record,

@@ -40,3 +40,40 @@ def test_a_put_stream_through_a_tiny_dram_lands_on_nvme_exact(
     with daemon.client() as client:
         for i, key in enumerate(keys):  # flushed at stop or demoted: all of them
             assert client.get(NS, key) == block_bytes(i, BLOCK), f"block {i} lost"
+
+
+def test_a_stream_past_the_segment_layouts_capacity_evicts_and_keeps_writing(
+    start_daemon: StartDaemon,
+) -> None:
+    """A cache in its steady state: NVMe full, every new block pushes an old one out. The
+    store must evict by the capacity the segment layout can hold (the configured one less
+    the room reclaim keeps back), so that reclaim finds dead records to free: counting the
+    configured capacity, the segments reached the disk limit with every record live, and
+    each batch waited for a reclaim with nothing to do, then failed (its blocks lost)."""
+    daemon = start_daemon(dram="4MiB", nvme="128MiB", env={"KVTIER_NVME__LAYOUT": "segments"})
+    keys = [b"full-%05d" % i for i in range(6144)]  # 384 MiB: three times the tier
+    with daemon.client() as client:
+        for start in range(0, len(keys), 16):
+            batch = keys[start : start + 16]
+            stored = client.put_many(
+                NS, [(k, block_bytes(start + j, BLOCK)) for j, k in enumerate(batch)]
+            )
+            assert all(stored), f"a put failed at block {start}"
+        stats = client.stats()
+        nvme = stats["tiers"]["nvme"]
+        assert nvme["online"] and nvme["io_errors"] == 0 and stats["checksum_failures"] == 0
+        # Out of every tier only by NVMe's evictions: none lost to a write that failed.
+        assert stats["dropped_blocks"] <= nvme["evictions"]
+        assert 0 < nvme["used_bytes"] <= nvme["capacity_bytes"] < 128 << 20
+        assert nvme["evictions"] > len(keys) // 2  # most of the stream went out again
+        assert stats["demotions"] >= len(keys) - 64  # each one written, none dropped
+        on_disk = sum(f.stat().st_size for f in daemon.nvme_path.rglob("*") if f.is_file())
+        assert on_disk <= 128 << 20, f"{on_disk} bytes of segments past the 128 MiB limit"
+        # The newest blocks are all there, exact; an evicted one is a miss, never wrong.
+        newest = len(keys) - nvme["blocks"] // 2
+        for i, key in enumerate(keys):
+            got = client.get(NS, key)
+            if i >= newest:
+                assert got == block_bytes(i, BLOCK), f"block {i} lost or differs"
+            else:
+                assert got is None or got == block_bytes(i, BLOCK), f"block {i} differs"
