@@ -302,25 +302,38 @@ class NvmeDriver:
     def schedule_removal(self, header: RecordHeader, location: int = 0) -> None:
         """Remove a record the catalog no longer has (it was at `location`), in the
         background."""
-        block_id = (header.ns_id, header.key)
-        self._removing[block_id] = max(self._removing.get(block_id, 0), header.generation)
-        self._spawn(self._remove(header, location))
+        self.schedule_removals([(header, location)])
 
-    async def _remove(self, header: RecordHeader, location: int = 0) -> None:
-        try:
-            await self.io.run(self.tier.remove, header, location)
-        except FileNotFoundError:
-            pass
-        except OSError as err:
-            self.failed(err, "remove a record")
-            # Retried by the watcher: disk must not leak.
-            self._unremoved.append((header, location))
+    def schedule_removals(self, removals: list[tuple[RecordHeader, int]]) -> None:
+        """`schedule_removal` of each (header, location), as one I/O-pool job: a cache at
+        its capacity evicts a record for every one it writes, and a task and a thread hop
+        each cost the loop more than the removal itself."""
+        if not removals:
             return
-        else:
+        for header, _ in removals:
+            block_id = (header.ns_id, header.key)
+            self._removing[block_id] = max(self._removing.get(block_id, 0), header.generation)
+        self._spawn(self._remove_many(removals))
+
+    async def _remove_many(self, removals: list[tuple[RecordHeader, int]]) -> None:
+        try:
+            results = await self.io.run(self.tier.remove_many, removals)
+        except OSError as batch_err:  # as if each had failed with it
+            results = [batch_err] * len(removals)
+        failed = False
+        for (header, location), result in zip(removals, results, strict=True):
+            if result is not None and not isinstance(result, FileNotFoundError):
+                if not failed:  # one warning (and one count of a failure) for the batch
+                    self.failed(result, "remove a record")
+                    failed = True
+                # Retried by the watcher: disk must not leak.
+                self._unremoved.append((header, location))
+                continue
+            block_id = (header.ns_id, header.key)
+            if self._removing.get(block_id) == header.generation:
+                del self._removing[block_id]
+        if not failed:
             self.health.succeeded()
-        block_id = (header.ns_id, header.key)
-        if self._removing.get(block_id) == header.generation:
-            del self._removing[block_id]
 
     # ---- health ---------------------------------------------------------------------------
     def failed(self, err: OSError, doing: str = "") -> None:
@@ -370,8 +383,8 @@ class NvmeDriver:
         for block_id, generation in tombstones:
             await self.tombstone(block_id, generation)
         removals, self._unremoved = self._unremoved, []
-        for header, location in removals:
-            await self._remove(header, location)
+        if removals:
+            await self._remove_many(removals)
 
     # ---- batches (the demoter: kvtier/engine/demoter.py) -----------------------------------
     async def write_batch(

@@ -740,9 +740,11 @@ class Store:
 
     def remove_records(self, dropped: list[Entry]) -> None:
         """Remove from disk the records the residency dropped (evicted for room)."""
-        for entry in dropped:  # only ever non-empty with an NVMe tier
+        if dropped:  # only ever non-empty with an NVMe tier
             assert self.nvme is not None
-            self.nvme.schedule_removal(record_header(entry), record_location(entry))
+            self.nvme.schedule_removals(
+                [(record_header(entry), record_location(entry)) for entry in dropped]
+            )
 
     def _damaged(self, entry: Entry) -> None:
         self.counters.checksum_failures += 1

@@ -714,6 +714,22 @@ class NvmeTier:
         with self._free_lock:
             self._free.setdefault(size, []).append(spare)
 
+    def remove_many(self, removals: Sequence[tuple[RecordHeader, int]]) -> list[OSError | None]:
+        """`remove` of each (header, location): per record None, or the OSError that
+        failed it (a record already gone is removed). One I/O-pool job for a batch of
+        evictions, not one each."""
+        out: list[OSError | None] = []
+        for header, location in removals:
+            try:
+                self.remove(header, location)
+            except FileNotFoundError:
+                out.append(None)
+            except OSError as err:
+                out.append(err)
+            else:
+                out.append(None)
+        return out
+
     def _take_free(self, size: int) -> str | None:
         """A recyclable file of `size` bytes (by its name), out of the pool; None if none."""
         with self._free_lock:

@@ -529,26 +529,59 @@ class SegmentCore(NvmeTier):
         """Take a record out: a tombstone (its bytes stay in the segment until reclaimed,
         so without one a restart would find it again), its room counted dead. `location`:
         where the owner had it (NO_LOCATION: a record the tier holds itself)."""
-        if failpoints.ACTIVE:
-            failpoints.fire("nvme.remove")
-        rid = (header.ns_id, header.key, header.generation)
-        self._append_tombstone(header.ns_id, header.key, header.generation)
+        err = self.remove_many([(header, location)])[0]
+        if err is not None:
+            raise err
+
+    def remove_many(self, removals: Sequence[tuple[RecordHeader, int]]) -> list[OSError | None]:
+        """`remove` of each (header, location), their tombstones appended in one write and
+        their room counted dead under one hold of the lock: a cache at its capacity evicts
+        a record for every one it writes. Per record None or the OSError that failed it."""
+        out: list[OSError | None] = [None] * len(removals)
+        todo: list[int] = []
+        for i in range(len(removals)):
+            try:
+                if failpoints.ACTIVE:
+                    failpoints.fire("nvme.remove")
+            except OSError as err:
+                out[i] = err
+                continue
+            todo.append(i)
+        entries = []
+        for i in todo:
+            header = removals[i][0]
+            entries.append(tombstone_entry(header.ns_id, header.key, header.generation))
+        try:
+            self._append_tombstones(entries)
+        except OSError as err:  # none of them is removed: the caller retries them all
+            for i in todo:
+                out[i] = err
+            return out
         with self._mu:
-            placed = self._placed.get(rid)
-            if placed is not None and location in (NO_LOCATION, placed[0]):
-                del self._placed[rid]
-                location = placed[0]
-            if location != NO_LOCATION:
-                self._count_dead_locked(location, header.record_bytes)
+            for i in todo:
+                header, location = removals[i]
+                rid = (header.ns_id, header.key, header.generation)
+                placed = self._placed.get(rid)
+                if placed is not None and location in (NO_LOCATION, placed[0]):
+                    del self._placed[rid]
+                    location = placed[0]
+                if location != NO_LOCATION:
+                    self._count_dead_locked(location, header.record_bytes)
         self._reclaim_wake.set()
+        return out
 
     def _append_tombstone(self, ns_id: str, key: bytes, generation: int) -> None:
-        """A tombstone in the live log, not synced: as durable as the file layout's unlink
+        self._append_tombstones([tombstone_entry(ns_id, key, generation)])
+
+    def _append_tombstones(self, entries: list[bytes]) -> None:
+        """Tombstones in the live log, not synced: as durable as the file layout's unlink
         (survives a SIGKILL; with sync_writes the deletes that are acknowledged sync)."""
-        entry = tombstone_entry(ns_id, key, generation)
+        if not entries:
+            return
+        data = b"".join(entries)
         assert self._tombstone_fd is not None, "open() the tier first"
         with self._tombstone_lock:
-            if os.write(self._tombstone_fd, entry) != len(entry):
+            if os.write(self._tombstone_fd, data) != len(data):
                 raise OSError(errno.EIO, "short write to the tombstone log")
 
     def _count_dead_locked(self, location: int, record_bytes: int) -> None:

@@ -268,3 +268,24 @@ def test_the_recycled_pool_is_bounded_and_survives_a_restart(tmp_path: Path) -> 
     header = write(tier, b"again", b"z" * 8192)
     assert read(tier, header) == b"z" * 8192
     assert len(list((tmp_path / "free").iterdir())) == 2
+
+
+def test_remove_many_removes_each_file_and_reports_a_failed_one(tmp_path: Path) -> None:
+    """The file layout's batch of evictions: each record's file goes (a read is then a
+    miss), one whose removal fails is reported and still readable, one already gone is no
+    error."""
+    tier = make_tier(tmp_path)
+    headers = [write(tier, b"k%d" % i, bytes([i]) * 9000) for i in range(5)]
+    failpoints.configure("nvme.remove=eio*1")
+    try:
+        results = tier.remove_many([(h, 0) for h in headers[:3]])
+    finally:
+        failpoints.configure("")
+    assert isinstance(results[0], OSError) and results[1:] == [None, None]
+    assert tier.remove_many([(headers[1], 0)]) == [None]
+    assert read(tier, headers[0]) == bytes([0]) * 9000
+    for h in headers[1:3]:
+        with pytest.raises(FileNotFoundError):
+            read(tier, h)
+    for i, h in enumerate(headers[3:], start=3):
+        assert read(tier, h) == bytes([i]) * 9000

@@ -16,11 +16,13 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtier import failpoints
 from kvtier.buffers import aligned_buffer
 from kvtier.errors import ConfigError, CorruptRecord
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.nvme import NvmeTier
 from kvtier.tiers.record import RecordHeader, header_size_for
+from kvtier.tiers.segment_file import NO_LOCATION
 from kvtier.tiers.segments import SegmentTier
 
 NS = "default|m/seg"
@@ -223,6 +225,38 @@ def test_a_removed_record_stays_removed_across_restarts(
         tier = open_tier(tiers, tmp_path)
         assert {loc[2].key for loc in tier.record_locations()} == {b"kept"}
         assert get(tier, kept) == data_for(2)
+
+
+def test_remove_many_is_remove_of_each_and_a_failed_one_stays(
+    tiers: list[SegmentTier], tmp_path: Path
+) -> None:
+    """A batch of evictions in one call (one tombstone write, one hold of the lock): each
+    removed record stays removed across restarts and its room is counted dead, the others
+    stay readable; a record whose removal fails is reported (for the caller to retry) and
+    is still there, and removing one already removed is no error."""
+    tier = open_tier(tiers, tmp_path)
+    gen = tier.first_generation
+    assert gen is not None
+    headers = [put(tier, b"k%d" % i, data_for(i), gen + i) for i in range(12)]
+    gone = headers[:6]
+    failpoints.configure("nvme.remove=eio*1")  # the first removal of the batch fails
+    try:
+        results = tier.remove_many([(h, NO_LOCATION) for h in gone])
+    finally:
+        failpoints.configure("")
+    assert isinstance(results[0], OSError) and results[1:] == [None] * 5
+    assert tier.remove_many([(gone[1], NO_LOCATION)]) == [None]
+    live = sum(seg.live_bytes for seg in tier._segments.values())
+    assert live == sum(h.record_bytes for h in [gone[0], *headers[6:]])
+    for _ in range(2):
+        crash(tier)
+        tier = open_tier(tiers, tmp_path)
+        assert {loc[2].key for loc in tier.record_locations()} == {
+            h.key for h in [gone[0], *headers[6:]]
+        }
+    for i, h in enumerate(headers):
+        if h not in gone[1:]:
+            assert get(tier, h) == data_for(i)
 
 
 def test_concurrent_writers_with_group_commit(tiers: list[SegmentTier], tmp_path: Path) -> None:
