@@ -79,7 +79,9 @@ def stop(proc: subprocess.Popen[str]) -> None:
 @contextlib.contextmanager
 def baseline_tree(rev: str, scratch: Path) -> Iterator[Path]:
     """A temporary `git worktree` of `rev` under `scratch`: run a subprocess with
-    PYTHONPATH set to it and it (and any daemon it starts) imports that revision's code."""
+    PYTHONPATH set to it and it (and any daemon it starts) imports that revision's code,
+    its C extensions included (built in place: without them it would silently run their
+    Python twins, and every comparison with it would be of the wrong code)."""
     root = Path(__file__).resolve().parent.parent
     tree = scratch / "baseline"
     subprocess.run(
@@ -89,6 +91,14 @@ def baseline_tree(rev: str, scratch: Path) -> Iterator[Path]:
         capture_output=True,
     )
     try:
+        built = subprocess.run(
+            [sys.executable, "-c", "import setuptools; setuptools.setup()", "build_ext", "-i"],
+            cwd=tree,
+            capture_output=True,
+            text=True,
+        )
+        if built.returncode:
+            raise SystemExit(f"could not build {rev}'s C extensions:\n{built.stderr[-2000:]}")
         yield tree
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=root, check=False)

@@ -27,7 +27,8 @@ of 256 chained SHA-256 keys (as an engine's prefix keys), each value derived fro
 * --sample random blocks read back after the restart and compared bit-exactly;
 * streaming: --stream-bytes of 64 KiB, then of 2 MiB blocks, put into a daemon whose DRAM
   is tiny so that they demote to NVMe as they arrive; the rate counts only bytes that
-  reached NVMe (the tier's block count, before and after) over the whole put; each right
+  reached NVMe (the blocks demoted over the put: with --stream-nvme smaller than the
+  stream, the tier is full and evicts as it writes) over the whole put; each right
   after, fio writing as many bytes at the same block size (iodepth 8, direct=1 where the
   directory supports O_DIRECT, libaio) in the same directory, and the ratio; with
   --rounds, round after round, and with --baseline another checkout's daemon (main's, for
@@ -567,8 +568,10 @@ def stream_once(
     # A fresh daemon and tier each time: blocks of one size still in DRAM must not be
     # counted as the next size's demotions.
     nvme_dir = root / "stream-nvme"
-    nvme_bytes = 2 * total + (256 << 20)
-    dram = str(total + (64 << 20)) if ceiling else STREAM_DRAM
+    # Room for the whole stream by default; --stream-nvme smaller than it measures a tier
+    # at its capacity (each block written pushes an older one out: a cache's steady state).
+    nvme_bytes = args.stream_nvme or 2 * total + (256 << 20)
+    dram = str(total + (64 << 20)) if ceiling else args.stream_dram
     daemon = Daemon(run_dir, nvme_dir, dram, nvme_bytes, args.policy, args.layout, code)
     keys = list(chain_keys(total // size, salt=size.to_bytes(8, "little")))
     try:
@@ -591,7 +594,8 @@ def stream_once(
     finally:
         daemon.kill()
         shutil.rmtree(nvme_dir, ignore_errors=True)
-    reached = after.tiers["nvme"].blocks - before.tiers["nvme"].blocks
+    # Written to NVMe by demotion (a full tier holds fewer: it evicted some of them).
+    reached = after.demotions - before.demotions
     counted = len(keys) if ceiling else reached
     return {
         "blocks_put": len(keys),
@@ -831,6 +835,18 @@ def main() -> int:
     parser.add_argument("--dram", default="32MiB", help="the filled daemon's DRAM arena")
     parser.add_argument("--sample", type=int, default=300, help="keys checked after restart")
     parser.add_argument("--stream-bytes", type=parse_size, default=512 << 20)
+    parser.add_argument(
+        "--stream-dram",
+        default=STREAM_DRAM,
+        help="the streaming daemon's DRAM arena (the stream should be several times it)",
+    )
+    parser.add_argument(
+        "--stream-nvme",
+        type=parse_size,
+        default=0,
+        help="the streaming daemon's NVMe capacity (default: room for the whole stream; "
+        "smaller: the tier full, evicting as it writes)",
+    )
     parser.add_argument("--skip-stream", action="store_true")
     parser.add_argument(
         "--stream-only", action="store_true", help="only the streaming phase (no fill/restart)"
