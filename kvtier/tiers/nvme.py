@@ -51,9 +51,14 @@ from kvtier import failpoints
 from kvtier.buffers import aligned_buffer
 from kvtier.errors import ConfigError, CorruptRecord, NotRegularFile
 from kvtier.tiers.crypto import RecordCipher
-from kvtier.tiers.posix_io import advance, lock_tier, supports_o_direct, sync_filesystem
+from kvtier.tiers.posix_io import (
+    advance,
+    lock_tier,
+    pwritev_all,
+    supports_o_direct,
+    sync_filesystem,
+)
 from kvtier.tiers.record import (
-    ALIGN_BYTES,
     RecordHeader,
     decode_header,
     encode_header,
@@ -482,7 +487,7 @@ class NvmeTier:
             opened, tmp = self._open_target(total, final)
             fd = opened.fd
             try:
-                self._pwrite_all(fd, iov, total)
+                pwritev_all(fd, iov, total, 0)
                 if self.sync_writes:
                     os.fdatasync(fd)
                 # Rename the name only while it is still the file written (not a link or
@@ -584,24 +589,6 @@ class NvmeTier:
             if size_bytes <= _SCRATCH_KEEP_BYTES:
                 setattr(self._scratch_local, use, buf)
         return memoryview(buf)[:size_bytes]
-
-    @staticmethod
-    def _pwrite_all(fd: int, iov: list[memoryview | mmap.mmap], total: int) -> None:
-        done = 0
-        views = [memoryview(b) for b in iov]
-        while done < total:
-            if failpoints.ACTIVE and failpoints.fire("nvme.pwrite") == "short":
-                # What a kernel may do: transfer an aligned part, leaving the rest to us.
-                part = max(ALIGN_BYTES, (len(views[0]) // 2) & ~(ALIGN_BYTES - 1))
-                written = os.pwritev(fd, [views[0][:part]], done)
-            else:
-                written = os.pwritev(fd, views, done)
-            if written <= 0:
-                raise OSError(errno.EIO, "write made no progress")
-            done += written
-            # A short write: continue after what was written (still aligned under O_DIRECT,
-            # or the kernel refuses and we raise, leaving only the temporary file).
-            advance(views, written)
 
     def write_placed(
         self, header: RecordHeader, payload: Sequence[memoryview | mmap.mmap]
@@ -715,19 +702,16 @@ class NvmeTier:
             self._free.setdefault(size, []).append(spare)
 
     def remove_many(self, removals: Sequence[tuple[RecordHeader, int]]) -> list[OSError | None]:
-        """`remove` of each (header, location): per record None, or the OSError that
-        failed it (a record already gone is removed). One I/O-pool job for a batch of
-        evictions, not one each."""
+        """`remove` of each (header, location), in one I/O-pool job: per record None (a
+        record already gone too) or the OSError that failed it."""
         out: list[OSError | None] = []
         for header, location in removals:
             try:
                 self.remove(header, location)
-            except FileNotFoundError:
-                out.append(None)
             except OSError as err:
-                out.append(err)
-            else:
-                out.append(None)
+                out.append(None if isinstance(err, FileNotFoundError) else err)
+                continue
+            out.append(None)
         return out
 
     def _take_free(self, size: int) -> str | None:

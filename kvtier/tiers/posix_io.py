@@ -16,6 +16,7 @@ import os
 import uuid
 from pathlib import Path
 
+from kvtier import failpoints
 from kvtier.buffers import aligned_buffer
 from kvtier.errors import ConfigError, NotRegularFile
 from kvtier.tiers.record import ALIGN_BYTES
@@ -26,6 +27,7 @@ __all__ = [
     "lock_tier",
     "preallocate",
     "pwrite_exact",
+    "pwritev_all",
     "supports_o_direct",
     "sync_filesystem",
 ]
@@ -107,6 +109,24 @@ def pwrite_exact(fd: int, buf: mmap.mmap, offset: int) -> None:
         if written <= 0:
             raise OSError(errno.EIO, "write made no progress")
         done += written
+
+
+def pwritev_all(fd: int, iov: list[memoryview | mmap.mmap], total: int, offset: int) -> None:
+    """Write `iov` (`total` bytes) at `offset`, continuing after short writes (still
+    aligned under O_DIRECT, or the kernel refuses and this raises). The nvme.pwrite
+    failpoint acts one out: an aligned part transferred, as a kernel may."""
+    done = 0
+    views = [memoryview(b) for b in iov]
+    while done < total:
+        if failpoints.ACTIVE and failpoints.fire("nvme.pwrite") == "short":
+            part = max(ALIGN_BYTES, (len(views[0]) // 2) & ~(ALIGN_BYTES - 1))
+            written = os.pwritev(fd, [views[0][:part]], offset + done)
+        else:
+            written = os.pwritev(fd, views, offset + done)
+        if written <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        done += written
+        advance(views, written)
 
 
 def advance(iov: list[memoryview], done_bytes: int) -> None:

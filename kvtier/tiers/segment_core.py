@@ -21,7 +21,7 @@ from kvtier.errors import ConfigError, CorruptRecord
 from kvtier.index.reclaim import reserve_bytes_for, segment_bytes_fitting, segment_bytes_for
 from kvtier.tiers.crypto import RecordCipher
 from kvtier.tiers.nvme import NvmeTier, Placed
-from kvtier.tiers.posix_io import advance, preallocate
+from kvtier.tiers.posix_io import advance, preallocate, pwritev_all
 from kvtier.tiers.record import (
     ALIGN_BYTES,
     RecordHeader,
@@ -309,11 +309,11 @@ class SegmentCore(NvmeTier):
                 chunk_at, chunk_bytes = first_offset, 0
                 for i, _ in piece:
                     if chunk and len(chunk) + len(iovs[i]) > _IOV_MAX:
-                        _pwrite_at(seg.fd, chunk, chunk_bytes, chunk_at)
+                        pwritev_all(seg.fd, chunk, chunk_bytes, chunk_at)
                         chunk, chunk_at, chunk_bytes = [], chunk_at + chunk_bytes, 0
                     chunk += iovs[i]
                     chunk_bytes += headers[i].record_bytes
-                _pwrite_at(seg.fd, chunk, chunk_bytes, chunk_at)
+                pwritev_all(seg.fd, chunk, chunk_bytes, chunk_at)
             except BaseException:
                 with seg.cond:  # none of the piece may be listed in the footer
                     seg.failed.update(offset for _, offset in piece[1:])
@@ -349,7 +349,7 @@ class SegmentCore(NvmeTier):
         total = header.record_bytes
         try:
             try:
-                _pwrite_at(seg.fd, list(iov), total, offset)
+                pwritev_all(seg.fd, list(iov), total, offset)
             except BaseException:
                 self._finish(seg, offset, total, ok=False)
                 raise
@@ -671,23 +671,6 @@ def _contiguous(
             piece = []
         piece.append((index, offset))
     yield piece
-
-
-def _pwrite_at(fd: int, iov: list[memoryview | mmap.mmap], total: int, offset: int) -> None:
-    """Write `iov` (`total` bytes) at `offset`, continuing after short writes (the
-    nvme.pwrite failpoint acts one out, as the file layout's writer does)."""
-    done = 0
-    views = [memoryview(b) for b in iov]
-    while done < total:
-        if failpoints.ACTIVE and failpoints.fire("nvme.pwrite") == "short":
-            part = max(ALIGN_BYTES, (len(views[0]) // 2) & ~(ALIGN_BYTES - 1))
-            written = os.pwritev(fd, [views[0][:part]], offset + done)
-        else:
-            written = os.pwritev(fd, views, offset + done)
-        if written <= 0:
-            raise OSError(errno.EIO, "write made no progress")
-        done += written
-        advance(views, written)
 
 
 def _pread_exact(fd: int, view: memoryview, offset: int) -> None:

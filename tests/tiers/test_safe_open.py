@@ -16,6 +16,7 @@ import xxhash
 
 from kvtier.buffers import aligned_buffer
 from kvtier.errors import ConfigError, CorruptRecord, NotRegularFile
+from kvtier.tiers import nvme as nvme_module
 from kvtier.tiers import safe_open
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.crypto import load_key_file
@@ -249,17 +250,17 @@ def test_a_spare_swapped_for_a_link_while_written_is_not_renamed_into_v1(
     spare = spare_of(tier)
     victim = tmp_path / "victim"
     victim.write_bytes(b"v" * 8)
-    real_pwrite = tier._pwrite_all
+    real_pwrite = nvme_module.pwritev_all
     swapped: list[str] = []
 
-    def pwrite_then_swap(fd: int, iov: list[memoryview], total: int) -> None:
-        real_pwrite(fd, iov, total)
+    def pwrite_then_swap(fd: int, iov: list[memoryview], total: int, offset: int) -> None:
+        real_pwrite(fd, iov, total, offset)
         if not swapped:  # after the open, before the rename: the name now is a link
             swapped.append(str(spare))
             spare.unlink()
             spare.symlink_to(victim)
 
-    monkeypatch.setattr(tier, "_pwrite_all", pwrite_then_swap)
+    monkeypatch.setattr(nvme_module, "pwritev_all", pwrite_then_swap)
     header = write(tier, b"new", b"n" * 9000)
     record = tier.record_path(NS, b"new", 1)
     assert swapped and not record.is_symlink() and read(tier, header) == b"n" * 9000

@@ -289,7 +289,7 @@ def test_a_failed_write_seals_the_segment_and_later_records_stay_findable(
     first = put(tier, b"a", data_for(1), gen)
     from kvtier.tiers import segment_core as segments
 
-    real = segments._pwrite_at
+    real = segments.pwritev_all
     calls = {"n": 0}
 
     def failing(fd: int, iov: list[memoryview], total: int, offset: int) -> None:
@@ -298,7 +298,7 @@ def test_a_failed_write_seals_the_segment_and_later_records_stay_findable(
             raise OSError(5, "Input/output error")
         real(fd, iov, total, offset)
 
-    monkeypatch.setattr(segments, "_pwrite_at", failing)
+    monkeypatch.setattr(segments, "pwritev_all", failing)
     with pytest.raises(OSError):
         put(tier, b"b", data_for(2), gen + 1)
     third = put(tier, b"c", data_for(3), gen + 2)

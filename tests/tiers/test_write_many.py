@@ -54,7 +54,7 @@ def test_a_batch_is_one_piece_per_iov_max_and_one_fdatasync(
     headers, payloads, datas = batch(700, gen + 1)  # 1400 buffers: over IOV_MAX once
     pieces: list[int] = []
     syncs = {"n": 0}
-    real_pwrite, real_sync = segments._pwrite_at, os.fdatasync
+    real_pwrite, real_sync = segments.pwritev_all, os.fdatasync
 
     def pwrite(fd: int, iov: list[memoryview], total: int, offset: int) -> None:
         assert len(iov) <= 1024
@@ -65,7 +65,7 @@ def test_a_batch_is_one_piece_per_iov_max_and_one_fdatasync(
         syncs["n"] += 1
         real_sync(fd)
 
-    monkeypatch.setattr(segments, "_pwrite_at", pwrite)
+    monkeypatch.setattr(segments, "pwritev_all", pwrite)
     monkeypatch.setattr(os, "fdatasync", sync)
     results = tier.write_many(headers, payloads)
     monkeypatch.undo()
@@ -113,7 +113,7 @@ def test_a_failed_batch_is_never_visible_and_the_next_one_is(
     gen = tier.first_generation
     assert gen is not None
     before = put(tier, b"before", data_for(1), gen)
-    real = segments._pwrite_at
+    real = segments.pwritev_all
     calls = {"n": 0}
 
     def failing(fd: int, iov: list[memoryview], total: int, offset: int) -> None:
@@ -123,7 +123,7 @@ def test_a_failed_batch_is_never_visible_and_the_next_one_is(
             raise OSError(errno.EIO, "Input/output error")
         real(fd, iov, total, offset)
 
-    monkeypatch.setattr(segments, "_pwrite_at", failing)
+    monkeypatch.setattr(segments, "pwritev_all", failing)
     bad, bad_payloads, _ = batch(8, gen + 1, prefix=b"bad")
     results = tier.write_many(bad, bad_payloads)
     assert all(isinstance(r, OSError) for r in results)
