@@ -11,7 +11,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -241,20 +241,13 @@ class SegmentCore(NvmeTier):
         `settle`d, as for `write_placed`) or the OSError that failed it; `payloads` as for
         `write`."""
         results: list[Placed | OSError] = [Placed(0)] * len(headers)
-        todo: list[int] = []
-        for i, (header, payload) in enumerate(zip(headers, payloads, strict=True)):
+        for header, payload in zip(headers, payloads, strict=True):
             total = header.header_bytes + sum(len(b) for b in payload)
             if total != header.record_bytes:
                 raise ValueError(
                     f"payload buffers add up to {total}, expected {header.record_bytes}"
                 )
-            try:
-                if failpoints.ACTIVE:
-                    failpoints.fire("nvme.write")
-            except OSError as err:
-                results[i] = err
-                continue
-            todo.append(i)
+        todo = _past_failpoint("nvme.write", len(headers), results.__setitem__)
         # The batch's record headers side by side in one aligned buffer of the thread's
         # (each record of the batch needs its own until written; a fresh mapping a batch
         # cost ~6 µs a record in page faults and unmapping: `_scratch`).
@@ -538,15 +531,7 @@ class SegmentCore(NvmeTier):
         their room counted dead under one hold of the lock: a cache at its capacity evicts
         a record for every one it writes. Per record None or the OSError that failed it."""
         out: list[OSError | None] = [None] * len(removals)
-        todo: list[int] = []
-        for i in range(len(removals)):
-            try:
-                if failpoints.ACTIVE:
-                    failpoints.fire("nvme.remove")
-            except OSError as err:
-                out[i] = err
-                continue
-            todo.append(i)
+        todo = _past_failpoint("nvme.remove", len(removals), out.__setitem__)
         entries = []
         for i in todo:
             header = removals[i][0]
@@ -671,6 +656,21 @@ def _contiguous(
             piece = []
         piece.append((index, offset))
     yield piece
+
+
+def _past_failpoint(point: str, count: int, failed: Callable[[int, OSError], None]) -> list[int]:
+    """The indices of a batch's `count` items past failpoint `point` (each fires it once);
+    `failed(index, error)` for each one it failed."""
+    todo = []
+    for i in range(count):
+        try:
+            if failpoints.ACTIVE:
+                failpoints.fire(point)
+        except OSError as err:
+            failed(i, err)
+            continue
+        todo.append(i)
+    return todo
 
 
 def _pread_exact(fd: int, view: memoryview, offset: int) -> None:

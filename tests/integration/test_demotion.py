@@ -8,11 +8,22 @@ from collections.abc import Callable
 
 import pytest
 
+import kvtier
 from tests.conftest import DaemonProcess, block_bytes
 
 NS = "llama3-8b/bf16-b16-tp1"
 StartDaemon = Callable[..., DaemonProcess]
 BLOCK = 64 << 10
+
+
+def put_all(client: kvtier.Client, keys: list[bytes]) -> None:
+    """`keys` put 16 a call, block i's bytes `block_bytes(i)`; every put must succeed."""
+    for start in range(0, len(keys), 16):
+        batch = keys[start : start + 16]
+        stored = client.put_many(
+            NS, [(k, block_bytes(start + j, BLOCK)) for j, k in enumerate(batch)]
+        )
+        assert all(stored), f"a put failed at block {start}"
 
 
 @pytest.mark.parametrize("layout", ["files", "segments"])
@@ -22,12 +33,7 @@ def test_a_put_stream_through_a_tiny_dram_lands_on_nvme_exact(
     daemon = start_daemon(dram="4MiB", nvme="512MiB", env={"KVTIER_NVME__LAYOUT": layout})
     keys = [b"stream-%05d" % i for i in range(640)]  # 40 MiB through 4 MiB
     with daemon.client() as client:
-        for start in range(0, len(keys), 16):
-            batch = keys[start : start + 16]
-            stored = client.put_many(
-                NS, [(k, block_bytes(start + j, BLOCK)) for j, k in enumerate(batch)]
-            )
-            assert all(stored), f"a put failed at block {start}"
+        put_all(client, keys)
         stats = client.stats()
         on_nvme = stats["tiers"]["nvme"]["blocks"]
         assert on_nvme >= len(keys) - 64  # all but what 4 MiB of DRAM can still hold
@@ -53,12 +59,7 @@ def test_a_stream_past_the_segment_layouts_capacity_evicts_and_keeps_writing(
     daemon = start_daemon(dram="4MiB", nvme="128MiB", env={"KVTIER_NVME__LAYOUT": "segments"})
     keys = [b"full-%05d" % i for i in range(6144)]  # 384 MiB: three times the tier
     with daemon.client() as client:
-        for start in range(0, len(keys), 16):
-            batch = keys[start : start + 16]
-            stored = client.put_many(
-                NS, [(k, block_bytes(start + j, BLOCK)) for j, k in enumerate(batch)]
-            )
-            assert all(stored), f"a put failed at block {start}"
+        put_all(client, keys)
         stats = client.stats()
         nvme = stats["tiers"]["nvme"]
         assert nvme["online"] and nvme["io_errors"] == 0 and stats["checksum_failures"] == 0
