@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 import kvtier
+from kvtier.tiers.startup import LAYOUT_DIRS
 from tests.conftest import DaemonProcess, block_bytes
 
 NS = "llama3-8b/bf16-b16-tp1"
@@ -48,15 +49,16 @@ def test_a_put_stream_through_a_tiny_dram_lands_on_nvme_exact(
             assert client.get(NS, key) == block_bytes(i, BLOCK), f"block {i} lost"
 
 
-def test_a_stream_past_the_segment_layouts_capacity_evicts_and_keeps_writing(
-    start_daemon: StartDaemon,
+@pytest.mark.parametrize("layout", ["segments", "files"])
+def test_a_stream_past_nvme_capacity_evicts_and_keeps_writing(
+    start_daemon: StartDaemon, layout: str
 ) -> None:
     """A cache in its steady state: NVMe full, every new block pushes an old one out. The
-    store must evict by the capacity the segment layout can hold (the configured one less
-    the room reclaim keeps back), so that reclaim finds dead records to free: counting the
-    configured capacity, the segments reached the disk limit with every record live, and
-    each batch waited for a reclaim with nothing to do, then failed (its blocks lost)."""
-    daemon = start_daemon(dram="4MiB", nvme="128MiB", env={"KVTIER_NVME__LAYOUT": "segments"})
+    store must evict by the capacity the tier can hold (for segments, the configured one
+    less the room reclaim keeps back), so that reclaim finds dead records to free: counting
+    the configured capacity, the segments reached the disk limit with every record live,
+    and each batch waited for a reclaim with nothing to do, then failed (its blocks lost)."""
+    daemon = start_daemon(dram="4MiB", nvme="128MiB", env={"KVTIER_NVME__LAYOUT": layout})
     keys = [b"full-%05d" % i for i in range(6144)]  # 384 MiB: three times the tier
     with daemon.client() as client:
         put_all(client, keys)
@@ -65,11 +67,12 @@ def test_a_stream_past_the_segment_layouts_capacity_evicts_and_keeps_writing(
         assert nvme["online"] and nvme["io_errors"] == 0 and stats["checksum_failures"] == 0
         # Out of every tier only by NVMe's evictions: none lost to a write that failed.
         assert stats["dropped_blocks"] <= nvme["evictions"]
-        assert 0 < nvme["used_bytes"] <= nvme["capacity_bytes"] < 128 << 20
+        assert 0 < nvme["used_bytes"] <= nvme["capacity_bytes"] <= 128 << 20
         assert nvme["evictions"] > len(keys) // 2  # most of the stream went out again
         assert stats["demotions"] >= len(keys) - 64  # each one written, none dropped
-        on_disk = sum(f.stat().st_size for f in daemon.nvme_path.rglob("*") if f.is_file())
-        assert on_disk <= 128 << 20, f"{on_disk} bytes of segments past the 128 MiB limit"
+        records = daemon.nvme_path / LAYOUT_DIRS[layout]  # the files layout's spares aside
+        on_disk = sum(f.stat().st_size for f in records.rglob("*") if f.is_file())
+        assert on_disk <= 128 << 20, f"{on_disk} bytes of records past the 128 MiB limit"
         # The newest blocks are all there, exact; an evicted one is a miss, never wrong.
         newest = len(keys) - nvme["blocks"] // 2
         for i, key in enumerate(keys):
