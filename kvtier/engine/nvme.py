@@ -316,13 +316,11 @@ class NvmeDriver:
         self._spawn(self._remove_many(removals))
 
     async def _remove_many(self, removals: list[tuple[RecordHeader, int]]) -> None:
-        try:
-            results = await self.io.run(self.tier.remove_many, removals)
-        except OSError as batch_err:  # as if each had failed with it
-            results = [batch_err] * len(removals)
+        # Per record None (removed, or already gone) or the OSError that failed it.
+        results = await self.io.run(self.tier.remove_many, removals)
         failed = False
         for (header, location), result in zip(removals, results, strict=True):
-            if result is not None and not isinstance(result, FileNotFoundError):
+            if result is not None:
                 if not failed:  # one warning (and one count of a failure) for the batch
                     self.failed(result, "remove a record")
                     failed = True
