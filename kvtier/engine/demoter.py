@@ -62,11 +62,15 @@ __all__ = ["BATCH_BYTES", "BATCH_RECORDS", "Demoter", "Watermarks", "coalesced",
 
 # A batch: large enough that a 64 KiB block's share of a job's fixed costs (a thread hop,
 # a loop wake-up, a syscall) is small, small enough that a few are in flight at once.
-# Its completion is one loop turn (written_many, finish_dram_evictions: tens of µs a
-# record on a loaded machine), so the records a batch holds bound that turn: 256 4 KiB
-# records made the fill's longest stalls (15-25 ms of loop CPU in one turn at 300 k).
+# Its completion's turns (written_many, then finish_dram_evictions: tens of µs a record
+# on a loaded machine) grow with the records a batch holds: 256 4 KiB records made the
+# fill's longest stalls (15-25 ms in one turn at 300 k, when completion was one turn).
+# 128 lets a batch of 64 KiB blocks reach BATCH_BYTES: half the batches of 64 records,
+# 0.92x the wall of a 64 KiB stream (each batch costs the loop a task, an executor hop
+# and three turns, and its I/O thread a wait for the GIL after its pwritev), and the
+# 1 M fill's longest stall no longer than with 64 (BENCHMARKS.md, 2026-12-07).
 BATCH_BYTES = 8 << 20
-BATCH_RECORDS = 64
+BATCH_RECORDS = 128
 
 
 @dataclass(frozen=True, slots=True)
