@@ -7,6 +7,7 @@ import re
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,13 @@ def block_bytes(seed: int, size_bytes: int) -> bytes:
         return head[:size_bytes]
     start = (seed * 2_654_435_761) % (len(_POOL) - body + 1)
     return head + _POOL[start : start + body]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (for a daemon's metrics or gRPC listener)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def cuda_available() -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ import promql_parser
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import DaemonProcess, block_bytes
+from tests.conftest import DaemonProcess, block_bytes, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvtier.json"
@@ -87,12 +86,6 @@ def referenced(expr: str) -> tuple[dict[str, set[str]], set[str]]:
     return metrics, grouping
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def exported(port: int) -> dict[str, set[str]]:
     """Series names /metrics serves (a histogram's _bucket, _sum and _count, a counter's
     _total) -> the label names they carry."""
@@ -127,7 +120,7 @@ def test_dashboard_queries_are_valid_promql() -> None:
 def metrics_port(start_daemon: StartDaemon) -> int:
     """A daemon after a workload that leaves every series the dashboard draws non-empty:
     evictions to NVMe and past it, NVMe hits and promotions, zero-copy reads, a plan."""
-    port = _free_port()
+    port = free_port()
     daemon = start_daemon(dram="4MiB", nvme="6MiB", extra=["--metrics-listen", f"127.0.0.1:{port}"])
     size = 1 << 20
     keys = [f"block-{i}".encode() for i in range(12)]

@@ -160,6 +160,20 @@ class NvmeDriver:
         tier = self.tier
         return tier.write_amplification if isinstance(tier, SegmentTier) else 1.0
 
+    def segment_counters(self) -> SegmentCounters | None:
+        """What the segment layout has written and reclaimed since start (None for the
+        file layout): plain ints its I/O and reclaim threads keep, read as they stand."""
+        tier = self.tier
+        if not isinstance(tier, SegmentTier):
+            return None
+        return SegmentCounters(
+            tier.written_bytes,
+            tier.relocated_bytes,
+            tier.reclaimed_segments,
+            tier.allocated_bytes,
+            tier.write_amplification,
+        )
+
     @property
     def refused_files(self) -> int:
         """Files refused since start for not being regular files (links, FIFOs, ...)."""
@@ -446,6 +460,17 @@ class NvmeDriver:
         for r in job.result()[0][0]:
             if isinstance(r, Placed) and r.record_bytes:
                 self.tier.settle(r.location)
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentCounters:
+    """The segment layout's writes and reclaim since start (`segment_counters`)."""
+
+    written_bytes: int  # records callers wrote
+    relocated_bytes: int  # live records reclaim copied out of segments it freed
+    reclaimed_segments: int
+    allocated_bytes: int  # segment files on disk now
+    write_amplification: float  # (written + relocated) / written; 1.0 before any write
 
 
 @dataclass(frozen=True, slots=True)

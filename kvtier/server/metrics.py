@@ -12,6 +12,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from kvtier.engine.nvme import SegmentCounters
 from kvtier.engine.store import Store
 from kvtier.server import looplag
 from kvtier.server.arena_socket import SideSocketCounters
@@ -69,6 +70,7 @@ class StoreCollector(Collector):
                 "blocking, never written through",
                 value=self._store.nvme.refused_files,
             )
+            yield from _segment_metrics(self._store.nvme.segment_counters())
         yield GaugeMetricFamily("kvtier_leases", "Zero-copy leases held now", value=s.leases)
         yield CounterMetricFamily(
             "kvtier_remote_puts", "Blocks this node put into the remote tier", value=s.remote_puts
@@ -257,4 +259,38 @@ def _side_socket(c: SideSocketCounters) -> Iterator[Metric]:
         "kvtier_session_socket_oversize_requests",
         "Session requests over their op's size cap (refused, or the session ended)",
         value=c.oversize_requests,
+    )
+
+
+def _segment_metrics(counters: SegmentCounters | None) -> Iterator[Metric]:
+    """The segment layout's appends and reclaim (nothing for the file layout): what its
+    write amplification costs the drive, and whether reclaim keeps up."""
+    if counters is None:
+        return
+    yield CounterMetricFamily(
+        "kvtier_nvme_written_bytes",
+        "Record bytes appended to the NVMe segments by demotion, write-through and flush",
+        value=counters.written_bytes,
+    )
+    yield CounterMetricFamily(
+        "kvtier_nvme_relocated_bytes",
+        "Live record bytes reclaim copied out of segments it was freeing",
+        value=counters.relocated_bytes,
+    )
+    yield CounterMetricFamily(
+        "kvtier_nvme_reclaimed_segments",
+        "Segments reclaim emptied and deleted",
+        value=counters.reclaimed_segments,
+    )
+    yield GaugeMetricFamily(
+        "kvtier_nvme_write_amplification",
+        "Bytes appended to the segments per record byte written, since start: "
+        "(written + relocated) / written; 1 while reclaim has moved nothing",
+        value=counters.write_amplification,
+    )
+    yield GaugeMetricFamily(
+        "kvtier_nvme_segment_files_bytes",
+        "Bytes of segment files on disk: at most the tier's capacity, and a segment more "
+        "while reclaim copies",
+        value=counters.allocated_bytes,
     )

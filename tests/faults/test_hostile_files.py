@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import stat
 import statistics
 import threading
@@ -28,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import kvtier
 from kvtier.keys import hash_token
 from kvtier.tiers.record import parse_header, read_header_region
-from tests.conftest import DaemonProcess, block_bytes
+from tests.conftest import DaemonProcess, block_bytes, free_port
 from tests.faults.harness import Report, Row, Shadow, check_all, still_serves, wait_for
 
 StartDaemon = Callable[..., DaemonProcess]
@@ -36,12 +35,6 @@ NS = "faults/files"
 TOKENS = {"alice": "alice-files-token-1", "bob": "bob-files-token-22"}
 BLOCK_BYTES = 256 << 10
 RECORD_BYTES = 4096 + BLOCK_BYTES  # a short key's header page, then the payload
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class Tier:
@@ -108,7 +101,7 @@ def tier(start_daemon: StartDaemon, workdir: Path) -> Iterator[Callable[..., Tie
             + '[tenants.alice]\ndram_capacity_bytes = "4MiB"\nnvme_capacity_bytes = "128MiB"\n'
             + '[tenants.bob]\ndram_capacity_bytes = "4MiB"\nnvme_capacity_bytes = "128MiB"\n'
         )
-        port = _free_port()
+        port = free_port()
         daemon = start_daemon(
             dram="8MiB",
             nvme="2GiB",  # a free/ pool of up to 32 MiB (calibration's spares take 8)

@@ -4,13 +4,16 @@ NVMe has room, every byte comes back exact, before and after a restart."""
 
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import Callable
 
 import pytest
 
 import kvtier
 from kvtier.tiers.startup import LAYOUT_DIRS
-from tests.conftest import DaemonProcess, block_bytes
+from tests.conftest import DaemonProcess, block_bytes, free_port
+from tests.integration.test_metrics import metric_value, scrape
 
 NS = "llama3-8b/bf16-b16-tp1"
 StartDaemon = Callable[..., DaemonProcess]
@@ -81,3 +84,79 @@ def test_a_stream_past_nvme_capacity_evicts_and_keeps_writing(
                 assert got == block_bytes(i, BLOCK), f"block {i} lost or differs"
             else:
                 assert got is None or got == block_bytes(i, BLOCK), f"block {i} differs"
+
+
+def test_a_full_segment_tier_under_reuse_relocates_and_reads_exact(
+    start_daemon: StartDaemon,
+) -> None:
+    """A full tier whose blocks do not leave in the order they came: a hot set, read
+    again and again, stays while a stream pushes cold blocks out. The hot blocks were
+    written among the cold ones, so each segment reclaim frees still holds live hot
+    records, which it must copy out first and the catalog must follow. Every read, before
+    and after a SIGKILL, is exact or a miss; only what DRAM alone held is lost."""
+    port = free_port()
+    daemon = start_daemon(
+        dram="4MiB",
+        nvme="128MiB",
+        extra=["--metrics-listen", f"127.0.0.1:{port}"],
+        # LRU keeps what is read again. The value policy keeps none of these in particular:
+        # a 64 KiB block of this namespace's model is one token's KV, cheaper to recompute
+        # than to fetch, so worth nothing (its order is not what this tests).
+        env={"KVTIER_NVME__LAYOUT": "segments", "KVTIER_POLICY__NAME": "lru"},
+    )
+    hot = {b"hot-%04d" % i: block_bytes(100_000 + i, BLOCK) for i in range(64)}
+    hot_keys = list(hot)
+    cold = [b"cold-%05d" % i for i in range(4096)]  # 256 MiB: twice the tier
+    hot_reads = hot_hits = 0
+    rng = random.Random(7)
+    with daemon.client() as client:
+        for n, start in enumerate(range(0, len(cold), 15)):
+            batch = [
+                (k, block_bytes(start + j, BLOCK)) for j, k in enumerate(cold[start : start + 15])
+            ]
+            if n < len(hot_keys):  # one hot block in each of the first puts' batches
+                batch.append((hot_keys[n], hot[hot_keys[n]]))
+            assert all(client.put_many(NS, batch)), f"a put failed at batch {n}"
+            for key in rng.sample(hot_keys[: n + 1], min(8, n + 1)):  # hot blocks put so far
+                got = client.get(NS, key)
+                assert got is None or got == hot[key], f"{key!r} read back wrong"
+                hot_reads += 1
+                hot_hits += got is not None
+        time.sleep(0.5)  # the demoter's last batches in, so the counts below hold still
+        stats = client.stats()
+        metrics = scrape(port)
+        held = sweep(client, hot, cold)
+    nvme = stats["tiers"]["nvme"]
+    assert nvme["online"] and nvme["io_errors"] == 0 and stats["checksum_failures"] == 0
+    assert stats["dropped_blocks"] <= nvme["evictions"]
+    assert nvme["evictions"] > len(cold) // 2  # the tier was full most of the time
+    # Reclaim freed segments that still held live records: it copied them.
+    assert metric_value(metrics, "kvtier_nvme_reclaimed_segments_total") > 0
+    relocated = metric_value(metrics, "kvtier_nvme_relocated_bytes_total")
+    written = metric_value(metrics, "kvtier_nvme_written_bytes_total")
+    assert relocated > 0, "no live record was relocated: the test did not test reclaim"
+    assert metric_value(metrics, "kvtier_nvme_write_amplification") == pytest.approx(
+        (written + relocated) / written
+    )
+    # At most the tier, and a segment (8 MiB here: 1/16 of it) more while reclaim copies.
+    assert metric_value(metrics, "kvtier_nvme_segment_files_bytes") <= (128 + 8) << 20
+    assert hot_hits >= 0.9 * hot_reads, f"the hot set was not kept: {hot_hits} of {hot_reads}"
+    # Every block the tier says it holds reads back (a copy the catalog did not follow
+    # would be a miss here), and after a SIGKILL every one of them again: what DRAM
+    # alone held is lost, nothing NVMe held.
+    assert held >= nvme["blocks"], f"{held} blocks read back, NVMe holds {nvme['blocks']}"
+    daemon.kill()
+    daemon.start()
+    with daemon.client() as client:
+        after = sweep(client, hot, cold)
+    assert after >= nvme["blocks"], f"{after} blocks after a SIGKILL, {nvme['blocks']} before"
+
+
+def sweep(client: kvtier.Client, hot: dict[bytes, bytes], cold: list[bytes]) -> int:
+    """Every key of the reclaim test read: the blocks found, each exact (else it fails)."""
+    found = 0
+    for key, data in [*hot.items(), *((k, block_bytes(i, BLOCK)) for i, k in enumerate(cold))]:
+        got = client.get(NS, key)
+        assert got is None or got == data, f"{key!r} read back wrong"
+        found += got is not None
+    return found

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 from collections.abc import Callable
 
@@ -10,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvtier
-from tests.conftest import DaemonProcess, block_bytes
+from tests.conftest import DaemonProcess, block_bytes, free_port
 
 StartDaemon = Callable[..., DaemonProcess]
 NS = "llama3-8b/metrics"
@@ -29,13 +28,7 @@ ALLOWED_LABELS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _scrape(port: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+def scrape(port: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
@@ -46,7 +39,7 @@ def _scrape(port: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     return out
 
 
-def _value(
+def metric_value(
     metrics: dict[str, dict[tuple[tuple[str, str], ...], float]], name: str, **labels: str
 ) -> float:
     want = tuple(sorted(labels.items()))
@@ -55,7 +48,7 @@ def _value(
 
 
 def test_every_design_metric_is_exported_with_sensible_values(start_daemon: StartDaemon) -> None:
-    port = _free_port()
+    port = free_port()
     daemon = start_daemon(dram="4MiB", nvme="6MiB", extra=["--metrics-listen", f"127.0.0.1:{port}"])
     size = 1 << 20
     keys = [f"secret-key-{i}".encode() for i in range(12)]
@@ -83,31 +76,33 @@ def test_every_design_metric_is_exported_with_sensible_values(start_daemon: Star
         with pytest.raises(kvtier.InvalidArgument):
             client.get(NS, b"x" * 1000)
         stats = client.stats()
-    m = _scrape(port)
+    m = scrape(port)
     for tier in ("dram", "nvme"):
-        assert _value(m, "kvtier_tier_capacity_bytes", tier=tier) > 0
-        assert _value(m, "kvtier_tier_used_bytes", tier=tier) > 0
-        assert _value(m, "kvtier_tier_blocks", tier=tier) > 0
-        assert _value(m, "kvtier_hits_total", tier=tier) > 0
-    assert _value(m, "kvtier_tier_used_bytes", tier="dram") <= 4 << 20
-    assert _value(m, "kvtier_misses_total") >= len(lost)
-    assert _value(m, "kvtier_lost_reuse_total") == stats["lost_reuse"] >= len(lost)
-    assert _value(m, "kvtier_evictions_by_reason_total", tier="dram", reason="demoted") > 0
-    assert _value(m, "kvtier_evictions_by_reason_total", tier="nvme", reason="capacity") > 0
-    assert _value(m, "kvtier_nvme_admissions_total", decision="written") > 0
-    assert _value(m, "kvtier_promotions_total") > 0
-    assert _value(m, "kvtier_checksum_failures_total") == 0
+        assert metric_value(m, "kvtier_tier_capacity_bytes", tier=tier) > 0
+        assert metric_value(m, "kvtier_tier_used_bytes", tier=tier) > 0
+        assert metric_value(m, "kvtier_tier_blocks", tier=tier) > 0
+        assert metric_value(m, "kvtier_hits_total", tier=tier) > 0
+    assert metric_value(m, "kvtier_tier_used_bytes", tier="dram") <= 4 << 20
+    assert metric_value(m, "kvtier_misses_total") >= len(lost)
+    assert metric_value(m, "kvtier_lost_reuse_total") == stats["lost_reuse"] >= len(lost)
+    assert metric_value(m, "kvtier_evictions_by_reason_total", tier="dram", reason="demoted") > 0
+    assert metric_value(m, "kvtier_evictions_by_reason_total", tier="nvme", reason="capacity") > 0
+    assert metric_value(m, "kvtier_nvme_admissions_total", decision="written") > 0
+    assert metric_value(m, "kvtier_promotions_total") > 0
+    assert metric_value(m, "kvtier_checksum_failures_total") == 0
     for src, dst in (("dram", "nvme"), ("nvme", "dram"), ("nvme", "client"), ("dram", "engine")):
-        assert _value(m, "kvtier_transfer_seconds_count", src=src, dst=dst) > 0, (src, dst)
-        assert _value(m, "kvtier_transfer_seconds_sum", src=src, dst=dst) > 0
-        assert _value(m, "kvtier_transfer_bytes_total", src=src, dst=dst) >= size
-    assert _value(m, "kvtier_requests_total", method="PutBlock", code="OK") == len(keys)
-    assert _value(m, "kvtier_requests_total", method="GetBlock", code="INVALID_ARGUMENT") == 1
-    assert _value(m, "kvtier_requests_total", method="GetBlock", code="NOT_FOUND") == len(lost)
-    assert _value(m, "kvtier_requests_total", method="session/ACQUIRE", code="OK") > 0
-    assert _value(m, "kvtier_recompute_avoided_seconds_total") >= 0
-    assert _value(m, "kvtier_fetch_regret_seconds_total") >= 0
-    assert _value(m, "kvtier_plan_blocks_total", decision="fetch") + _value(
+        assert metric_value(m, "kvtier_transfer_seconds_count", src=src, dst=dst) > 0, (src, dst)
+        assert metric_value(m, "kvtier_transfer_seconds_sum", src=src, dst=dst) > 0
+        assert metric_value(m, "kvtier_transfer_bytes_total", src=src, dst=dst) >= size
+    assert metric_value(m, "kvtier_requests_total", method="PutBlock", code="OK") == len(keys)
+    assert metric_value(m, "kvtier_requests_total", method="GetBlock", code="INVALID_ARGUMENT") == 1
+    assert metric_value(m, "kvtier_requests_total", method="GetBlock", code="NOT_FOUND") == len(
+        lost
+    )
+    assert metric_value(m, "kvtier_requests_total", method="session/ACQUIRE", code="OK") > 0
+    assert metric_value(m, "kvtier_recompute_avoided_seconds_total") >= 0
+    assert metric_value(m, "kvtier_fetch_regret_seconds_total") >= 0
+    assert metric_value(m, "kvtier_plan_blocks_total", decision="fetch") + metric_value(
         m, "kvtier_plan_blocks_total", decision="recompute"
     ) == len(keys)
     for name, samples in m.items():

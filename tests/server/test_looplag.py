@@ -4,7 +4,6 @@ least as long as it was, an idle loop reads small, and the daemon exports both."
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 import urllib.request
 from collections.abc import Callable
@@ -15,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier.server import looplag
 from kvtier.server.looplag import LoopLag
 from kvtier.server.metrics import loop_lag_metrics
-from tests.conftest import DaemonProcess
+from tests.conftest import DaemonProcess, free_port
 
 StartDaemon = Callable[..., DaemonProcess]
 INTERVAL_S = 0.005
@@ -93,16 +92,10 @@ def test_metrics_export_the_longest_stall_and_the_lateness_histogram() -> None:
     assert list(loop_lag_metrics(None)) == []
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def test_the_daemon_reports_stalls_in_stats_and_on_the_metrics_endpoint(
     start_daemon: StartDaemon,
 ) -> None:
-    port = _free_port()
+    port = free_port()
     daemon = start_daemon(
         dram="8MiB", nvme="16MiB", extra=["--metrics-listen", f"127.0.0.1:{port}"]
     )
