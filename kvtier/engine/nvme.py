@@ -152,14 +152,6 @@ class NvmeDriver:
     def capacity_bytes(self) -> int:
         return self.tier.capacity_bytes
 
-    @property
-    def write_amplification(self) -> float:
-        """Bytes written to disk per byte of records written (the segment layout's reclaim
-        re-appends live records; 1.0 for the file layout). For `kvtier replay` and the
-        metrics to report."""
-        tier = self.tier
-        return tier.write_amplification if isinstance(tier, SegmentTier) else 1.0
-
     def segment_counters(self) -> SegmentCounters | None:
         """What the segment layout has written and reclaimed since start (None for the
         file layout): plain ints its I/O and reclaim threads keep, read as they stand."""
