@@ -231,7 +231,9 @@ def _checked_footer(fd: int, seg_id: int, size_bytes: int) -> tuple[bytes, int, 
         return None
     end = footer_bytes - _XXH3.size
     (stored,) = _XXH3.unpack_from(footer, end)
-    if stored != xxhash.xxh3_64_intdigest(footer[:end]):
+    # Hashed through a view: `footer[:end]` copied the footer (MBs at 32 k records a
+    # segment, 0.1-1.7 ms with the GIL held, on a loader thread beside the event loop).
+    if stored != xxhash.xxh3_64_intdigest(memoryview(footer)[:end]):
         return None
     magic, count = _FOOTER_HEAD.unpack_from(footer, 0)
     if magic != _FOOTER_MAGIC:
