@@ -68,21 +68,60 @@ ENTRY = st.tuples(
 
 
 @settings(max_examples=200, deadline=None)
-@given(entries=st.lists(ENTRY, max_size=30), uniform=st.booleans(), rows_a_call=st.integers(1, 9))
+@given(
+    entries=st.lists(ENTRY, max_size=30),
+    uniform=st.booleans(),
+    rows_a_call=st.integers(1, 9),
+    run_window=st.integers(1, 5),
+)
 def test_footer_columns_are_read_footer(
-    entries: list[tuple[int, str, bytes, int, int, bool]], uniform: bool, rows_a_call: int
+    entries: list[tuple[int, str, bytes, int, int, bool]],
+    uniform: bool,
+    rows_a_call: int,
+    run_window: int,
 ) -> None:
-    saved, segment_format.ROWS_A_CALL = segment_format.ROWS_A_CALL, rows_a_call
+    saved = segment_format.ROWS_A_CALL, segment_format.RUN_WINDOW
+    segment_format.ROWS_A_CALL, segment_format.RUN_WINDOW = rows_a_call, run_window
     try:
         _footer_columns_are_read_footer(entries, uniform)
     finally:
-        segment_format.ROWS_A_CALL = saved
+        segment_format.ROWS_A_CALL, segment_format.RUN_WINDOW = saved
+
+
+# Runs of entries of one key length (a tier's first segment: the daemon's calibration
+# records, then an engine's): (run length, key length, namespace).
+RUNS = st.lists(
+    st.tuples(st.integers(1, 300), st.sampled_from([0, 7, 16, 32]), st.sampled_from(NAMESPACES)),
+    min_size=1,
+    max_size=6,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(runs=RUNS, run_window=st.sampled_from([1, 2, 64]), extra=st.integers(-3, 3))
+def test_footer_columns_of_runs_are_read_footer(
+    runs: list[tuple[int, int, str]], run_window: int, extra: int
+) -> None:
+    """Long runs of one stride between changes, the window that finds a run's end
+    doubling across them; and a footer whose head counts `extra` entries more or fewer
+    than it holds (more: it ends inside an entry, both readers refuse it)."""
+    entries = []
+    for count, key_len, ns in runs:
+        for _ in range(count):
+            i = len(entries)
+            entries.append((i % 40, ns, i.to_bytes(4, "little") * 8, i + 1, 4096, False))
+            entries[-1] = (*entries[-1][:2], entries[-1][2][:key_len], *entries[-1][3:])
+    saved, segment_format.RUN_WINDOW = segment_format.RUN_WINDOW, run_window
+    try:
+        _footer_columns_are_read_footer(entries, False, extra)
+    finally:
+        segment_format.RUN_WINDOW = saved
 
 
 def _footer_columns_are_read_footer(
-    entries: list[tuple[int, str, bytes, int, int, bool]], uniform: bool
+    entries: list[tuple[int, str, bytes, int, int, bool]], uniform: bool, extra: int = 0
 ) -> None:
-    size = 64 * 4096
+    size = 256 * 4096
     listed = []
     for page, ns, key, gen, payload, odd in entries:
         if uniform:  # one key and namespace length: the strided fast path
@@ -90,6 +129,10 @@ def _footer_columns_are_read_footer(
             ns = NAMESPACES[0] if ns != NAMESPACES[1] else ns
         listed.append((page * 4096 + (100 if odd else 0), header_of(ns, key, gen, payload)))
     footer = encode_footer(listed)
+    if extra:  # the head's count changed, the footer's own checksum made to match it
+        count = max(0, len(listed) + extra)
+        body = footer[:8] + count.to_bytes(4, "little") + footer[12:-8]
+        footer = body + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
     footer_at = 30 * 4096
     with tempfile.TemporaryFile() as fh:
         fh.write(encode_segment_header(9, size).ljust(4096, b"\0"))
@@ -102,6 +145,9 @@ def _footer_columns_are_read_footer(
         fd = fh.fileno()
         want = read_footer(fd, 9, size)
         got = read_footer_columns(fd, 9, size)
+    if extra > 0:  # past the last entry: refused by both
+        assert want is None and got is None
+        return
     assert want is not None and got is not None
     assert [(int(got.offset[i]), got.header(i)) for i in range(len(got))] == want
 
