@@ -265,7 +265,12 @@ class Daemon:
             registry.register(StoreCollector(store, arena.counters if arena else None))
             host, _, mport = cfg.server.metrics_listen.rpartition(":")
             try:
-                start_http_server(int(mport), addr=host or "127.0.0.1", registry=registry)
+                # On a thread: it waits for its server thread to start, and binding looks
+                # the host's name up (`socket.getfqdn`), which held the loop ~10 ms of a
+                # restart's stalls while recovery's loaders ran beside it.
+                await asyncio.to_thread(
+                    start_http_server, int(mport), addr=host or "127.0.0.1", registry=registry
+                )
             except (OSError, ValueError) as err:
                 raise ConfigError(
                     f"server.metrics_listen: cannot listen on {cfg.server.metrics_listen}: {err}"

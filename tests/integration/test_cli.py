@@ -116,6 +116,28 @@ def test_config_default_dump_validate(tmp_path: Path) -> None:
     assert str(bad).encode() in result.stderr and b"dram.capacity_byts" in result.stderr
 
 
+def test_serve_refuses_a_metrics_port_in_use(tmp_path: Path) -> None:
+    """The metrics endpoint starts off the event loop now; a port it cannot bind still
+    stops the daemon with exit 2 and the key to fix, not a traceback."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        path = tmp_path / "kvtier.toml"
+        path.write_text(
+            f'[server]\nlisten = "unix://{tmp_path}/s.sock"\n'
+            f'metrics_listen = "127.0.0.1:{port}"\n'
+            f'[dram]\ncapacity_bytes = "16MiB"\nprefault = false\n'
+            f'[nvme]\npath = "{tmp_path}/nvme"\ncapacity_bytes = "64MiB"\n'
+        )
+        result = kvtier("serve", "--config", str(path), check=False)
+    assert result.returncode == 2, result.stderr.decode()
+    assert b"server.metrics_listen: cannot listen on" in result.stderr
+    assert b"Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize(
     ("text", "words"),
     [
