@@ -468,7 +468,7 @@ def _run_columns(footer: bytes, count: int) -> _Cols | None:
     None if the footer ends inside an entry (as read_footer).
 
     A tier's first segment holds the daemon's calibration records before an engine's,
-    so its footer has two strides. One struct unpack per entry held the GIL ~37-69 ms
+    so its footer has two strides. One struct unpack per entry held the GIL 37-86 ms
     a footer of 31 k entries at a restart (the event loop waiting behind the loaders).
     A run's end is found by comparing the lengths over windows that double while the
     run goes on (back to RUN_WINDOW after each change), so a footer of n entries in r
