@@ -77,11 +77,11 @@ def test_every_design_metric_is_exported_with_sensible_values(start_daemon: Star
             client.get(NS, b"x" * 1000)
         stats = client.stats()
     m = scrape(port)
-    for tier in ("dram", "nvme"):
-        assert metric_value(m, "kvtier_tier_capacity_bytes", tier=tier) > 0
-        assert metric_value(m, "kvtier_tier_used_bytes", tier=tier) > 0
-        assert metric_value(m, "kvtier_tier_blocks", tier=tier) > 0
-        assert metric_value(m, "kvtier_hits_total", tier=tier) > 0
+    for name in ("dram", "nvme"):
+        assert metric_value(m, "kvtier_tier_capacity_bytes", tier=name) > 0
+        assert metric_value(m, "kvtier_tier_used_bytes", tier=name) > 0
+        assert metric_value(m, "kvtier_tier_blocks", tier=name) > 0
+        assert metric_value(m, "kvtier_hits_total", tier=name) > 0
     assert metric_value(m, "kvtier_tier_used_bytes", tier="dram") <= 4 << 20
     assert metric_value(m, "kvtier_misses_total") >= len(lost)
     assert metric_value(m, "kvtier_lost_reuse_total") == stats["lost_reuse"] >= len(lost)
