@@ -197,7 +197,7 @@ def read_footer(fd: int, seg_id: int, size_bytes: int) -> list[tuple[int, Record
     checked = _checked_footer(fd, seg_id, size_bytes)
     if checked is None:
         return None
-    footer, footer_at, count, _ = checked
+    footer, footer_at, count = checked
     out: list[tuple[int, RecordHeader]] = []
     pos = _FOOTER_HEAD.size
     try:
@@ -220,9 +220,9 @@ def read_footer(fd: int, seg_id: int, size_bytes: int) -> list[tuple[int, Record
     return out
 
 
-def _checked_footer(fd: int, seg_id: int, size_bytes: int) -> tuple[bytes, int, int, int] | None:
-    """A sealed segment's footer bytes, where it lies, its entry count and where its
-    entries end, once the trailer, both checksums and the magic verify; else None."""
+def _checked_footer(fd: int, seg_id: int, size_bytes: int) -> tuple[bytes, int, int] | None:
+    """A sealed segment's footer bytes, where it lies and its entry count, once the
+    trailer, both checksums and the magic verify; else None."""
     trailer = _trailer(fd, seg_id, size_bytes)
     if trailer is None:
         return None
@@ -239,7 +239,7 @@ def _checked_footer(fd: int, seg_id: int, size_bytes: int) -> tuple[bytes, int, 
     magic, count = _FOOTER_HEAD.unpack_from(footer, 0)
     if magic != _FOOTER_MAGIC:
         return None
-    return footer, footer_at, count, end
+    return footer, footer_at, count
 
 
 def footer_extent(fd: int, seg_id: int, size_bytes: int) -> tuple[int, int] | None:
@@ -376,15 +376,13 @@ def columns_of_entries(entries: Sequence[tuple[int, RecordHeader]]) -> FooterCol
 
 def read_footer_columns(fd: int, seg_id: int, size_bytes: int) -> FooterColumns | None:
     """`read_footer` as columns: the same checks, the same records kept, no object per
-    record where every entry of the footer has one key and namespace length (the usual
-    case: an engine's keys are fixed-size hashes), one pass of struct unpacking else."""
+    record (entries of one key and namespace length, an engine's fixed-size hashes, are
+    read as strided numpy views, a run at a time: `_run_columns`)."""
     checked = _checked_footer(fd, seg_id, size_bytes)
     if checked is None:
         return None
-    footer, footer_at, count, end = checked
-    cols = _uniform_columns(footer, count, end)
-    if cols is None:
-        cols = _run_columns(footer, count)
+    footer, footer_at, count = checked
+    cols = _run_columns(footer, count)
     if cols is None:
         return None
     fields, ns_off, ns_len, key_off = cols
@@ -420,34 +418,6 @@ def read_footer_columns(fd: int, seg_id: int, size_bytes: int) -> FooterColumns 
 _Cols = tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]
 
 
-def _uniform_columns(footer: bytes, count: int, end: int) -> _Cols | None:
-    """The entries as a strided numpy view, when they all have one stride."""
-    start = _FOOTER_HEAD.size
-    if count == 0:
-        empty = np.zeros(0, np.int64)
-        return (
-            {
-                f: np.zeros(0, np.dtype(t))
-                for f, t in zip(_ENTRY_FIELDS, _ENTRY_FORMATS, strict=True)
-            },
-            empty,
-            empty,
-            empty,
-        )
-    if start + _ENTRY.size > end:
-        return None
-    *_, ns_len, key_len = _ENTRY.unpack_from(footer, start)
-    stride = _ENTRY.size + ns_len + key_len
-    if start + count * stride != end:
-        return None
-    table = np.frombuffer(footer, _entry_dtype(stride), count, offset=start)
-    if not ((table["ns_len"] == ns_len).all() and (table["key_len"] == key_len).all()):
-        return None
-    fields = {f: np.ascontiguousarray(table[f]) for f in _ENTRY_FIELDS}
-    ns_off = start + np.arange(count, dtype=np.int64) * stride + _ENTRY.size
-    return fields, ns_off, fields["ns_len"].astype(np.int64), ns_off + ns_len
-
-
 def row_slices(rows: int) -> Iterator[slice]:
     """[0, rows) as slices of ROWS_A_CALL: one numpy or `tolist()` call over a million
     values holds the GIL tens of ms, and recovery's threads run beside the event loop
@@ -463,13 +433,13 @@ def values_of(*columns: np.ndarray) -> Iterator[tuple[int, ...]]:
 
 
 def _run_columns(footer: bytes, count: int) -> _Cols | None:
-    """The entries of a footer whose key or namespace lengths differ, decoded a run of
-    equal-length entries at a time (each run a strided view, as `_uniform_columns`);
-    None if the footer ends inside an entry (as read_footer).
+    """A footer's entries, decoded a run of equal-length entries at a time (each run a
+    strided numpy view); None if the footer ends inside an entry (as read_footer).
 
-    A tier's first segment holds the daemon's calibration records before an engine's,
-    so its footer has two strides. One struct unpack per entry held the GIL 37-86 ms
-    a footer of 31 k entries at a restart (the event loop waiting behind the loaders).
+    Usually one run (an engine's keys are fixed-size hashes); a tier's first segment
+    holds the daemon's calibration records before an engine's, so its footer has two.
+    Such a footer was decoded one struct unpack an entry, which held the GIL 37-86 ms
+    for 31 k entries at a restart (the event loop waiting behind the loaders).
     A run's end is found by comparing the lengths over windows that double while the
     run goes on (back to RUN_WINDOW after each change), so a footer of n entries in r
     runs costs O(n + r * RUN_WINDOW) comparisons, not one pass per run."""

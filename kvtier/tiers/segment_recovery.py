@@ -360,7 +360,7 @@ class SegmentRecovery(SegmentCore):
                 )
                 del picked
             return report
-        part_ids = _parts_filled([np.full(len(r), p, np.int64) for p, r in enumerate(rows_of)])
+        part_ids = _part_numbers([len(r) for r in rows_of])
         all_rows = _parts_filled(rows_of)
         for fan in range(256):
             picked = by_fan[bounds[fan] : bounds[fan + 1]]
@@ -529,7 +529,7 @@ def _newest(
     sizes = [len(cols) for _, cols in parts]
     total = sum(sizes)
     ramp = np.arange(max(sizes, default=0), dtype=np.int64)
-    part_of = _parts_filled([np.full(n, p, np.int64) for p, n in enumerate(sizes)])
+    part_of = _part_numbers(sizes)
     row_of = _parts_filled([ramp[:n] for n in sizes])
     digest = _parts_filled(digests, np.uint64)
     gen = _parts_filled([c.generation for _, c in parts], np.uint64)
@@ -654,6 +654,11 @@ def _parts_filled(parts: Sequence[np.ndarray], dtype: type[np.generic] = np.int6
         out[at : at + len(part)] = part
         at += len(part)
     return out
+
+
+def _part_numbers(sizes: Sequence[int]) -> np.ndarray:
+    """For rows numbered across parts of `sizes` rows each: each row's part."""
+    return _parts_filled([np.full(n, p, np.int64) for p, n in enumerate(sizes)])
 
 
 def _blob_of(chunks: list[np.ndarray]) -> bytes | mmap.mmap:

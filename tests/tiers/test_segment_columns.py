@@ -109,8 +109,8 @@ def test_footer_columns_of_runs_are_read_footer(
     for count, key_len, ns in runs:
         for _ in range(count):
             i = len(entries)
-            entries.append((i % 40, ns, i.to_bytes(4, "little") * 8, i + 1, 4096, False))
-            entries[-1] = (*entries[-1][:2], entries[-1][2][:key_len], *entries[-1][3:])
+            key = (i.to_bytes(4, "little") * 8)[:key_len]
+            entries.append((i % 40, ns, key, i + 1, 4096, False))
     saved, segment_format.RUN_WINDOW = segment_format.RUN_WINDOW, run_window
     try:
         _footer_columns_are_read_footer(entries, False, extra)
