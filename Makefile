@@ -13,7 +13,8 @@ STAMP := $(VENV)/.installed-dev
 # The daemon needs only the runtime dependencies; tests and tools add the dev extra
 # (which includes the CPU build of torch, pinned, for the tensor tests).
 $(RUNTIME): pyproject.toml kvtier/index/_arc_native.c kvtier/index/_native_tables.h \
-	kvtier/tiers/_alloc_native.c kvtier/engine/_directory_native.c kvtier/_native_u64map.h
+	kvtier/tiers/_alloc_native.c kvtier/engine/_directory_native.c kvtier/_native_u64map.h \
+	kvtier/tiers/_batch_native.c kvtier/_vendor/xxhash.h kvtier/_vendor/xxh_x86dispatch.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e .

@@ -38,6 +38,7 @@ EXTRA_IMPORTS: dict[str, list[str]] = {
         "kvtier.index._arc_native",  # the C extensions the wheel carries, built
         "kvtier.tiers._alloc_native",
         "kvtier.engine._directory_native",
+        "kvtier.tiers._batch_native",
     ],
     "remote": ["redis", "hiredis", "numpy", "kvtier.tiers.remote"],
     "mooncake": ["mooncake.store"],
@@ -112,6 +113,9 @@ def test_wheel_metadata_names_the_entry_point_license_and_every_extra(dist: Path
     assert "kvtier/tiers/_alloc_native.pyi" in names
     assert "kvtier/engine/_directory_native.abi3.so" in names
     assert "kvtier/engine/_directory_native.pyi" in names
+    assert "kvtier/tiers/_batch_native.abi3.so" in names
+    assert "kvtier/tiers/_batch_native.pyi" in names
+    assert "kvtier/_vendor/xxhash.LICENSE" in names  # the vendored header's licence
     assert "kvtier = kvtier.cli:main" in entry_points
     assert meta["License-Expression"] == "Apache-2.0"
     assert meta["Requires-Python"] == ">=3.11"
@@ -147,6 +151,10 @@ def test_sdist_carries_what_rebuilds_and_retests_it(dist: Path) -> None:
         "kvtier/tiers/_alloc_native.c",
         "kvtier/engine/_directory_native.c",
         "kvtier/_native_u64map.h",
+        "kvtier/tiers/_batch_native.c",
+        "kvtier/_vendor/xxhash.h",
+        "kvtier/_vendor/xxh_x86dispatch.c",
+        "kvtier/_vendor/xxhash.LICENSE",
         "systemd/kvtier.service",
         "deploy/kubernetes/base/kustomization.yaml",
     ):

@@ -74,6 +74,7 @@ from kvtier.keys import tenant_of
 from kvtier.movers.io import IoPool
 from kvtier.profiles import MODELS
 from kvtier.sizes import human_size
+from kvtier.tiers import record_batch
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.dram import DramTier
 from kvtier.tiers.record import ALIGN_BYTES, RecordHeader
@@ -238,9 +239,10 @@ class Store:
         engine/recovery.py: until then its blocks are misses; `nvme_recovered()` waits for
         it). A tier an older kvtier wrote is always recovered first (no epoch yet)."""
         logger.info(
-            "eviction policy %s; DRAM's order %s",
+            "eviction policy %s; DRAM's order %s; a demotion batch's checks and headers %s",
             self.config.policy.name,
             implementation(self.residency.dram_order.values()),
+            record_batch.implementation(),
         )
         self._expiry_task = asyncio.ensure_future(self.zero_copy.expire_forever())
         self.prefetch.start()

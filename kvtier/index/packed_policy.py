@@ -77,6 +77,7 @@ from kvtier.index.slot_policy import SlotPolicy
 from kvtier.index.slots import (
     NO_SLOT,
     DigestTable,
+    all_distinct,
     column,
     extend,
     first_slot,
@@ -137,7 +138,7 @@ class PackedLru(SlotPolicy):
             extend(self._prev, count, -1)
             extend(self._next, count, -1)
         nxt = np.frombuffer(self._next, dtype=np.int32)
-        if len(np.unique(nodes)) != len(nodes) or (nxt[nodes] >= 0).any():
+        if not all_distinct(nodes) or (nxt[nodes] >= 0).any():
             del nxt
             super().insert_many(slots, sizes, digests)  # some are here already: hits
             return
@@ -145,8 +146,9 @@ class PackedLru(SlotPolicy):
         last = int(prv[0])
         nxt[last] = nodes[0]
         prv[nodes[0]] = last
-        nxt[nodes[:-1]] = nodes[1:]
-        prv[nodes[1:]] = nodes[:-1]
+        links = nodes.astype(np.int32)  # the lists' type: a cast in the store lets go of the GIL
+        nxt[nodes[:-1]] = links[1:]
+        prv[nodes[1:]] = links[:-1]
         nxt[nodes[-1]] = 0
         prv[0] = nodes[-1]
         self._len += len(nodes)
@@ -617,7 +619,7 @@ class PackedValue(SlotPolicy):
         if (
             self._shadow is not None
             or self._sketch is None
-            or len(np.unique(slots)) != n
+            or not all_distinct(slots)
             or (where[slots] != _ABSENT).any()
             or (first[slots] >= 0).any()
         ):
@@ -627,14 +629,18 @@ class PackedValue(SlotPolicy):
         del first
         sizes = sizes.astype(np.int64)
         uses = np.maximum(self._sketch.count_many(digests.astype(np.uint64)), 1)
-        distinct, inverse = np.unique(sizes, return_inverse=True)
-        saving = np.array(
-            [
-                self._model.saving_s(self._tier, self._fallback, BlockInfo(size, 0))
-                for size in distinct.tolist()
-            ],
-            dtype=np.float64,
-        )[inverse]
+        saving: float | np.ndarray
+        if (sizes == sizes[0]).all():  # a batch of one size: one saving (no np.unique)
+            saving = self._model.saving_s(self._tier, self._fallback, BlockInfo(int(sizes[0]), 0))
+        else:
+            distinct, inverse = np.unique(sizes, return_inverse=True)
+            saving = np.array(
+                [
+                    self._model.saving_s(self._tier, self._fallback, BlockInfo(size, 0))
+                    for size in distinct.tolist()
+                ],
+                dtype=np.float64,
+            )[inverse]
         priority = self._inflation + uses * saving / np.maximum(sizes, 1)
         prio = np.asarray(self._prio)  # float64: the column's typecode is "d"
         seq = np.frombuffer(self._seq, dtype=np.int64)
@@ -643,7 +649,9 @@ class PackedValue(SlotPolicy):
         seq[slots] = np.arange(self._tick + 1, self._tick + 1 + n, dtype=np.int64)
         self._tick += n
         pos[slots] = 0
-        np.frombuffer(self._size, dtype=np.uint32)[slots] = sizes
+        # Stored as the columns' types: a fancy assignment that casts lets go of the GIL,
+        # which on the daemon's loop can hand it to an I/O thread and wait for it back.
+        np.frombuffer(self._size, dtype=np.uint32)[slots] = sizes.astype(np.uint32)
         np.frombuffer(self._parent, dtype=np.int32)[slots] = NO_SLOT
         # Recency: after the most recent, in order (_touch without a shadow).
         nodes = slots + 1
@@ -652,8 +660,9 @@ class PackedValue(SlotPolicy):
         last = int(rprev[0])
         rnext[last] = nodes[0]
         rprev[nodes[0]] = last
-        rnext[nodes[:-1]] = nodes[1:]
-        rprev[nodes[1:]] = nodes[:-1]
+        links = nodes.astype(np.int32)
+        rnext[nodes[:-1]] = links[1:]
+        rprev[nodes[1:]] = links[:-1]
         rnext[nodes[-1]] = 0
         rprev[0] = nodes[-1]
         self._len += n
@@ -667,7 +676,7 @@ class PackedValue(SlotPolicy):
         mine = slots[child]
         parent = np.empty(len(up), dtype=np.int64)
         old = up < h0
-        parent[old] = heap[up[old]]
+        parent[old] = heap[up[old]].astype(np.int64)
         parent[~old] = slots[up[~old] - h0]
         pp, pq, pn = prio[parent], pos[parent], seq[parent]
         p, q, s = prio[mine], pos[mine], seq[mine]
@@ -676,7 +685,7 @@ class PackedValue(SlotPolicy):
         del heap, prio, seq, pos, rprev, rnext
         if still:
             self._heap.extend(array("i", slots.tolist()))
-            where[slots] = index
+            where[slots] = index.astype(np.int32)
             del where
         else:
             del where

@@ -116,17 +116,23 @@ def pwritev_all(fd: int, iov: list[memoryview | mmap.mmap], total: int, offset: 
     aligned under O_DIRECT, or the kernel refuses and this raises). The nvme.pwrite
     failpoint acts one out: an aligned part transferred, as a kernel may."""
     done = 0
-    views = [memoryview(b) for b in iov]
+    # Views of the buffers only once a write came up short: a demotion batch writes
+    # hundreds of them at once, and this runs on an I/O thread whose Python a record
+    # costs the stream wall time (the GIL).
+    views: list[memoryview] | None = None
     while done < total:
         if failpoints.ACTIVE and failpoints.fire("nvme.pwrite") == "short":
+            views = views or [memoryview(b) for b in iov]
             part = max(ALIGN_BYTES, (len(views[0]) // 2) & ~(ALIGN_BYTES - 1))
             written = os.pwritev(fd, [views[0][:part]], offset + done)
         else:
-            written = os.pwritev(fd, views, offset + done)
+            written = os.pwritev(fd, iov if views is None else views, offset + done)
         if written <= 0:
             raise OSError(errno.EIO, "write made no progress")
         done += written
-        advance(views, written)
+        if done < total:
+            views = views or [memoryview(b) for b in iov]
+            advance(views, written)
 
 
 def advance(iov: list[memoryview], done_bytes: int) -> None:

@@ -28,6 +28,7 @@ from kvtier.tiers.record import (
     encode_header,
     payload_xxh3,
 )
+from kvtier.tiers.record_batch import encode_headers
 from kvtier.tiers.safe_open import open_regular, remove_entry
 from kvtier.tiers.segment_file import (
     NO_LOCATION,
@@ -241,12 +242,11 @@ class SegmentCore(NvmeTier):
         `settle`d, as for `write_placed`) or the OSError that failed it; `payloads` as for
         `write`."""
         results: list[Placed | OSError] = [Placed(0)] * len(headers)
-        for header, payload in zip(headers, payloads, strict=True):
-            total = header.header_bytes + sum(len(b) for b in payload)
-            if total != header.record_bytes:
-                raise ValueError(
-                    f"payload buffers add up to {total}, expected {header.record_bytes}"
-                )
+        sizes = [header.record_bytes for header in headers]  # read once: Python a record here
+        for header, payload, size in zip(headers, payloads, sizes, strict=True):
+            total = header.header_bytes + sum(map(len, payload))
+            if total != size:
+                raise ValueError(f"payload buffers add up to {total}, expected {size}")
         todo = _past_failpoint("nvme.write", len(headers), results.__setitem__)
         # The batch's record headers side by side in one aligned buffer of the thread's
         # (each record of the batch needs its own until written; a fresh mapping a batch
@@ -256,10 +256,10 @@ class SegmentCore(NvmeTier):
             starts.append(at)
             at += header.header_bytes
         heads = self._scratch(max(at, ALIGN_BYTES), "heads")
+        encode_headers(heads, starts, headers)  # in one call (record_batch)
         iovs: list[list[memoryview | mmap.mmap]] = []
         for header, start, payload in zip(headers, starts, payloads, strict=True):
-            head = encode_header(header, heads[start : start + header.header_bytes])
-            iovs.append([head, *payload])
+            iovs.append([heads[start : start + header.header_bytes], *payload])
         pos = 0
         while pos < len(todo):
             try:  # the first extent as `write` takes it: rotating, waiting for room
@@ -272,14 +272,15 @@ class SegmentCore(NvmeTier):
             pos += 1
             with self._mu:  # the rest of the batch while it fits, without rotating
                 while pos < len(todo) and self._active is seg and not seg.full:
-                    header = headers[todo[pos]]
+                    index = todo[pos]
+                    header, size = headers[index], sizes[index]
                     entry = entry_bytes(header)
-                    if not seg.fits(header.record_bytes, entry):
+                    if not seg.fits(size, entry):
                         break
-                    run.append((todo[pos], seg.reserve(header, entry)))
+                    run.append((index, seg.reserve(header, entry, size)))
                     pos += 1
-            for piece in _contiguous(run, headers):
-                self._write_piece(seg, piece, headers, iovs, results)
+            for piece in _contiguous(run, sizes):
+                self._write_piece(seg, piece, headers, sizes, iovs, results)
         return results
 
     def _write_piece(
@@ -287,13 +288,15 @@ class SegmentCore(NvmeTier):
         seg: Segment,
         piece: list[tuple[int, int]],
         headers: Sequence[RecordHeader],
+        sizes: Sequence[int],
         iovs: list[list[memoryview | mmap.mmap]],
         results: list[Placed | OSError],
     ) -> None:
         """Write and publish records reserved back to back in `seg` ((index, offset) in
-        order), finishing them as one extent (see `write_many`)."""
+        order; `sizes`: each header's record_bytes), finishing them as one extent (see
+        `write_many`)."""
         first_offset = piece[0][1]
-        size = sum(headers[i].record_bytes for i, _ in piece)
+        size = sum(sizes[i] for i, _ in piece)
         with seg.cond:  # reserved one by one, finished as one
             seg.inflight -= len(piece) - 1
         try:
@@ -305,7 +308,7 @@ class SegmentCore(NvmeTier):
                         pwritev_all(seg.fd, chunk, chunk_bytes, chunk_at)
                         chunk, chunk_at, chunk_bytes = [], chunk_at + chunk_bytes, 0
                     chunk += iovs[i]
-                    chunk_bytes += headers[i].record_bytes
+                    chunk_bytes += sizes[i]
                 pwritev_all(seg.fd, chunk, chunk_bytes, chunk_at)
             except BaseException:
                 with seg.cond:  # none of the piece may be listed in the footer
@@ -327,9 +330,8 @@ class SegmentCore(NvmeTier):
             return
         with self._mu:  # as `_append` counts one record (keep the two in step)
             for i, offset in piece:
-                header = headers[i]
-                seg.count_live(header.record_bytes)  # `pending` stays up until settled
-                results[i] = Placed(header.record_bytes, pack_location(seg.seg_id, offset))
+                seg.count_live(sizes[i])  # `pending` stays up until settled
+                results[i] = Placed(sizes[i], pack_location(seg.seg_id, offset))
             self.written_bytes += size
 
     def _append(
@@ -371,7 +373,7 @@ class SegmentCore(NvmeTier):
             with self._mu:
                 seg = self._relocating if relocating else self._active
                 if seg is not None and not seg.full and seg.fits(size, entry):
-                    return seg, seg.reserve(header, entry)
+                    return seg, seg.reserve(header, entry, header.record_bytes)
             if self._rotate(seg, size, entry, relocating):
                 continue
             # At the limit: the store keeps its live bytes below capacity_bytes, so the
@@ -644,14 +646,15 @@ class SegmentCore(NvmeTier):
 
 
 def _contiguous(
-    run: list[tuple[int, int]], headers: Sequence[RecordHeader]
+    run: list[tuple[int, int]], sizes: Sequence[int]
 ) -> Iterator[list[tuple[int, int]]]:
-    """`run` ((index, offset) in reservation order) cut where an extent does not start at
-    the end of the one before (another writer reserved in between)."""
+    """`run` ((index, offset) in reservation order; `sizes[index]`: its record's bytes)
+    cut where an extent does not start at the end of the one before (another writer
+    reserved in between)."""
     piece = [run[0]]
     for index, offset in run[1:]:
         last_index, last_offset = piece[-1]
-        if offset != last_offset + headers[last_index].record_bytes:
+        if offset != last_offset + sizes[last_index]:
             yield piece
             piece = []
         piece.append((index, offset))

@@ -106,10 +106,10 @@ class Segment:
         footer_end = round_up(self.footer_bytes + entry_bytes, ALIGN_BYTES)
         return self.tail + record_bytes + footer_end + ALIGN_BYTES <= self.size_bytes
 
-    def reserve(self, header: RecordHeader, entry_bytes: int) -> int:
-        """The offset of the next extent, taken for `header`'s record (whose footer entry is
-        `entry_bytes`); the caller holds the tier's lock and has checked `fits`."""
-        size = header.record_bytes
+    def reserve(self, header: RecordHeader, entry_bytes: int, size: int) -> int:
+        """The offset of the next extent, taken for `header`'s record (`size`: its
+        record_bytes; its footer entry is `entry_bytes`); the caller holds the tier's lock
+        and has checked `fits`."""
         offset = self.tail
         self.tail += size
         self.footer_bytes += entry_bytes

@@ -214,13 +214,13 @@ async def test_a_put_waits_for_a_batch_in_flight_and_never_writes_itself(
 
     monkeypatch.setattr(NvmeTier, "write_many", slow)
     checked_on: set[str] = set()
-    real_check = nvme_engine._payload_intact
+    real_check = nvme_engine.digests
 
-    def check(header: object, payload: object) -> bool:
+    def check(payloads: object, nbytes: object) -> list[int]:
         checked_on.add(threading.current_thread().name)
-        return real_check(header, payload)  # type: ignore[arg-type]
+        return real_check(payloads, nbytes)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(nvme_engine, "_payload_intact", check)
+    monkeypatch.setattr(nvme_engine, "digests", check)
     await put(store, b"a", block_bytes(1, 1 << 20))
     await put(store, b"b", block_bytes(2, 1 << 20))
     third = asyncio.ensure_future(put(store, b"c", block_bytes(3, 1 << 20)))

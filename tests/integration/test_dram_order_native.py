@@ -1,6 +1,8 @@
 """A daemon whose DRAM order runs in C (kvtier/index/_arc_native.c), in Python on request,
 and in Python for a policy without a C order: each says which at start, and each evicts
-to NVMe and serves every block back bit-exact, hot blocks kept in DRAM."""
+to NVMe and serves every block back bit-exact, hot blocks kept in DRAM. Its demotion
+batches are checked and their headers encoded in C (kvtier/tiers/_batch_native.c) or,
+on request, in Python: it says which, and the blocks come back from NVMe either way."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from kvtier.index.dense_native import NATIVE
+from kvtier.tiers import record_batch
 from tests.conftest import DaemonProcess, block_bytes
 
 NS = "model/native-order"
@@ -34,6 +37,9 @@ def test_daemon_evicts_through_its_dram_order_and_says_which(
         pytest.skip("kvtier/index/_arc_native.c was not built")
     daemon = start_daemon(dram="8MiB", nvme="256MiB", env=env)
     assert says in daemon.log()
+    if record_batch.NATIVE is not None or os.environ.get("KVTIER_REQUIRE_NATIVE") == "1":
+        batches = "in Python (KVTIER_NATIVE=0)" if env.get("KVTIER_NATIVE") == "0" else "in C"
+        assert f"a demotion batch's checks and headers {batches}" in daemon.log()
     hot = [f"b{i}" for i in range(0, 40, 4)]  # all put by the first reads below
     with daemon.client() as client:
         for i in range(BLOCKS):
