@@ -64,7 +64,6 @@ MAGIC = b"KVTREC01"
 VERSION = 1
 CODEC_NONE = 0
 ALIGN_BYTES = 4096
-_ALIGN_MASK = ALIGN_BYTES - 1
 FLAG_SEALED = 0x1  # payload is AES-256-GCM ciphertext; the header's seal opens it
 _KNOWN_FLAGS = FLAG_SEALED
 _FIXED = struct.Struct("<8sHHIQQQHHI")
@@ -84,9 +83,7 @@ class RecordHeader:
 
     @property
     def record_bytes(self) -> int:
-        # round_up inlined (ALIGN_BYTES is a power of two): read several times a record
-        # on a demotion's I/O thread, where Python a record costs the stream wall time.
-        return self.header_bytes + ((self.payload_bytes + _ALIGN_MASK) & ~_ALIGN_MASK)
+        return self.header_bytes + round_up(self.payload_bytes, ALIGN_BYTES)
 
 
 def header_size_for(ns_id: str, key: bytes, align_bytes: int = ALIGN_BYTES) -> int:
