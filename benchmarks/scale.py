@@ -74,7 +74,7 @@ import threading
 import time
 import tracemalloc
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -310,22 +310,57 @@ def put_batch(client: kvtier.Client, ns: str, batch: Sequence[bytes], block_byte
     client.put_many(ns, [(k, value_parts(k, block_bytes)) for k in batch])
 
 
-def put_all(client: kvtier.Client, ns: str, keys: Sequence[bytes], block_bytes: int) -> None:
+# Called with a writer's client when the put reaches a given block (steady_window).
+Mark = Callable[[kvtier.Client], None]
+
+
+def put_all(
+    client: kvtier.Client,
+    ns: str,
+    keys: Sequence[bytes],
+    block_bytes: int,
+    mark_at: int | None = None,
+    mark: Mark | None = None,
+) -> None:
+    """Every key put, in put_many batches; `mark` called once, before the batch that
+    starts at or after block `mark_at`."""
+    start = 0
     for batch in _batches(keys, block_bytes):
+        if mark is not None and mark_at is not None and start >= mark_at:
+            mark(client)
+            mark = None
         put_batch(client, ns, batch, block_bytes)
+        start += len(batch)
 
 
-def put_all_jobs(target: str, ns: str, keys: Sequence[bytes], block_bytes: int, jobs: int) -> None:
+def put_all_jobs(
+    target: str,
+    ns: str,
+    keys: Sequence[bytes],
+    block_bytes: int,
+    jobs: int,
+    mark_at: int | None = None,
+    mark: Mark | None = None,
+) -> None:
     """`put_all` by `jobs` writers at once (fio's numjobs): each a client of its own (its
-    own zero-copy session) in a thread of its own, putting every jobs-th batch."""
+    own zero-copy session) in a thread of its own, putting every jobs-th batch; `mark`
+    called by the writer of the first batch that starts at or after block `mark_at`."""
     batches = list(_batches(keys, block_bytes))
+    starts = [0]
+    for batch in batches:
+        starts.append(starts[-1] + len(batch))
+    marked_batch = next(
+        (i for i, at in enumerate(starts[:-1]) if mark_at is not None and at >= mark_at), None
+    )
     clients = [kvtier.Client(target, timeout_s=120) for _ in range(jobs)]
     failures: list[BaseException] = []
 
     def job(index: int) -> None:
         try:
-            for batch in batches[index::jobs]:
-                put_batch(clients[index], ns, batch, block_bytes)
+            for i in range(index, len(batches), jobs):
+                if i == marked_batch and mark is not None:
+                    mark(clients[index])
+                put_batch(clients[index], ns, batches[i], block_bytes)
         except BaseException as err:  # re-raised in the caller's thread
             failures.append(err)
 
@@ -544,8 +579,11 @@ def stream(args: argparse.Namespace, root: Path, run_dir: Path) -> list[dict[str
                 row["fio_mb_per_s"] = round(fio_bw / 1e6, 1)
                 row["fio_direct"] = direct
                 for side, _ in sides:
-                    mb = row[f"{side}_mb_per_s"]
-                    row[f"{side}_ratio"] = round(mb * 1e6 / fio_bw, 3) if fio_bw else None
+                    for figure in ("", "steady_"):
+                        mb = row.get(f"{side}_{figure}mb_per_s")
+                        if mb is not None:
+                            ratio = round(mb * 1e6 / fio_bw, 3) if fio_bw else None
+                            row[f"{side}_{figure}ratio"] = ratio
                 print(f"round {round_} {human_size(size)} fio: {row['fio_mb_per_s']} MB/s")
             rows.append(row)
     return rows
@@ -574,6 +612,17 @@ def stream_once(
     dram = str(total + (64 << 20)) if ceiling else args.stream_dram
     daemon = Daemon(run_dir, nvme_dir, dram, nvme_bytes, args.policy, args.layout, code)
     keys = list(chain_keys(total // size, salt=size.to_bytes(8, "little")))
+    # The steady state: the stream's second half, if the arena filled before it (the
+    # first arena's worth of a stream stays in DRAM and writes nothing to NVMe, so the
+    # whole put's rate below is the steady one times (1 - arena / stream)).
+    arena_blocks = parse_size(dram) // size
+    steady_from = len(keys) // 2 if not ceiling and len(keys) // 2 >= arena_blocks else None
+    marks: list[tuple[float, int]] = []
+
+    def mark(writer: kvtier.Client) -> None:
+        demotions = writer.stats().demotions
+        marks.append((time.perf_counter(), demotions))
+
     try:
         daemon.start()
         daemon.wait_first_rpc(keys[0])
@@ -582,10 +631,11 @@ def stream_once(
             daemon_before, client_began_s = thread_cpu_ns(daemon.pid), time.process_time()
             began = time.perf_counter()
             if args.stream_jobs > 1:
-                put_all_jobs(daemon.target, NS, keys, size, args.stream_jobs)
+                put_all_jobs(daemon.target, NS, keys, size, args.stream_jobs, steady_from, mark)
             else:
-                put_all(client, NS, keys, size)
-            put_s = time.perf_counter() - began
+                put_all(client, NS, keys, size, steady_from, mark)
+            ended = time.perf_counter()
+            put_s = ended - began
             daemon_after = thread_cpu_ns(daemon.pid)
             # The process's: --stream-jobs' writer threads have ended by now.
             client_cpu_s = time.process_time() - client_began_s
@@ -597,10 +647,20 @@ def stream_once(
     # Written to NVMe by demotion (a full tier holds fewer: it evicted some of them).
     reached = after.demotions - before.demotions
     counted = len(keys) if ceiling else reached
+    steady: dict[str, Any] = {}
+    if marks and steady_from is not None:
+        mark_s, mark_demotions = marks[0]
+        window_s = ended - mark_s
+        steady = {
+            "steady_blocks_on_nvme": after.demotions - mark_demotions,
+            "steady_mb_per_s": round((after.demotions - mark_demotions) * size / window_s / 1e6, 1),
+            "steady_put_mb_per_s": round((len(keys) - steady_from) * size / window_s / 1e6, 1),
+        }
     return {
         "blocks_put": len(keys),
         "blocks_on_nvme": reached,
         "mb_per_s": round(counted * size / put_s / 1e6, 1),
+        **steady,
         "stall_max_ms": round(after.event_loop_stall_recent_max_s * 1e3, 1),
         "direct_io": after.nvme_direct_io,
         # Where a block's time goes (µs a block): wall, the daemon's loop thread on a CPU
@@ -724,6 +784,23 @@ def stream_report(stream_rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
                     f"stall max {max(r[f'{side}_stall_max_ms'] for r in rounds)} ms",
                 )
             )
+            steady_rows = [r for r in rounds if f"{side}_steady_mb_per_s" in r]
+            steady = [r[f"{side}_steady_mb_per_s"] for r in steady_rows]
+            if steady:
+                key = f"{side}_steady_ratio"
+                ratios = [r[key] for r in steady_rows if r.get(key) is not None]
+                fio = (
+                    f"; vs fio {statistics.median(ratios):.3f}x ({min(ratios)}-{max(ratios)})"
+                    if ratios
+                    else ""
+                )
+                out.append(
+                    (
+                        f"stream {human_size(size)} to NVMe, {side}, steady (its second half)",
+                        f"{round(statistics.median(steady), 1)} MB/s ({min(steady)}-{max(steady)})"
+                        f"{fio}",
+                    )
+                )
             if f"{side}_loop_cpu_us" in rounds[0]:
                 names = ("wall_us", "loop_cpu_us", "loop_runq_us", "daemon_threads_cpu_us")
                 us = {

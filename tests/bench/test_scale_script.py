@@ -88,7 +88,22 @@ def test_a_small_stream_ab_reports_both_sides_and_fio(tmp_path: Path) -> None:
             if "fio_mb_per_s" in row:
                 expected = row[f"{side}_mb_per_s"] / row["fio_mb_per_s"]
                 assert abs(row[f"{side}_ratio"] - expected) < 0.01
+                steady = row[f"{side}_steady_mb_per_s"] / row["fio_mb_per_s"]
+                assert abs(row[f"{side}_steady_ratio"] - steady) < 0.01
+            _check_steady(row, side)
     assert list(data.iterdir()) == []
+
+
+def _check_steady(row: dict[str, Any], side: str) -> None:
+    """The steady state is the stream's second half (the 16 MiB arena fills before it):
+    what reached NVMe in it is what was put in it, give or take what DRAM holds at its
+    start and end, and both rates are over the same window."""
+    size, put = row["block_bytes"], row[f"{side}_blocks_put"]
+    half, held = put - put // 2, (16 << 20) // size
+    on_nvme = row[f"{side}_steady_blocks_on_nvme"]
+    assert half - held <= on_nvme <= min(half + held, row[f"{side}_blocks_on_nvme"])
+    put_rate, rate = row[f"{side}_steady_put_mb_per_s"], row[f"{side}_steady_mb_per_s"]
+    assert rate > 0 and abs(rate / put_rate - on_nvme / half) < 0.01
 
 
 def test_a_stream_by_two_writers_puts_every_block(tmp_path: Path) -> None:
@@ -106,4 +121,5 @@ def test_a_stream_by_two_writers_puts_every_block(tmp_path: Path) -> None:
         # The writers' threads have ended when the put does: their CPU is counted still,
         # at least a copy of each block (at 30 GB/s, faster than memory here).
         assert row["kvtier_client_cpu_us"] >= size / 30e3
+        _check_steady(row, "kvtier")  # marked by whichever writer puts the second half's first
     assert list(data.iterdir()) == []
