@@ -255,12 +255,19 @@ class Residency:
             self._insert(self.nvme_order, slot)
 
     def add_new(
-        self, block_id: BlockId, size_bytes: int, xxh3_64: int, generation: int, extent: Extent
+        self,
+        block_id: BlockId,
+        size_bytes: int,
+        xxh3_64: int,
+        generation: int,
+        extent: Extent,
+        published: bool = False,
     ) -> int:
         """`add` of a put's new block (in DRAM), without an `Entry`: its slot, or
-        NO_SLOT (nothing added) if the key is catalogued already."""
+        NO_SLOT (nothing added) if the key is catalogued already (`published`: see
+        Catalog.add_block)."""
         catalog = self.catalog
-        slot = catalog.add_block(block_id, size_bytes, xxh3_64, generation, extent)
+        slot = catalog.add_block(block_id, size_bytes, xxh3_64, generation, extent, published)
         if slot == NO_SLOT:
             return slot
         self._accessed(slot)

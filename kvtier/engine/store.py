@@ -420,18 +420,26 @@ class Store:
             # finds it published).
             self.directories.dram_changed(block_id, extent, size_bytes, digest, generation)
             self.afterwards.later(
-                block_id, lambda: self._add_put(block_id, size_bytes, digest, generation, extent)
+                block_id,
+                lambda: self._add_put(block_id, size_bytes, digest, generation, extent, True),
             )
         else:
             self._add_put(block_id, size_bytes, digest, generation, extent)
         return PutResult(size_bytes, digest, TierName.DRAM, already_present=False)
 
     def _add_put(
-        self, block_id: BlockId, size_bytes: int, xxh3_64: int, generation: int, extent: Extent
+        self,
+        block_id: BlockId,
+        size_bytes: int,
+        xxh3_64: int,
+        generation: int,
+        extent: Extent,
+        published: bool = False,
     ) -> None:
-        """Catalogue a committed put's block (its extent already written and checked)."""
+        """Catalogue a committed put's block (its extent already written and checked);
+        `published`: the directory has it already (nothing ran on the loop since)."""
         residency = self.residency
-        slot = residency.add_new(block_id, size_bytes, xxh3_64, generation, extent)
+        slot = residency.add_new(block_id, size_bytes, xxh3_64, generation, extent, published)
         if slot == NO_SLOT:
             # Catalogued already: only if deferred work was left past a request that
             # catalogued the key by another way than a put or a delete (both run it

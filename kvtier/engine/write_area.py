@@ -81,15 +81,17 @@ class WriteArea:
         self.staging = (self.reserve(size_bytes), size_bytes)
         return self.staging
 
+    def staged(self, offset: int, size_bytes: int) -> bool:
+        """Whether the bytes a one-exchange put names all lie inside the staging range."""
+        if self.staging is None or offset < 0 or size_bytes < 0:
+            return False
+        start, length = self.staging
+        return start <= offset and offset + size_bytes <= start + length
+
     def staged_view(self, offset: int, size_bytes: int) -> memoryview | None:
         """The bytes a one-exchange put names, or None when they are not all inside the
         staging range (a client's mistake, or a hostile one's: never read elsewhere)."""
-        if self.staging is None or offset < 0 or size_bytes < 0:
-            return None
-        start, length = self.staging
-        if offset < start or offset + size_bytes > start + length:
-            return None
-        return self.view(offset, size_bytes)
+        return self.view(offset, size_bytes) if self.staged(offset, size_bytes) else None
 
     def words(self, offset: int, count: int) -> tuple[int, ...]:
         """`count` little-endian u64s at `offset` inside the staging range (a streamed

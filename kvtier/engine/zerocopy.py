@@ -181,7 +181,7 @@ class ZeroCopy:
                 await asyncio.sleep(0)
             writer: PutWriter | None = None
             try:
-                self._staged_source(session_id, offset, size_bytes).release()  # before reserving
+                self._check_staged(session_id, offset, size_bytes)  # before reserving
                 writer = await self._store.put_begin(block_id, size_bytes, overwrite)
                 # Taken again after the wait: the session may have ended meanwhile.
                 with self._staged_source(session_id, offset, size_bytes) as source:
@@ -228,7 +228,7 @@ class ZeroCopy:
             try:
                 if offset < header + 8 * words:
                     raise InvalidArgument("a streamed put's blocks start after its header")
-                self._staged_source(session_id, offset, size_bytes).release()
+                self._check_staged(session_id, offset, size_bytes)
                 writer = await self._store.put_begin(block_id, size_bytes, overwrite)
                 done = 0
                 while done < size_bytes:
@@ -276,14 +276,16 @@ class ZeroCopy:
                 os.sched_yield()  # the client may be waiting for this CPU
 
     def _staged_source(self, session_id: int, offset: int, size_bytes: int) -> memoryview:
+        self._check_staged(session_id, offset, size_bytes)
+        return self._areas[session_id].view(offset, size_bytes)
+
+    def _check_staged(self, session_id: int, offset: int, size_bytes: int) -> None:
         area = self._areas.get(session_id)
-        source = area.staged_view(offset, size_bytes) if area is not None else None
-        if source is None:
+        if area is None or not area.staged(offset, size_bytes):
             raise InvalidArgument(
                 f"{size_bytes} bytes at offset {offset} are not inside this session's staging "
                 "range: Stage a range first, and name only bytes inside it"
             )
-        return source
 
     def _free_staged(self, session_id: int, lease: Lease) -> None:
         area = self._areas.get(session_id)

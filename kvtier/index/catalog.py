@@ -399,12 +399,20 @@ class Catalog(KeyIndex):
         self._changed_slot(slot)
 
     def add_block(
-        self, block_id: BlockId, size_bytes: int, xxh3_64: int, generation: int, extent: Extent
+        self,
+        block_id: BlockId,
+        size_bytes: int,
+        xxh3_64: int,
+        generation: int,
+        extent: Extent,
+        published: bool = False,
     ) -> int:
         """`add` of a new block with a DRAM copy and nothing else (a put), without an
         `Entry` (the caller makes a handle, `handle(slot)`, only if it needs one): its
         slot, or NO_SLOT (nothing added) if the key is catalogued already. The key's
-        digest is taken once for the check and the insert."""
+        digest is taken once for the check and the insert. `published`: the DRAM hook
+        has been told of this very copy already (a put catalogued after its reply, whose
+        copy the directory had before it), so it is not told twice."""
         ns_id, key = block_id
         ns = self._ns_ids.get(ns_id)
         if ns is None:
@@ -431,7 +439,7 @@ class Catalog(KeyIndex):
         self._dram_slots.add(slot)
         self.dram_used_bytes += extent.size_bytes
         self._link(slot)
-        if self._on_dram is not None:
+        if self._on_dram is not None and not published:
             self._on_dram(block_id, extent, size_bytes, xxh3_64, generation)
         if self._on_change is not None:
             self._on_change(block_id, [_DRAM])

@@ -7,6 +7,7 @@ import errno
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +15,7 @@ from kvtier.config import Config
 from kvtier.engine.store import Store
 from kvtier.errors import ResourceExhausted
 from kvtier.tiers.nvme import NvmeTier
+from kvtier.types import BlockId
 from tests.conftest import block_bytes
 
 NS = "default|m/l"
@@ -138,6 +140,34 @@ async def test_puts_catalogued_after_their_replies_land_in_order(tmp_path: Path,
     assert len(directory) == len(model)
     used = sum(a.used_bytes for a in store.arenas.values())
     assert used == sum(-(-len(d) // 4096) * 4096 or 4096 for d in model.values())
+    await store.close()
+
+
+async def test_a_deferred_put_is_published_once_and_stays_published(tmp_path: Path) -> None:
+    """Published before its reply, a deferred put is not published again when it is
+    catalogued (nothing ran on the loop between: the same copy), and stays readable."""
+    store = Store(make_config(tmp_path, 4 << 20, 64 << 20))
+    await store.start()
+    directory = store.directories.of("default")
+    assert directory is not None
+    published: list[BlockId] = []
+    publish = directory.publish
+
+    def counted(block_id: BlockId, *args: Any, **kwargs: Any) -> bool:
+        published.append(block_id)
+        return publish(block_id, *args, **kwargs)
+
+    directory.publish = counted  # type: ignore[method-assign]
+    for i in range(3):
+        await put_deferred(store, f"k{i}".encode(), block_bytes(i, 4096))
+    assert published == [(NS, f"k{i}".encode()) for i in range(3)]
+    store.afterwards.run()
+    assert published == [(NS, f"k{i}".encode()) for i in range(3)]  # not twice
+    assert len(directory) == 3
+    await put_deferred(store, b"now", b"bytes", armed=False)  # catalogued at once: once
+    assert published[3:] == [(NS, b"now")] and len(directory) == 4
+    for i in range(3):
+        assert await get(store, f"k{i}".encode()) == block_bytes(i, 4096)
     await store.close()
 
 
