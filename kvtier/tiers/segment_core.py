@@ -11,7 +11,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -242,24 +242,27 @@ class SegmentCore(NvmeTier):
         `settle`d, as for `write_placed`) or the OSError that failed it; `payloads` as for
         `write`."""
         results: list[Placed | OSError] = [Placed(0)] * len(headers)
-        sizes = [header.record_bytes for header in headers]  # read once: Python a record here
-        for header, payload, size in zip(headers, payloads, sizes, strict=True):
-            total = header.header_bytes + sum(map(len, payload))
+        # Each header's sizes read once (Python a record here holds the GIL the loop needs).
+        sizes, starts, at = [], [], 0
+        for header, payload in zip(headers, payloads, strict=True):
+            size, header_bytes = header.record_bytes, header.header_bytes
+            total = header_bytes + sum(map(len, payload))
             if total != size:
                 raise ValueError(f"payload buffers add up to {total}, expected {size}")
+            sizes.append(size)
+            starts.append(at)
+            at += header_bytes
         todo = _past_failpoint("nvme.write", len(headers), results.__setitem__)
         # The batch's record headers side by side in one aligned buffer of the thread's
         # (each record of the batch needs its own until written; a fresh mapping a batch
         # cost ~6 µs a record in page faults and unmapping: `_scratch`).
-        starts, at = [], 0
-        for header in headers:
-            starts.append(at)
-            at += header.header_bytes
         heads = self._scratch(max(at, ALIGN_BYTES), "heads")
         encode_headers(heads, starts, headers)  # in one call (record_batch)
-        iovs: list[list[memoryview | mmap.mmap]] = []
-        for header, start, payload in zip(headers, starts, payloads, strict=True):
-            iovs.append([heads[start : start + header.header_bytes], *payload])
+        ends = [*starts[1:], at]
+        iovs: list[list[memoryview | mmap.mmap]] = [
+            [heads[start:end], *payload]
+            for start, end, payload in zip(starts, ends, payloads, strict=True)
+        ]
         pos = 0
         while pos < len(todo):
             try:  # the first extent as `write` takes it: rotating, waiting for room
@@ -268,19 +271,20 @@ class SegmentCore(NvmeTier):
                 for i in todo[pos:]:
                     results[i] = err
                 break
-            run = [(todo[pos], offset)]
+            first = (todo[pos], offset)
             pos += 1
+            more: list[tuple[int, int]] = []
             with self._mu:  # the rest of the batch while it fits, without rotating
-                while pos < len(todo) and self._active is seg and not seg.full:
-                    index = todo[pos]
-                    header, size = headers[index], sizes[index]
-                    entry = entry_bytes(header)
-                    if not seg.fits(size, entry):
-                        break
-                    run.append((index, seg.reserve(header, entry, size)))
-                    pos += 1
-            for piece in _contiguous(run, sizes):
-                self._write_piece(seg, piece, headers, sizes, iovs, results)
+                if pos < len(todo) and self._active is seg and not seg.full:
+                    more = seg.reserve_run(headers, todo[pos:], sizes)
+                    pos += len(more)
+            # `more` lies back to back; after the first unless another writer reserved
+            # between the two (the lock was let go).
+            if not more or more[0][1] == offset + sizes[first[0]]:
+                self._write_piece(seg, [first, *more], headers, sizes, iovs, results)
+            else:
+                self._write_piece(seg, [first], headers, sizes, iovs, results)
+                self._write_piece(seg, more, headers, sizes, iovs, results)
         return results
 
     def _write_piece(
@@ -301,15 +305,18 @@ class SegmentCore(NvmeTier):
             seg.inflight -= len(piece) - 1
         try:
             try:
-                chunk: list[memoryview | mmap.mmap] = []
-                chunk_at, chunk_bytes = first_offset, 0
-                for i, _ in piece:
-                    if chunk and len(chunk) + len(iovs[i]) > _IOV_MAX:
-                        pwritev_all(seg.fd, chunk, chunk_bytes, chunk_at)
-                        chunk, chunk_at, chunk_bytes = [], chunk_at + chunk_bytes, 0
-                    chunk += iovs[i]
-                    chunk_bytes += sizes[i]
-                pwritev_all(seg.fd, chunk, chunk_bytes, chunk_at)
+                chunk = [buffer for i, _ in piece for buffer in iovs[i]]
+                if len(chunk) <= _IOV_MAX:  # a demotion batch's: one call
+                    pwritev_all(seg.fd, chunk, size, first_offset)
+                else:
+                    chunk, chunk_at, chunk_bytes = [], first_offset, 0
+                    for i, _ in piece:
+                        if chunk and len(chunk) + len(iovs[i]) > _IOV_MAX:
+                            pwritev_all(seg.fd, chunk, chunk_bytes, chunk_at)
+                            chunk, chunk_at, chunk_bytes = [], chunk_at + chunk_bytes, 0
+                        chunk += iovs[i]
+                        chunk_bytes += sizes[i]
+                    pwritev_all(seg.fd, chunk, chunk_bytes, chunk_at)
             except BaseException:
                 with seg.cond:  # none of the piece may be listed in the footer
                     seg.failed.update(offset for _, offset in piece[1:])
@@ -329,10 +336,11 @@ class SegmentCore(NvmeTier):
                 results[i] = err
             return
         with self._mu:  # as `_append` counts one record (keep the two in step)
-            for i, offset in piece:
-                seg.count_live(sizes[i])  # `pending` stays up until settled
-                results[i] = Placed(sizes[i], pack_location(seg.seg_id, offset))
+            seg.count_live(size, len(piece))  # `pending` stays up until settled
             self.written_bytes += size
+        seg_id = seg.seg_id
+        for i, offset in piece:
+            results[i] = Placed(sizes[i], pack_location(seg_id, offset))
 
     def _append(
         self, header: RecordHeader, iov: list[memoryview | mmap.mmap], relocating: bool
@@ -643,22 +651,6 @@ class SegmentCore(NvmeTier):
                 if seg is not None:
                     out.append((seg.path, offset, header))
             return out
-
-
-def _contiguous(
-    run: list[tuple[int, int]], sizes: Sequence[int]
-) -> Iterator[list[tuple[int, int]]]:
-    """`run` ((index, offset) in reservation order; `sizes[index]`: its record's bytes)
-    cut where an extent does not start at the end of the one before (another writer
-    reserved in between)."""
-    piece = [run[0]]
-    for index, offset in run[1:]:
-        last_index, last_offset = piece[-1]
-        if offset != last_offset + sizes[last_index]:
-            yield piece
-            piece = []
-        piece.append((index, offset))
-    yield piece
 
 
 def _past_failpoint(point: str, count: int, failed: Callable[[int, OSError], None]) -> list[int]:

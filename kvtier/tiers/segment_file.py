@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier import failpoints
@@ -92,9 +93,10 @@ class Segment:
     retired: bool = False
     close_after_s: float = 0.0  # retired: its descriptor kept for reads already dispatched
 
-    def count_live(self, record_bytes: int) -> None:
+    def count_live(self, record_bytes: int, count: int = 1) -> None:
+        """`count` records of `record_bytes` in all are live."""
         self.live_bytes += record_bytes
-        self.live_count += 1
+        self.live_count += count
 
     def count_dead(self, record_bytes: int) -> None:
         # Clamped: a removal told twice (a retry) must not make a segment look emptier
@@ -120,6 +122,35 @@ class Segment:
         with self.cond:
             self.inflight += 1
         return offset
+
+    def reserve_run(
+        self, headers: Sequence[RecordHeader], order: Sequence[int], sizes: Sequence[int]
+    ) -> list[tuple[int, int]]:
+        """`reserve` of headers[order[0]], headers[order[1]], ... back to back while each
+        fits (`fits`: the same rule): (index, offset) of each one taken, in order; `sizes`:
+        each header's record_bytes. The caller holds the tier's lock. A demotion batch's
+        records, with one pass over `cond` for the run where `reserve` takes one each, and
+        each footer entry encoded once (its length is what `fits` needs)."""
+        taken: list[tuple[int, int]] = []
+        tail, footer, log = self.tail, self.footer_bytes, self.log
+        limit = self.size_bytes - ALIGN_BYTES
+        for index in order:
+            size = sizes[index]
+            entry = encode_footer_entry(tail, headers[index])
+            if tail + size + round_up(footer + len(entry), ALIGN_BYTES) > limit:
+                break
+            log.append((tail, entry))
+            taken.append((index, tail))
+            tail += size
+            footer += len(entry)
+        if taken:
+            self.pending += len(taken)
+            self.stored_bytes += tail - self.tail
+            self.stored_count += len(taken)
+            self.tail, self.footer_bytes = tail, footer
+            with self.cond:
+                self.inflight += len(taken)
+        return taken
 
     def mark_written(self, offset: int, size: int, ok: bool) -> bool:
         """Mark the extent at `offset` written (or failed), then wait until every extent

@@ -106,6 +106,59 @@ def test_a_batch_across_segments_and_beside_other_writers_comes_back(
         assert get(tier, header) == data_for(10_000 + i, 30_000)
 
 
+def test_a_writer_that_reserves_between_a_batchs_first_record_and_the_rest(
+    tiers: list[SegmentTier], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch's first extent is reserved as `write` reserves one, the rest in a run
+    under the lock again: a record another writer reserved between them splits the batch
+    into two pieces (never one write over the other's extent), and all of it comes back."""
+    tier = open_tier(tiers, tmp_path, 256 * MiB, sync_writes=True)
+    gen = tier.first_generation
+    assert gen is not None
+    put(tier, b"first", data_for(0), gen)  # the segment exists: no rotation in the batch
+    headers, payloads, datas = batch(6, gen + 1)
+    other: list[RecordHeader] = []
+    pieces: list[tuple[int, int]] = []
+    real_reserve, real_pwrite = segments.SegmentCore._reserve, segments.pwritev_all
+
+    def reserve(
+        core: segments.SegmentCore, header: RecordHeader, relocating: bool
+    ) -> tuple[segments.Segment, int]:
+        seg, offset = real_reserve(core, header, relocating)
+        if header is headers[0]:  # the batch's first: another writer reserves next
+            tail = seg.tail
+            thread = threading.Thread(
+                target=lambda: other.append(put(tier, b"between", data_for(9, 8192), gen + 99))
+            )
+            thread.start()
+            while seg.tail == tail:  # its extent taken (its write waits for ours)
+                thread.join(0.001)
+        return seg, offset
+
+    def pwrite(fd: int, iov: list[memoryview], total: int, offset: int) -> None:
+        pieces.append((offset, total))
+        real_pwrite(fd, iov, total, offset)
+
+    monkeypatch.setattr(segments.SegmentCore, "_reserve", reserve)
+    monkeypatch.setattr(segments, "pwritev_all", pwrite)
+    results = tier.write_many(headers, payloads)
+    for _ in range(5000):
+        if other:
+            break
+        threading.Event().wait(0.001)
+    monkeypatch.undo()
+    assert results == [h.record_bytes for h in headers] and len(other) == 1
+    first, between = headers[0].record_bytes, other[0].record_bytes
+    rest = sum(h.record_bytes for h in headers[1:])
+    # The batch's first alone, the other writer's, then the rest as one piece after it.
+    assert [total for _, total in sorted(pieces)] == [first, between, rest]
+    crash(tier)
+    tier = open_tier(tiers, tmp_path, 256 * MiB)
+    for header, data in zip(headers, datas, strict=True):
+        assert get(tier, header) == data
+    assert get(tier, other[0]) == data_for(9, 8192)
+
+
 def test_a_failed_batch_is_never_visible_and_the_next_one_is(
     tiers: list[SegmentTier], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
