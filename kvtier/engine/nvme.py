@@ -423,10 +423,18 @@ class NvmeDriver:
         except asyncio.CancelledError:
             batch.add_done_callback(self._settle_abandoned_batch)  # as in `write`
             raise
-        for r in results:  # the caller records these locations before its next await
-            if isinstance(r, Placed) and r.record_bytes:
-                self.tier.settle(r.location)
-        errors = {id(r): r for r in results if isinstance(r, OSError)}
+        # One pass over the batch (on the loop): each record's size and location, 0 for
+        # one not written, and the errors.
+        sizes, locations, settled = [0] * count, [0] * count, []
+        errors: dict[int, OSError] = {}
+        for i, r in enumerate(results):
+            if isinstance(r, OSError):
+                errors[id(r)] = r
+            elif r.record_bytes:
+                sizes[i], locations[i] = r.record_bytes, r.location
+                settled.append(r.location)
+        # The caller records these locations before its next await.
+        self.tier.settle_many(settled)
         for err in errors.values():  # one failed pwritev is one error, not one per record
             self.failed(err)
         if errors:
@@ -438,23 +446,18 @@ class NvmeDriver:
                 ", ".join(sorted({e.strerror or str(e) for e in errors.values()})),
                 then,
             )
-        if any(isinstance(r, Placed) and r.record_bytes for r in results):
+        if settled:
             self.health.succeeded()
-        return BatchWritten(
-            tuple(r.record_bytes if isinstance(r, Placed) else 0 for r in results),
-            tuple(damaged),
-            service_s,
-            tuple(r.location if isinstance(r, Placed) else 0 for r in results),
-        )
+        return BatchWritten(tuple(sizes), tuple(damaged), service_s, tuple(locations))
 
     def _settle_abandoned_batch(
         self, job: asyncio.Future[tuple[tuple[list[Placed | OSError], list[bool]], float]]
     ) -> None:
         if job.cancelled() or job.exception() is not None:
             return
-        for r in job.result()[0][0]:
-            if isinstance(r, Placed) and r.record_bytes:
-                self.tier.settle(r.location)
+        self.tier.settle_many(
+            [r.location for r in job.result()[0][0] if isinstance(r, Placed) and r.record_bytes]
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -600,6 +600,11 @@ class NvmeTier:
     def settle(self, location: int) -> None:
         """The owner recorded a location `write_placed` gave (nothing to do here)."""
 
+    def settle_many(self, locations: Sequence[int]) -> None:
+        """`settle` of each location (a batch's, from `write_many_placed`)."""
+        for location in locations:
+            self.settle(location)
+
     def read(self, header: RecordHeader, location: int = 0) -> tuple[mmap.mmap, int]:
         """Read and verify the record `header` describes; returns (buffer, payload offset).
 

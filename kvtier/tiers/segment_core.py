@@ -195,6 +195,18 @@ class SegmentCore(NvmeTier):
             if seg is not None:
                 seg.pending -= 1
 
+    def settle_many(self, locations: Sequence[int]) -> None:
+        """`settle` of each location, under one hold of the lock (a demotion batch's,
+        on the loop: most lie in one segment)."""
+        if not locations:
+            return
+        with self._mu:
+            segments = self._segments
+            for location in locations:
+                seg = segments.get(unpack_location(location)[0])
+                if seg is not None:
+                    seg.pending -= 1
+
     def _write(
         self, header: RecordHeader, payload: Sequence[memoryview | mmap.mmap]
     ) -> tuple[Segment, int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from kvtier.tiers import segment_core as segments
 from kvtier.tiers.allocator import round_up
 from kvtier.tiers.nvme import NvmeTier
 from kvtier.tiers.record import RecordHeader, encode_header
+from kvtier.tiers.segment_file import unpack_location
 from kvtier.tiers.segments import SegmentTier
 from tests.tiers.test_segments import (
     MiB,
@@ -293,3 +295,27 @@ def test_batches_share_the_threads_header_buffer_and_leave_no_stale_bytes(
         for header, data in zip(headers, datas, strict=True):
             assert found[header.key] == header
             assert get(again, header) == data
+
+
+def test_settle_many_settles_each_location_once_across_segments(
+    tiers: list[SegmentTier], tmp_path: Path
+) -> None:
+    """A batch spread over segments (rotations) leaves each record pending until its
+    location is settled; `settle_many` is `settle` of each, its segment's count and no
+    other's (a segment still pending is not reclaimed)."""
+    tier = open_tier(tiers, tmp_path, 64 * MiB, segment_bytes=4 * MiB)
+    gen = tier.first_generation
+    assert gen is not None
+    headers, payloads, _ = batch(40, gen, 256 << 10)  # 10 MiB through 4 MiB segments
+    results = tier.write_many_placed(headers, payloads)
+    locations = [r.location for r in results if not isinstance(r, OSError)]
+    assert len(locations) == 40
+    by_segment = Counter(unpack_location(loc)[0] for loc in locations)
+    assert len(by_segment) >= 3
+    assert {s: tier._segments[s].pending for s in by_segment} == by_segment
+    tier.settle_many(locations[:5])
+    first = unpack_location(locations[0])[0]
+    assert tier._segments[first].pending == by_segment[first] - 5
+    tier.settle_many(locations[5:])
+    assert all(tier._segments[s].pending == 0 for s in by_segment)
+    tier.close()
