@@ -28,9 +28,13 @@ of 256 chained SHA-256 keys (as an engine's prefix keys), each value derived fro
 * streaming: --stream-bytes of 64 KiB, then of 2 MiB blocks, put into a daemon whose DRAM
   is tiny so that they demote to NVMe as they arrive; the rate counts only bytes that
   reached NVMe (the blocks demoted over the put: with --stream-nvme smaller than the
-  stream, the tier is full and evicts as it writes) over the whole put; each right
-  after, fio writing as many bytes at the same block size (iodepth 8, direct=1 where the
-  directory supports O_DIRECT, libaio) in the same directory, and the ratio; with
+  stream, the tier is full and evicts as it writes) over the whole put, and over its
+  second half, the steady rate ("steady": the whole put's time includes the first arena's
+  worth of the stream, which stays in DRAM and writes nothing, so that rate is below the
+  steady one by a share that shrinks as the stream grows, a figure of the stream's length;
+  the second half's, once the arena has filled, is what it tends to); each right after,
+  fio writing as many bytes at the same block size (iodepth 8, direct=1 where the
+  directory supports O_DIRECT, libaio) in the same directory, and the ratios; with
   --rounds, round after round, and with --baseline another checkout's daemon (main's, for
   an A/B) streaming in each round between this one's and fio; --ceiling adds, in each
   round, the same stream into a DRAM arena that holds all of it (every byte counted: the
@@ -613,8 +617,8 @@ def stream_once(
     daemon = Daemon(run_dir, nvme_dir, dram, nvme_bytes, args.policy, args.layout, code)
     keys = list(chain_keys(total // size, salt=size.to_bytes(8, "little")))
     # The steady state: the stream's second half, if the arena filled before it (the
-    # first arena's worth of a stream stays in DRAM and writes nothing to NVMe, so the
-    # whole put's rate below is the steady one times (1 - arena / stream)).
+    # first arena's worth of a stream stays in DRAM and writes nothing to NVMe, yet its
+    # time is in the whole put's rate below).
     arena_blocks = parse_size(dram) // size
     steady_from = len(keys) // 2 if not ceiling and len(keys) // 2 >= arena_blocks else None
     marks: list[tuple[float, int]] = []
