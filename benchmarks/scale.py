@@ -314,8 +314,8 @@ def put_batch(client: kvtier.Client, ns: str, batch: Sequence[bytes], block_byte
     client.put_many(ns, [(k, value_parts(k, block_bytes)) for k in batch])
 
 
-# Called with a writer's client when the put reaches a given block (steady_window).
-Mark = Callable[[kvtier.Client], None]
+# Called with a writer's client and the block it is about to put (steady rate's start).
+Mark = Callable[[kvtier.Client, int], None]
 
 
 def put_all(
@@ -331,7 +331,7 @@ def put_all(
     start = 0
     for batch in _batches(keys, block_bytes):
         if mark is not None and mark_at is not None and start >= mark_at:
-            mark(client)
+            mark(client, start)
             mark = None
         put_batch(client, ns, batch, block_bytes)
         start += len(batch)
@@ -363,7 +363,7 @@ def put_all_jobs(
         try:
             for i in range(index, len(batches), jobs):
                 if i == marked_batch and mark is not None:
-                    mark(clients[index])
+                    mark(clients[index], starts[i])
                 put_batch(clients[index], ns, batches[i], block_bytes)
         except BaseException as err:  # re-raised in the caller's thread
             failures.append(err)
@@ -621,11 +621,11 @@ def stream_once(
     # time is in the whole put's rate below).
     arena_blocks = parse_size(dram) // size
     steady_from = len(keys) // 2 if not ceiling and len(keys) // 2 >= arena_blocks else None
-    marks: list[tuple[float, int]] = []
+    marks: list[tuple[float, int, int]] = []
 
-    def mark(writer: kvtier.Client) -> None:
+    def mark(writer: kvtier.Client, block: int) -> None:
         demotions = writer.stats().demotions
-        marks.append((time.perf_counter(), demotions))
+        marks.append((time.perf_counter(), demotions, block))
 
     try:
         daemon.start()
@@ -640,10 +640,10 @@ def stream_once(
                 put_all(client, NS, keys, size, steady_from, mark)
             ended = time.perf_counter()
             put_s = ended - began
+            after = client.stats()  # read at once: few demotions land after `ended`
             daemon_after = thread_cpu_ns(daemon.pid)
             # The process's: --stream-jobs' writer threads have ended by now.
             client_cpu_s = time.process_time() - client_began_s
-            after = client.stats()
         daemon.stop()
     finally:
         daemon.kill()
@@ -653,12 +653,13 @@ def stream_once(
     counted = len(keys) if ceiling else reached
     steady: dict[str, Any] = {}
     if marks and steady_from is not None:
-        mark_s, mark_demotions = marks[0]
+        mark_s, mark_demotions, mark_block = marks[0]
         window_s = ended - mark_s
         steady = {
+            "steady_blocks_put": len(keys) - mark_block,
             "steady_blocks_on_nvme": after.demotions - mark_demotions,
             "steady_mb_per_s": round((after.demotions - mark_demotions) * size / window_s / 1e6, 1),
-            "steady_put_mb_per_s": round((len(keys) - steady_from) * size / window_s / 1e6, 1),
+            "steady_put_mb_per_s": round((len(keys) - mark_block) * size / window_s / 1e6, 1),
         }
     return {
         "blocks_put": len(keys),

@@ -277,26 +277,25 @@ class SegmentCore(NvmeTier):
         ]
         pos = 0
         while pos < len(todo):
-            try:  # the first extent as `write` takes it: rotating, waiting for room
-                seg, offset = self._reserve(headers[todo[pos]], relocating=False)
-            except OSError as err:  # no room for this one: none for those after it either
-                for i in todo[pos:]:
-                    results[i] = err
-                break
-            first = (todo[pos], offset)
-            pos += 1
-            more: list[tuple[int, int]] = []
-            with self._mu:  # the rest of the batch while it fits, without rotating
-                if pos < len(todo) and self._active is seg and not seg.full:
-                    more = seg.reserve_run(headers, todo[pos:], sizes)
-                    pos += len(more)
-            # `more` lies back to back; after the first unless another writer reserved
-            # between the two (the lock was let go).
-            if not more or more[0][1] == offset + sizes[first[0]]:
-                self._write_piece(seg, [first, *more], headers, sizes, iovs, results)
-            else:
-                self._write_piece(seg, [first], headers, sizes, iovs, results)
-                self._write_piece(seg, more, headers, sizes, iovs, results)
+            run: list[tuple[int, int]] = []
+            with self._mu:  # as many as fit the active segment, back to back
+                active = self._active
+                if active is not None and not active.full:
+                    seg, run = active, active.reserve_run(headers, todo[pos:], sizes)
+            if not run:
+                try:  # the next one as `write` takes it: rotating, waiting for room
+                    seg, offset = self._reserve(headers[todo[pos]], relocating=False)
+                except OSError as err:  # no room for this one: none for those after it either
+                    for i in todo[pos:]:
+                        results[i] = err
+                    break
+                run = [(todo[pos], offset)]
+            pos += len(run)
+            # Each piece written and finished before the next is reserved: a failure seals
+            # the segment once no reservation is in flight, so a thread must never hold
+            # one it has not written yet while it finishes another (it would wait for
+            # itself, and every writer of the segment with it).
+            self._write_piece(seg, run, headers, sizes, iovs, results)
         return results
 
     def _write_piece(
@@ -484,6 +483,10 @@ class SegmentCore(NvmeTier):
                     raise OSError(
                         errno.EIO, "NVMe segment could not be sealed after a failed write"
                     )
+            # Sealed after this write (the seal waited for it): the footer that lists it
+            # and the trailer were synced. Not `commit_through`: the written prefix stops
+            # at the hole, so with sync_writes it would wait for ever (it spun, syncing).
+            return
         if self.sync_writes:
             seg.commit_through(offset + size)
 

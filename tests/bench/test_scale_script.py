@@ -95,15 +95,18 @@ def test_a_small_stream_ab_reports_both_sides_and_fio(tmp_path: Path) -> None:
 
 
 def _check_steady(row: dict[str, Any], side: str) -> None:
-    """The steady state is the stream's second half (the 16 MiB arena fills before it):
-    what reached NVMe in it is what was put in it, give or take what DRAM holds at its
-    start and end, and both rates are over the same window."""
+    """The steady state is the stream's second half, from the first put_many batch that
+    starts in it (the 16 MiB arena fills before it): what reached NVMe in it is what was
+    put in it, give or take what DRAM holds at its start and end."""
     size, put = row["block_bytes"], row[f"{side}_blocks_put"]
-    half, held = put - put // 2, (16 << 20) // size
+    step = max(1, min(256, (1 << 20) // size))  # the script's put_many batch, in blocks
+    first = -(-(put // 2) // step) * step
+    assert row[f"{side}_steady_blocks_put"] == put - first
+    half, held = put - first, (16 << 20) // size
     on_nvme = row[f"{side}_steady_blocks_on_nvme"]
     assert half - held <= on_nvme <= min(half + held, row[f"{side}_blocks_on_nvme"])
     put_rate, rate = row[f"{side}_steady_put_mb_per_s"], row[f"{side}_steady_mb_per_s"]
-    assert rate > 0 and abs(rate / put_rate - on_nvme / half) < 0.01
+    assert rate > 0 and abs(rate / put_rate - on_nvme / half) < 0.02
 
 
 def test_a_stream_by_two_writers_puts_every_block(tmp_path: Path) -> None:

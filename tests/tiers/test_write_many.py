@@ -108,57 +108,88 @@ def test_a_batch_across_segments_and_beside_other_writers_comes_back(
         assert get(tier, header) == data_for(10_000 + i, 30_000)
 
 
-def test_a_writer_that_reserves_between_a_batchs_first_record_and_the_rest(
+def test_a_batch_whose_write_fails_beside_another_writer_does_not_wait_for_itself(
     tiers: list[SegmentTier], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The batch's first extent is reserved as `write` reserves one, the rest in a run
-    under the lock again: a record another writer reserved between them splits the batch
-    into two pieces (never one write over the other's extent), and all of it comes back."""
+    """A failed write seals its segment once no reservation is in flight. Another writer
+    reserves next to a batch (right after the batch's first reservation, or during its
+    first write) and the batch's first write fails: both return (a batch that held
+    reservations it had not written while it finished a piece waited for itself, and the
+    other writer with it), and after a restart every record said written reads back and
+    none said failed is there."""
     tier = open_tier(tiers, tmp_path, 256 * MiB, sync_writes=True)
     gen = tier.first_generation
     assert gen is not None
     put(tier, b"first", data_for(0), gen)  # the segment exists: no rotation in the batch
     headers, payloads, datas = batch(6, gen + 1)
-    other: list[RecordHeader] = []
-    pieces: list[tuple[int, int]] = []
+    other: list[RecordHeader | BaseException] = []
     real_reserve, real_pwrite = segments.SegmentCore._reserve, segments.pwritev_all
+
+    def other_writer() -> None:
+        try:
+            other.append(put(tier, b"between", data_for(9, 8192), gen + 99))
+        except BaseException as err:  # checked below
+            other.append(err)
+
+    helper = threading.Thread(target=other_writer, daemon=True)
+
+    def start_helper() -> None:
+        """The other writer, once, until its extent is taken (its write then waits for
+        the batch's extents before it)."""
+        if helper.ident is not None:
+            return
+        seg = tier._active
+        assert seg is not None
+        tail = seg.tail
+        helper.start()
+        for _ in range(5000):
+            if seg.tail != tail or not helper.is_alive():
+                return
+            helper.join(0.001)
 
     def reserve(
         core: segments.SegmentCore, header: RecordHeader, relocating: bool
     ) -> tuple[segments.Segment, int]:
-        seg, offset = real_reserve(core, header, relocating)
-        if header is headers[0]:  # the batch's first: another writer reserves next
-            tail = seg.tail
-            thread = threading.Thread(
-                target=lambda: other.append(put(tier, b"between", data_for(9, 8192), gen + 99))
-            )
-            thread.start()
-            while seg.tail == tail:  # its extent taken (its write waits for ours)
-                thread.join(0.001)
-        return seg, offset
+        got = real_reserve(core, header, relocating)
+        if header is headers[0]:
+            start_helper()
+        return got
+
+    first_write = [True]
 
     def pwrite(fd: int, iov: list[memoryview], total: int, offset: int) -> None:
-        pieces.append((offset, total))
+        if threading.current_thread() is not helper and first_write[0]:
+            first_write[0] = False
+            start_helper()
+            raise OSError(errno.EIO, "Input/output error")  # the batch's first write
         real_pwrite(fd, iov, total, offset)
 
     monkeypatch.setattr(segments.SegmentCore, "_reserve", reserve)
     monkeypatch.setattr(segments, "pwritev_all", pwrite)
-    results = tier.write_many(headers, payloads)
-    for _ in range(5000):
-        if other:
-            break
-        threading.Event().wait(0.001)
+    results: list[list[int | OSError]] = []
+    batch_writer = threading.Thread(
+        target=lambda: results.append(tier.write_many(headers, payloads)), daemon=True
+    )
+    batch_writer.start()
+    batch_writer.join(30)
+    helper.join(30)
+    assert not batch_writer.is_alive() and not helper.is_alive(), "a writer waits for ever"
     monkeypatch.undo()
-    assert results == [h.record_bytes for h in headers] and len(other) == 1
-    first, between = headers[0].record_bytes, other[0].record_bytes
-    rest = sum(h.record_bytes for h in headers[1:])
-    # The batch's first alone, the other writer's, then the rest as one piece after it.
-    assert [total for _, total in sorted(pieces)] == [first, between, rest]
+    (got,) = results
+    assert isinstance(got[0], OSError)  # the failed write's records are failures
+    written = [(h, d) for h, d, r in zip(headers, datas, got, strict=True) if r == h.record_bytes]
+    assert len(written) + sum(isinstance(r, OSError) for r in got) == len(headers)
     crash(tier)
     tier = open_tier(tiers, tmp_path, 256 * MiB)
-    for header, data in zip(headers, datas, strict=True):
+    for header, data in written:
         assert get(tier, header) == data
-    assert get(tier, other[0]) == data_for(9, 8192)
+    for header, r in zip(headers, got, strict=True):
+        if isinstance(r, OSError):
+            with pytest.raises(FileNotFoundError):
+                tier.read(header)
+    (between,) = other
+    if isinstance(between, RecordHeader):
+        assert get(tier, between) == data_for(9, 8192)
 
 
 def test_a_failed_batch_is_never_visible_and_the_next_one_is(
