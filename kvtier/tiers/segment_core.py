@@ -190,10 +190,7 @@ class SegmentCore(NvmeTier):
     def settle(self, location: int) -> None:
         """The owner has recorded the location `write_placed` gave (cheap: the event loop
         may call it)."""
-        with self._mu:
-            seg = self._segments.get(unpack_location(location)[0])
-            if seg is not None:
-                seg.pending -= 1
+        self.settle_many((location,))
 
     def settle_many(self, locations: Sequence[int]) -> None:
         """`settle` of each location, under one hold of the lock (a demotion batch's,
@@ -391,8 +388,10 @@ class SegmentCore(NvmeTier):
         while True:
             with self._mu:
                 seg = self._relocating if relocating else self._active
-                if seg is not None and not seg.full and seg.fits(size, entry):
-                    return seg, seg.reserve(header, entry, header.record_bytes)
+                if seg is not None and not seg.full:
+                    run = seg.reserve_run((header,), (0,), (size,))
+                    if run:
+                        return seg, run[0][1]
             if self._rotate(seg, size, entry, relocating):
                 continue
             # At the limit: the store keeps its live bytes below capacity_bytes, so the

@@ -104,33 +104,15 @@ class Segment:
         self.live_bytes = max(0, self.live_bytes - record_bytes)
         self.live_count = max(0, self.live_count - 1)
 
-    def fits(self, record_bytes: int, entry_bytes: int) -> bool:
-        footer_end = round_up(self.footer_bytes + entry_bytes, ALIGN_BYTES)
-        return self.tail + record_bytes + footer_end + ALIGN_BYTES <= self.size_bytes
-
-    def reserve(self, header: RecordHeader, entry_bytes: int, size: int) -> int:
-        """The offset of the next extent, taken for `header`'s record (`size`: its
-        record_bytes; its footer entry is `entry_bytes`); the caller holds the tier's lock
-        and has checked `fits`."""
-        offset = self.tail
-        self.tail += size
-        self.footer_bytes += entry_bytes
-        self.log.append((offset, encode_footer_entry(offset, header)))
-        self.pending += 1
-        self.stored_bytes += size
-        self.stored_count += 1
-        with self.cond:
-            self.inflight += 1
-        return offset
-
     def reserve_run(
         self, headers: Sequence[RecordHeader], order: Sequence[int], sizes: Sequence[int]
     ) -> list[tuple[int, int]]:
-        """`reserve` of headers[order[0]], headers[order[1]], ... back to back while each
-        fits (`fits`: the same rule): (index, offset) of each one taken, in order; `sizes`:
-        each header's record_bytes. The caller holds the tier's lock. A demotion batch's
-        records, with one pass over `cond` for the run where `reserve` takes one each, and
-        each footer entry encoded once (its length is what `fits` needs)."""
+        """The next extents, back to back, for headers[order[0]], headers[order[1]], ...
+        while each fits with its footer entry and the trailer page: (index, offset) of each
+        one taken, in order; `sizes`: each header's record_bytes. The caller holds the
+        tier's lock and has checked the segment is not full. A demotion batch's records
+        in one pass over `cond`, each footer entry encoded once (its length is what the fit
+        needs); a single record's is a run of one."""
         taken: list[tuple[int, int]] = []
         tail, footer, log = self.tail, self.footer_bytes, self.log
         limit = self.size_bytes - ALIGN_BYTES
