@@ -330,11 +330,15 @@ class Residency:
         if entry.dram_extent is not None:
             self.dram_order[self.catalog.tenant_of_slot(slot)].hit(slot)
         if entry.nvme_record_bytes:
+            if entry.dram_extent is None:  # served from NVMe: its order's net counts it
+                self.nvme_order.reached(self.catalog.digest_of(slot), True)
             self.nvme_order.hit(slot)
 
     def missed(self, block_id: BlockId) -> None:
         self._counters.misses += 1
-        if self.policies.ghosts.take(self.catalog.digest(block_id)):
+        digest = self.catalog.digest(block_id)
+        self.nvme_order.reached(digest, False)
+        if self.policies.ghosts.take(digest):
             self._counters.lost_reuse += 1
 
     @staticmethod
@@ -629,10 +633,14 @@ class Residency:
         cut = was[5] if was is not None else distinct_prefix(keys)
         if cut < len(keys):
             keys, slots, tiers = keys[:cut], slots[:cut], tiers[:cut]
-        catalog, ghosts = self.catalog, self.policies.ghosts
-        if len(ghosts):  # an empty ghost table takes nothing: skip a digest per miss
+        catalog, ghosts, reached = self.catalog, self.policies.ghosts, self.nvme_order.reached
+        # An empty ghost table takes nothing, and no block has left every tier for the NVMe
+        # order's net to count a miss of: skip a digest per miss.
+        if len(ghosts):
             for i in [i for i, t in enumerate(tiers) if t is None]:
-                if ghosts.take(catalog.digest((ns_id, keys[i]))):
+                digest = catalog.digest((ns_id, keys[i]))
+                reached(digest, False)
+                if ghosts.take(digest):
                     self._counters.lost_reuse += 1
         if was is None:
             cached = np.fromiter((t is not None for t in tiers), dtype=bool, count=len(tiers))

@@ -168,7 +168,9 @@ class PackedPolicies:
         if fallback is not None:
             return PackedChainArc(uses_of, digest_of, self.sketch)  # Policies.new_tier says why
         counted_in = self.sketch if uses_of == self.uses_of else None
-        return PackedValue(tier, fallback, self.model, uses_of, digest_of, sketch=counted_in)
+        return PackedValue(
+            tier, fallback, self.model, uses_of, digest_of, sketch=counted_in, reach_net=True
+        )
 
     def new_dram_tier(self, capacity_bytes: int, digest_of: Callable[[int], int]) -> SlotPolicy:
         """A tenant's DRAM order over some of the catalog's slots (`digest_of`: the

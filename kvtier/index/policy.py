@@ -48,6 +48,7 @@ from typing import Literal
 import xxhash
 
 from kvtier.index.planner import PrefillCost, TierCost
+from kvtier.index.slots import key_digest
 
 Key = Hashable
 POLICIES = ("lru", "s3fifo", "kvtier")
@@ -85,6 +86,12 @@ class TierPolicy(ABC):
     def last_resort(self, evictable: Callable[[Key], bool]) -> Key | None:
         """A victim when `victim` found none for any predicate the caller tried: one its
         own rules held back (a parent, for an order that evicts leaves first)."""
+        return None
+
+    def reached(self, key: Key, held: bool) -> None:
+        """A request for `key` came to this tier: no tier above held it. `held`: this tier
+        served it (called before the `hit` that follows); else no tier had it. An order
+        that learns from what reaches it (ValuePolicy with `reach_net`) counts it."""
         return None
 
     @abstractmethod
@@ -320,6 +327,18 @@ class ReuseEstimator:
         return self.probability(bucket if bucket is not None else self.bucket(uses, info))
 
 
+# The NVMe order's safety net watches one key in 2**NET_SAMPLE_SHIFT (by its digest's top
+# bits, independent of the low bits tables index by): a shadow LRU of an eighth of the
+# tier's size over those keys answers for all of them (miniature simulation, Waldspurger
+# et al., ATC'17), at ~3 B a block where a whole shadow would be ~26.
+NET_SAMPLE_SHIFT = 3
+REACH_STEP = 0.001 * (1 << NET_SAMPLE_SHIFT)  # a sampled event stands for 8
+
+
+def in_net_sample(digest: int) -> bool:
+    return digest >> (64 - NET_SAMPLE_SHIFT) == 0
+
+
 class ValuePolicy(TierPolicy):
     """Greedy-dual-size-frequency on the planner's savings, leaves before parents, with a
     safety net towards recency where the value order loses.
@@ -332,7 +351,16 @@ class ValuePolicy(TierPolicy):
     least recently used leaves. Where the value order is right the weight stays at 1 and
     nothing changes; where it is wrong (traffic it was not tuned for) the order drifts to
     recency, so it is not far below LRU anywhere (ARC's and LeCaR's adaptation, with the
-    shadow in place of their ghost lists)."""
+    shadow in place of their ghost lists).
+
+    With `reach_net` (the NVMe order: its inserts are demotions, not requests, so a
+    shadow scored on them would count the wrong events) the shadow LRU sees the same
+    inserts and hits, over the sampled keys only (`in_net_sample`, as many as an eighth
+    of the tier), and is scored by the requests that reach the tier (`reached`): served
+    here and not in the shadow is a point for value, asked for, held by no tier and in
+    the shadow one for recency (the key then most recent, as an LRU tier's hit would make
+    it, and marked: a block asked about again before it is back scores once, as an
+    engine's scheduler asks about a waiting request at every step)."""
 
     STEP = 0.01
 
@@ -343,6 +371,7 @@ class ValuePolicy(TierPolicy):
         model: ValueModel,
         sketch: FrequencySketch,
         shadow: bool = False,
+        reach_net: bool = False,
     ) -> None:
         self._tier = tier
         self._fallback = fallback
@@ -356,12 +385,20 @@ class ValuePolicy(TierPolicy):
         self._seq = itertools.count()
         self._recency: OrderedDict[Key, None] = OrderedDict()  # least recent first
         self._shadow: OrderedDict[Key, None] | None = OrderedDict() if shadow else None
+        # key -> scored as a miss since it was last inserted or hit
+        self._reach: OrderedDict[Key, bool] | None = OrderedDict() if reach_net else None
         self.weight = 1.0
         self._credit = 0.0  # victims owed to the value order
 
     def _touch(self, key: Key, hit: bool) -> None:
         self._recency[key] = None
         self._recency.move_to_end(key)
+        reach = self._reach
+        if reach is not None and in_net_sample(key_digest(key)):
+            reach[key] = False
+            reach.move_to_end(key)
+            while len(reach) > max(len(self._info) >> NET_SAMPLE_SHIFT, 1):
+                reach.popitem(last=False)
         shadow = self._shadow
         if shadow is None:
             return
@@ -372,6 +409,18 @@ class ValuePolicy(TierPolicy):
         shadow.move_to_end(key)
         while len(shadow) > max(len(self._info), 1):
             shadow.popitem(last=False)
+
+    def reached(self, key: Key, held: bool) -> None:
+        reach = self._reach
+        if reach is None or not in_net_sample(key_digest(key)):
+            return
+        scored = reach.get(key)
+        if held and scored is None:
+            self.weight = min(self.weight + REACH_STEP, 1.0)
+        elif not held and scored is False:
+            self.weight = max(self.weight - REACH_STEP, 0.0)
+            reach[key] = True
+            reach.move_to_end(key)
 
     def _own_priority(self, key: Key) -> float:
         info = self._info[key]
@@ -785,4 +834,4 @@ class Policies:
             # what one more DRAM hit saves is the same for every block (an NVMe fetch):
             # which blocks come back soon is the whole question (ChainArcPolicy).
             return ChainArcPolicy(self.sketch)
-        return ValuePolicy(tier, fallback, self.model, self.sketch)
+        return ValuePolicy(tier, fallback, self.model, self.sketch, reach_net=True)

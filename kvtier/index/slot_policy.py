@@ -44,6 +44,11 @@ class SlotPolicy(ABC):
     @abstractmethod
     def hit(self, slot: int) -> None: ...
 
+    def reached(self, digest: int, held: bool) -> None:
+        """TierPolicy.reached, for the block with key digest `digest` (a block no tier
+        holds has no slot)."""
+        return None
+
     @abstractmethod
     def remove(self, slot: int) -> None: ...
 

@@ -85,6 +85,9 @@ class KeyedTier(TierPolicy):
         if slot != NO_SLOT:
             self.policy.hit(slot)
 
+    def reached(self, key: Key, held: bool) -> None:
+        self.policy.reached(self._slots.digest(key), held)
+
     def remove(self, key: Key) -> None:
         slot = self._slots.find(key)
         if slot != NO_SLOT:
@@ -174,7 +177,14 @@ class KeyedPolicies(Policies):
             policy: SlotPolicy = (
                 PackedChainArc(self._old_uses, self.slots.digest_of)
                 if fallback is not None
-                else PackedValue(tier, fallback, self.model, self._old_uses)
+                else PackedValue(
+                    tier,
+                    fallback,
+                    self.model,
+                    self._old_uses,
+                    self.slots.digest_of,
+                    reach_net=True,
+                )
             )
         else:
             policy = self.packed.new_tier(tier, fallback, capacity_bytes)

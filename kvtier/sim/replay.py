@@ -409,8 +409,10 @@ class Replay:
         tiers = self._with_remote(local, keys)
         t.block_refs += len(chain)
         for block, local_tier, tier in zip(chain, local, tiers, strict=True):
-            if local_tier is None and self.ghosts.take(block) and tier is None:
-                t.lost_reuse += 1
+            if local_tier is None:
+                self.nvme.reached(block, False)
+                if self.ghosts.take(block) and tier is None:
+                    t.lost_reuse += 1
         prompt_tokens = max(request.input_tokens, 1)
         result = plan(
             PlanRequest(
@@ -436,7 +438,9 @@ class Replay:
             figures.hits += 1
             figures.bytes_read += cfg.block_bytes
             t.regret_s += max(fetch_s[i] - recompute_s[i], 0.0)
-            if tier == REMOTE:
+            if tier == "nvme":
+                self.nvme.reached(chain[i], True)
+            elif tier == REMOTE:
                 assert self.remote is not None
                 self.remote.read(keys[i])
         # The engine now holds the whole prompt: store what is missing, refresh the rest.

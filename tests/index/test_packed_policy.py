@@ -131,6 +131,7 @@ ops = st.lists(
         st.tuples(st.just("hit"), st.integers(0, KEYS - 1)),
         st.tuples(st.just("access"), st.integers(0, KEYS - 1)),
         st.tuples(st.just("remove"), st.integers(0, KEYS - 1)),
+        st.tuples(st.just("reach"), st.integers(0, KEYS - 1), st.booleans()),
         st.tuples(st.just("victim"), st.frozensets(st.integers(0, KEYS - 1), max_size=6)),
     ),
     min_size=40,  # left to itself, Hypothesis makes most runs a handful of calls long
@@ -171,6 +172,10 @@ class Pair:
         elif name == "remove":
             self.old.remove(block_id(args[0]))
             self.new.remove(self.slot_of[args[0]])
+        elif name == "reach":
+            i, held = args
+            self.old.reached(block_id(i), held)
+            self.new.reached(key_digest(block_id(i)), held)
         else:
             pinned = {block_id(i) for i in args[0]}
             pinned_slots = {self.slot_of[i] for i in args[0]}
@@ -206,10 +211,11 @@ def _value_pair(
     model: ValueModel,
     purge: bool = False,
     shadow: bool = False,
+    reach_net: bool = False,
 ) -> Pair:
     sketch = FrequencySketch()
     keys = {slot: block_id(i) for i, slot in enumerate(slot_of)}
-    old = ObservedValuePolicy(tier, fallback, model, sketch, shadow, purge=purge)
+    old = ObservedValuePolicy(tier, fallback, model, sketch, shadow, reach_net, purge=purge)
     new = PackedValue(
         tier,
         fallback,
@@ -217,6 +223,7 @@ def _value_pair(
         lambda slot: sketch.count(keys[slot]),
         lambda slot: key_digest(keys[slot]),
         shadow=shadow,
+        reach_net=reach_net,
     )
     return Pair(old, new, slot_of, sketch)
 
@@ -236,11 +243,16 @@ def test_lru_and_s3fifo_choose_the_same_victims(
 
 
 @settings(max_examples=300, deadline=None)
-@given(calls=ops, slot_of=slot_maps, which=st.integers(0, len(VALUE_TIERS) - 1))
+@given(
+    calls=ops,
+    slot_of=slot_maps,
+    which=st.integers(0, len(VALUE_TIERS) - 1),
+    reach_net=st.booleans(),
+)
 def test_value_policy_chooses_the_same_victims_as_one_that_forgets_a_leaving_block(
-    calls: list[tuple[Any, ...]], slot_of: list[int], which: int
+    calls: list[tuple[Any, ...]], slot_of: list[int], which: int, reach_net: bool
 ) -> None:
-    pair = _value_pair(slot_of, *VALUE_TIERS[which], purge=True)
+    pair = _value_pair(slot_of, *VALUE_TIERS[which], purge=True, reach_net=reach_net)
     for op in calls:
         pair.run(op)
 
@@ -261,10 +273,10 @@ def test_value_policy_chooses_the_same_victims_until_a_stale_item_returns(
             return
 
 
-@pytest.mark.parametrize("shadow", [False, True])
+@pytest.mark.parametrize("net", ["", "shadow", "reach"])
 @pytest.mark.parametrize(("tier", "fallback", "model"), VALUE_TIERS)
 def test_value_policy_same_victims_over_long_random_runs(
-    tier: str, fallback: str | None, model: ValueModel, shadow: bool
+    tier: str, fallback: str | None, model: ValueModel, net: str
 ) -> None:
     """Thousands of calls as a store makes them: chains looked up (a use, then a hit or
     an insert per block), a tier kept to 150 blocks with a few pinned, some removed.
@@ -274,7 +286,9 @@ def test_value_policy_same_victims_over_long_random_runs(
     blocks = 400
     slot_of = list(range(blocks))
     rng.shuffle(slot_of)
-    pair = _value_pair(slot_of, tier, fallback, model, purge=True, shadow=shadow)
+    pair = _value_pair(
+        slot_of, tier, fallback, model, purge=True, shadow=net == "shadow", reach_net=net == "reach"
+    )
     pair.check_members = False
     old = pair.old
     assert isinstance(old, ObservedValuePolicy)
@@ -285,6 +299,7 @@ def test_value_policy_same_victims_over_long_random_runs(
         chain = rng.choice(chains)
         for i, b in enumerate(chain):
             parent.setdefault(b, chain[i - 1] if i and chain[i - 1] != b else None)
+            pair.run(("reach", b, block_id(b) in old))
             pair.run(("access", b))
             pair.run(("insert", b, rng.choice(SIZES), i, parent[b]))
         while len(pair.new) > 150:
@@ -298,7 +313,7 @@ def test_value_policy_same_victims_over_long_random_runs(
     # the least recent leaf's, not the value heap's).
     assert isinstance(pair.new, PackedValue)
     assert old.weight == pair.new.weight
-    assert (lowest < 0.9) == shadow, lowest
+    assert (lowest < 0.9) == (net != ""), lowest
 
 
 def test_where_value_policies_differ_a_stale_item_back_at_its_old_priority() -> None:
