@@ -45,6 +45,7 @@ from kvtier.tiers.segment_recovery import FanColumns
 from kvtier.tiers.segments import SegmentTier
 from kvtier.tiers.startup import FanScan, RecoveredRecord, RecoveryReport
 from kvtier.types import BlockId
+from kvtier.workers import lower_priority
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,9 @@ class NvmeRecovery:
         self._done = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._scan: Future[RecoveryReport] | None = None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-recover")
+        self._executor = ThreadPoolExecutor(
+            1, thread_name_prefix="kvtier-recover", initializer=lower_priority
+        )
         self._window = (
             threading.Semaphore(_FANS_AHEAD) if isinstance(driver.tier, SegmentTier) else None
         )

@@ -68,13 +68,11 @@ import numpy as np
 
 from kvtier.index.packed_arc import PackedChainArc
 from kvtier.index.policy import (
-    NET_SAMPLE_SHIFT,
-    REACH_STEP,
     BlockInfo,
     ValueModel,
     ValuePolicy,
-    in_net_sample,
 )
+from kvtier.index.reach_net import SAMPLE_SHIFT, ReachNet
 from kvtier.index.sketch import DigestSketch
 from kvtier.index.slot_policy import SlotPolicy
 from kvtier.index.slots import (
@@ -385,8 +383,7 @@ class PackedValue(SlotPolicy):
         self._rnext: memoryview[int] = column("i", 1)
         self._digest_of: Callable[[int], int] = digest_of or int
         self._shadow: DigestTable | None = DigestTable() if shadow else None
-        # ValuePolicy's reach_net: sampled digest -> 1 once scored as a miss, else 0
-        self._reach: DigestTable | None = DigestTable() if reach_net else None
+        self._reach = ReachNet() if reach_net else None
         self.weight = 1.0
         self._credit = 0.0
         self._ahead_from = 1 << 62  # from this slot on, `_grow_ahead` (set as it grows)
@@ -426,7 +423,7 @@ class PackedValue(SlotPolicy):
             unlink(self._rprev, self._rnext, node)
         link_last(self._rprev, self._rnext, 0, node)
         if self._reach is not None:
-            self._reach_touch(self._digest_of(slot), self._len)
+            self._reach.touched(self._digest_of(slot), self._len)
         shadow = self._shadow
         if shadow is None:
             return
@@ -438,24 +435,11 @@ class PackedValue(SlotPolicy):
         while len(shadow) > max(self._len, 1):
             shadow.pop_oldest()
 
-    def _reach_touch(self, digest: int, blocks: int) -> None:
-        """ValuePolicy._touch's part for `reach_net`, with the tier at `blocks` blocks."""
-        reach = self._reach
-        if reach is not None and in_net_sample(digest):
-            reach.put(digest, 0, to_end=True)
-            reach.trim(max(blocks >> NET_SAMPLE_SHIFT, 1))
-
     def reached(self, digest: int, held: bool) -> None:
         """ValuePolicy.reached, by key digest."""
-        reach = self._reach
-        if reach is None or not in_net_sample(digest):
-            return
-        scored = reach.get(digest)
-        if held and scored < 0:
-            self.weight = min(self.weight + REACH_STEP, 1.0)
-        elif not held and scored == 0:
-            self.weight = max(self.weight - REACH_STEP, 0.0)
-            reach.put(digest, 1, to_end=True)
+        if self._reach is not None:
+            step = self._reach.reached(digest, held)
+            self.weight = min(max(self.weight + step, 0.0), 1.0)
 
     # ---- the heap: a < b when (prio, -pos, seq) of a is smaller -----------------------
     def _sift_up(self, i: int, top: int = 0) -> None:
@@ -614,7 +598,7 @@ class PackedValue(SlotPolicy):
             self._len += 1
             link_last(rprev, rnext, 0, slot + 1)  # _touch: most recent (no shadow)
             if reach is not None:
-                self._reach_touch(digest_of(slot), self._len)
+                reach.touched(digest_of(slot), self._len)
             self._size[slot] = size
             self._pos[slot] = 0
             self._parent[slot] = NO_SLOT
@@ -695,9 +679,9 @@ class PackedValue(SlotPolicy):
         rnext[nodes[-1]] = 0
         rprev[0] = nodes[-1]
         if self._reach is not None:  # _touch's sampled part, each at the tier's size then
-            top_bits = digests.astype(np.uint64) >> np.uint64(64 - NET_SAMPLE_SHIFT)
+            top_bits = digests.astype(np.uint64) >> np.uint64(64 - SAMPLE_SHIFT)
             for i in np.flatnonzero(top_bits == 0).tolist():
-                self._reach_touch(int(digests[i]), self._len + i + 1)
+                self._reach.touched(int(digests[i]), self._len + i + 1)
         self._len += n
         # Would any new item sift up? Its parent in the heap as appended must come first
         # by (priority, -position, seq); then pushing one by one moves nothing.

@@ -21,18 +21,16 @@ blocks the caller cannot evict now (leased, being written). Three are selectable
   across evictions by a count-min sketch, and `L` rises to each evicted priority, so blocks
   not used for a long time age out. A block is worth at least what the blocks extending
   its chain are worth (without it they are useless), so its priority is raised to theirs:
-  leaves are evicted before their parents. This is the order of the last tier (NVMe).
+  leaves are evicted before their parents. The last tier's (NVMe's) order, with a safety
+  net towards recency (kvtier/index/reach_net.py).
 
 DRAM, the first tier, under `kvtier` is `ChainArcPolicy` instead: every DRAM hit saves the
-same (one NVMe fetch), so value adds nothing there, and what tells a block that comes back
-soon from one that does not is its use count and whether it ended a finished prompt (its
-docstring; ValuePolicy's shadow-LRU net, `shadow=True`, is what DRAM used before).
+same (one NVMe fetch), so value adds nothing there; a block's use count and whether it
+ended a finished prompt tell what comes back soon (its docstring).
 
-`Admission` decides whether a block evicted from DRAM is written to NVMe:
-`write_back` always, `selective` only blocks used at least twice (a block seen once is
-the usual case in chat traffic and would burn drive endurance for nothing), and
-`write_through` writes at insert time. `Ghosts` remember recently dropped keys so that a
-later miss on one counts as reuse lost to eviction.
+`Admission` decides whether a block evicted from DRAM is written to NVMe: `write_back`
+always, `selective` where its learned P(reuse) is high enough, `write_through` at insert.
+`Ghosts` remember recently dropped keys: a later miss on one is reuse lost to eviction.
 """
 
 from __future__ import annotations
@@ -48,6 +46,7 @@ from typing import Literal
 import xxhash
 
 from kvtier.index.planner import PrefillCost, TierCost
+from kvtier.index.reach_net import ReachNet
 from kvtier.index.slots import key_digest
 
 Key = Hashable
@@ -89,9 +88,8 @@ class TierPolicy(ABC):
         return None
 
     def reached(self, key: Key, held: bool) -> None:
-        """A request for `key` came to this tier: no tier above held it. `held`: this tier
-        served it (called before the `hit` that follows); else no tier had it. An order
-        that learns from what reaches it (ValuePolicy with `reach_net`) counts it."""
+        """A request for `key` no tier above held: this tier served it (`held`, called
+        before the `hit` that follows), or no tier had it (ValuePolicy's `reach_net`)."""
         return None
 
     @abstractmethod
@@ -285,13 +283,9 @@ class ReuseEstimator:
     of a use again within that horizon (the tiers' reach, in keys: `Policies` passes its
     ghost capacity), and it is not biased low while reuses are still on their way.
 
-    Counting a placement at once, as this did before (issue 26), counted every recent
-    placement as not reused yet: on the shared trace P(reuse) of a block seen once rose
-    from 0.05 to 0.46 over the run as reuses arrived (p50 59 s, p90 282 s after their
-    placements), so for its first ~200 s selective admission wrote almost nothing to
-    NVMe, and most of the reuse lost with it was lost there. Before the first outcome a
-    bucket reads 1/2 (Laplace), so a cold start admits like write-back until the
-    evidence arrives."""
+    (Counted at once, every recent placement read as not reused yet: docs/design.md,
+    "Admission".) Before the first outcome a bucket reads 1/2 (Laplace), so a cold start
+    admits like write-back until the evidence arrives."""
 
     def __init__(self, remembered_keys: int = 1 << 20) -> None:
         self._resolved: dict[tuple[int, int], int] = {}
@@ -327,18 +321,6 @@ class ReuseEstimator:
         return self.probability(bucket if bucket is not None else self.bucket(uses, info))
 
 
-# The NVMe order's safety net watches one key in 2**NET_SAMPLE_SHIFT (by its digest's top
-# bits, independent of the low bits tables index by): a shadow LRU of an eighth of the
-# tier's size over those keys answers for all of them (miniature simulation, Waldspurger
-# et al., ATC'17), at ~3 B a block where a whole shadow would be ~26.
-NET_SAMPLE_SHIFT = 3
-REACH_STEP = 0.001 * (1 << NET_SAMPLE_SHIFT)  # a sampled event stands for 8
-
-
-def in_net_sample(digest: int) -> bool:
-    return digest >> (64 - NET_SAMPLE_SHIFT) == 0
-
-
 class ValuePolicy(TierPolicy):
     """Greedy-dual-size-frequency on the planner's savings, leaves before parents, with a
     safety net towards recency where the value order loses.
@@ -351,16 +333,8 @@ class ValuePolicy(TierPolicy):
     least recently used leaves. Where the value order is right the weight stays at 1 and
     nothing changes; where it is wrong (traffic it was not tuned for) the order drifts to
     recency, so it is not far below LRU anywhere (ARC's and LeCaR's adaptation, with the
-    shadow in place of their ghost lists).
-
-    With `reach_net` (the NVMe order: its inserts are demotions, not requests, so a
-    shadow scored on them would count the wrong events) the shadow LRU sees the same
-    inserts and hits, over the sampled keys only (`in_net_sample`, as many as an eighth
-    of the tier), and is scored by the requests that reach the tier (`reached`): served
-    here and not in the shadow is a point for value, asked for, held by no tier and in
-    the shadow one for recency (the key then most recent, as an LRU tier's hit would make
-    it, and marked: a block asked about again before it is back scores once, as an
-    engine's scheduler asks about a waiting request at every step)."""
+    shadow in place of their ghost lists). With `reach_net` (NVMe's order) the weight
+    moves by kvtier/index/reach_net.py's net, scored by the requests reaching the tier."""
 
     STEP = 0.01
 
@@ -385,20 +359,15 @@ class ValuePolicy(TierPolicy):
         self._seq = itertools.count()
         self._recency: OrderedDict[Key, None] = OrderedDict()  # least recent first
         self._shadow: OrderedDict[Key, None] | None = OrderedDict() if shadow else None
-        # key -> scored as a miss since it was last inserted or hit
-        self._reach: OrderedDict[Key, bool] | None = OrderedDict() if reach_net else None
+        self._reach = ReachNet() if reach_net else None
         self.weight = 1.0
         self._credit = 0.0  # victims owed to the value order
 
     def _touch(self, key: Key, hit: bool) -> None:
         self._recency[key] = None
         self._recency.move_to_end(key)
-        reach = self._reach
-        if reach is not None and in_net_sample(key_digest(key)):
-            reach[key] = False
-            reach.move_to_end(key)
-            while len(reach) > max(len(self._info) >> NET_SAMPLE_SHIFT, 1):
-                reach.popitem(last=False)
+        if self._reach is not None:
+            self._reach.touched(key_digest(key), len(self._info))
         shadow = self._shadow
         if shadow is None:
             return
@@ -411,16 +380,9 @@ class ValuePolicy(TierPolicy):
             shadow.popitem(last=False)
 
     def reached(self, key: Key, held: bool) -> None:
-        reach = self._reach
-        if reach is None or not in_net_sample(key_digest(key)):
-            return
-        scored = reach.get(key)
-        if held and scored is None:
-            self.weight = min(self.weight + REACH_STEP, 1.0)
-        elif not held and scored is False:
-            self.weight = max(self.weight - REACH_STEP, 0.0)
-            reach[key] = True
-            reach.move_to_end(key)
+        if self._reach is not None:
+            step = self._reach.reached(key_digest(key), held)
+            self.weight = min(max(self.weight + step, 0.0), 1.0)
 
     def _own_priority(self, key: Key) -> float:
         info = self._info[key]

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import ParamSpec, TypeVar
 
+from kvtier.workers import lower_priority
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -22,7 +24,9 @@ class IoPool:
 
     def __init__(self, threads: int, name: str = "kvtier-io") -> None:
         self.threads = threads
-        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+        self._executor = ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix=name, initializer=lower_priority
+        )
         self._running: dict[int, tuple[float, str]] = {}  # job -> (started, what)
         self._next_job = 0
         self._lock = threading.Lock()

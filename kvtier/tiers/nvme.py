@@ -91,6 +91,7 @@ from kvtier.tiers.startup import (
     tombstone_entries,
     tombstone_entry,
 )
+from kvtier.workers import lower_priority
 
 if TYPE_CHECKING:
     from kvtier.config import NvmeConfig
@@ -376,7 +377,9 @@ class NvmeTier:
             yield from map(scan, rest)
         else:
             with ThreadPoolExecutor(
-                min(_RECOVERY_THREADS, len(rest)), thread_name_prefix="kvtier-recover"
+                min(_RECOVERY_THREADS, len(rest)),
+                thread_name_prefix="kvtier-recover",
+                initializer=lower_priority,
             ) as pool:
                 yield from pool.map(scan, rest)  # in `rest` order, however they finish
 

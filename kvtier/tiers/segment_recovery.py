@@ -57,6 +57,7 @@ from kvtier.tiers.startup import (
     set_aside_tombstone_logs,
     tombstone_entry,
 )
+from kvtier.workers import lower_priority
 
 logger = logging.getLogger(__name__)
 # One footer decoded at a time: decoding is Python and numpy holding the GIL, and eight
@@ -227,7 +228,9 @@ class SegmentRecovery(SegmentCore):
             return self._recover_columns(on_fan)
         tombstones = self._read_tombstones()
         report = RecoveryReport([], 0, 0, 0, 0, max(tombstones.values(), default=0))
-        with ThreadPoolExecutor(_LOAD_THREADS, thread_name_prefix="kvtier-segload") as pool:
+        with ThreadPoolExecutor(
+            _LOAD_THREADS, thread_name_prefix="kvtier-segload", initializer=lower_priority
+        ) as pool:
             loaded = list(pool.map(self._load, self._old))
         if self._stop_recovery.is_set():
             report.complete = False
@@ -302,7 +305,9 @@ class SegmentRecovery(SegmentCore):
         records, counts and locations as the per-record path (property test)."""
         tombstones = self._read_tombstones()
         report = RecoveryReport([], 0, 0, 0, 0, max(tombstones.values(), default=0))
-        with ThreadPoolExecutor(_LOAD_THREADS, thread_name_prefix="kvtier-segload") as pool:
+        with ThreadPoolExecutor(
+            _LOAD_THREADS, thread_name_prefix="kvtier-segload", initializer=lower_priority
+        ) as pool:
             loaded = list(pool.map(self._load_columns, self._old))
         if self._stop_recovery.is_set():
             report.complete = False

@@ -94,6 +94,7 @@ from kvtier.tiers.segment_format import (
     scan_records,
 )
 from kvtier.tiers.segment_recovery import SegmentRecovery
+from kvtier.workers import lower_priority
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class SegmentTier(SegmentRecovery):
 
     # ---- reclaiming ------------------------------------------------------------------------------
     def _reclaim_forever(self) -> None:
+        lower_priority()
         while not self._closing.is_set():
             self._reclaim_wake.wait(_RECLAIM_POLL_S)
             self._reclaim_wake.clear()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvtier.engine.store import Store
 from kvtier.index.packed_policy import PackedValue
-from kvtier.index.policy import REACH_STEP, in_net_sample
+from kvtier.index.reach_net import REACH_STEP, in_sample
 from kvtier.types import TierName
 from tests.engine.test_store import NS, get, make_config, put
 
@@ -23,7 +23,7 @@ def _keys(store: Store, sampled: bool, count: int, prefix: str) -> list[bytes]:
     i = 0
     while len(keys) < count:
         key = f"{prefix}{i}".encode()
-        if in_net_sample(digest((NS, key))) == sampled:
+        if in_sample(digest((NS, key))) == sampled:
             keys.append(key)
         i += 1
     return keys
