@@ -72,7 +72,7 @@ from kvtier.index.policy import (
     ValueModel,
     ValuePolicy,
 )
-from kvtier.index.reach_net import SAMPLE_SHIFT, ReachNet
+from kvtier.index.reach_net import ReachNet
 from kvtier.index.sketch import DigestSketch
 from kvtier.index.slot_policy import SlotPolicy
 from kvtier.index.slots import (
@@ -678,10 +678,8 @@ class PackedValue(SlotPolicy):
         rprev[nodes[1:]] = links[:-1]
         rnext[nodes[-1]] = 0
         rprev[0] = nodes[-1]
-        if self._reach is not None:  # _touch's sampled part, each at the tier's size then
-            top_bits = digests.astype(np.uint64) >> np.uint64(64 - SAMPLE_SHIFT)
-            for i in np.flatnonzero(top_bits == 0).tolist():
-                self._reach.touched(int(digests[i]), self._len + i + 1)
+        if self._reach is not None:  # _touch's part, each at the tier's size then
+            self._reach.touched_many(digests, self._len)
         self._len += n
         # Would any new item sift up? Its parent in the heap as appended must come first
         # by (priority, -position, seq); then pushing one by one moves nothing.

@@ -17,6 +17,8 @@ where a whole shadow would be ~26.
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvtier.index.slots import DigestTable
 
 __all__ = ["REACH_STEP", "SAMPLE_SHIFT", "ReachNet", "in_sample"]
@@ -43,6 +45,13 @@ class ReachNet:
         if in_sample(digest):
             self._shadow.put(digest, 0, to_end=True)
             self._shadow.trim(max(blocks >> SAMPLE_SHIFT, 1))
+
+    def touched_many(self, digests: np.ndarray, blocks: int) -> None:
+        """`touched` of each digest in order, the tier holding `blocks` blocks before the
+        first and one more at each (a run of inserts); only the sampled ones reach Python."""
+        top_bits = digests.astype(np.uint64) >> np.uint64(64 - SAMPLE_SHIFT)
+        for i in np.flatnonzero(top_bits == 0).tolist():
+            self.touched(int(digests[i]), blocks + i + 1)
 
     def reached(self, digest: int, held: bool) -> float:
         """A request reached the tier (TierPolicy.reached); the weight's move."""
